@@ -1,0 +1,17 @@
+"""gradaccum_jax: exact, fast gradient accumulation for JAX and Optax."""
+
+from gradaccum_jax._accumulation import (
+    AccumulateState,
+    accumulate,
+    closes_window,
+    optimizer_step,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumulateState",
+    "accumulate",
+    "closes_window",
+    "optimizer_step",
+]
