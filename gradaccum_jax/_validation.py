@@ -25,12 +25,12 @@ def check_gradient_transformation(name: str, value: Any) -> None:
     if callable(init) and callable(update):
         return
     hint = ""
-    if hasattr(value, "gradient_transformation"):
-        hint = " (for optax.MultiSteps, pass the optimizer it wraps instead)"
+    if callable(value):
+        hint = "; did you mean to call it, e.g. optax.adam(1e-3) rather than optax.adam?"
     raise TypeError(
         f"{name} must be an optax.GradientTransformation (an object with init and "
         f"update methods, e.g. optax.adam(1e-3)); got {value!r} of type "
-        f"{type(value).__name__}{hint}."
+        f"{type(value).__name__}{hint or '.'}"
     )
 
 
@@ -68,7 +68,7 @@ def check_float_tree(name: str, tree: Any) -> None:
         if not jnp.issubdtype(dtype, jnp.inexact):
             raise TypeError(
                 f"{name} must contain floating-point arrays; the leaf at "
-                f"{jax.tree_util.keystr(path)!r} has dtype {dtype}. Gradients of "
+                f"{jax.tree_util.keystr(path)} has dtype {dtype}. Gradients of "
                 "integer inputs are not accumulated: cast to a float dtype, or mask "
                 "those leaves out with optax.masked."
             )
@@ -85,12 +85,12 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
             "gradients you pass to update."
         )
     pairs = zip(
-        jax.tree_util.tree_leaves_with_path(tree), jax.tree_util.tree_leaves(reference)
+        jax.tree_util.tree_leaves_with_path(tree), jax.tree_util.tree_leaves(reference), strict=True
     )
     for (path, leaf), ref_leaf in pairs:
         if jnp.shape(leaf) != jnp.shape(ref_leaf):
             raise ValueError(
-                f"{name} leaf {jax.tree_util.keystr(path)!r} has shape {jnp.shape(leaf)}, "
+                f"{name} leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, "
                 f"but {reference_name} holds shape {jnp.shape(ref_leaf)} there. Call "
                 "init with the same parameter tree whose gradients you pass to update."
             )

@@ -1,4 +1,8 @@
-"""Test configuration: 8 forced host devices, set before jax is imported."""
+"""Test configuration for tests/ and the doctests: 8 forced host devices.
+
+This file sits at the repository root so that pytest loads it before it imports
+any module that imports jax.
+"""
 
 import os
 

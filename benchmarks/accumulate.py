@@ -1,0 +1,340 @@
+"""Micro-step, boundary-step and train-step cost of `accumulate` versus the alternatives.
+
+Everything is measured side by side in one run: the candidates of a table are
+called in turn, repetition after repetition, and the medians are compared, so
+that the machine's drift affects them alike. Ratios are what to read; the
+absolute times only say which machine this was.
+
+    python benchmarks/accumulate.py            # 33.6M-parameter MLP and a 200-leaf model
+    python benchmarks/accumulate.py --quick    # small sizes, a smoke test
+
+Tables:
+  (a) micro-step: accumulate(adam) against the floor (a jitted, donated tree_map
+      add of the gradients into an accumulator), against the floor plus writing
+      one zero tree (the least any transform that returns explicit zero updates
+      can do), and against optax.MultiSteps(adam);
+  (b) boundary step: accumulate(adam) against adam alone plus the floor;
+  (c) compiled memory: temp, argument and output bytes, and parameter-sized
+      copies in the compiled program, of every candidate;
+  (d) a full train step at equal effective batch (4 micro-batches of 64 against
+      one batch of 256): accumulate, MultiSteps, a scan loop that accumulates
+      inside one jitted step, and the large batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import gradaccum_jax as ga
+
+NEVER = 1 << 30  # a window length that is never reached: every call is a micro-step
+
+
+def mlp_params(sizes: list[int], seed: int = 0) -> list[dict[str, jax.Array]]:
+    keys = jax.random.split(jax.random.key(seed), len(sizes) - 1)
+    return [
+        {
+            "w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a),
+            "b": jnp.zeros((b,), jnp.float32),
+        }
+        for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
+    ]
+
+
+def mlp_loss(params, x, y):
+    h = x
+    for layer in params[:-1]:
+        h = jax.nn.relu(h @ layer["w"] + layer["b"])
+    out = h @ params[-1]["w"] + params[-1]["b"]
+    return jnp.mean((out - y) ** 2)
+
+
+def num_params(tree) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def fresh(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def parameter_sized_copies(hlo: str, min_elements: int) -> tuple[int, int]:
+    """Counts copies of arrays with at least `min_elements` elements in compiled HLO.
+
+    Returns (copies of state or other computed buffers, copies of broadcast
+    zeros). XLA merges identical zero broadcasts of equal-shaped leaves into one
+    buffer and copies it into each output; those copies write memory that the
+    outputs need anyway.
+    """
+    state, zeros = 0, 0
+    for m in re.finditer(r"= \w+\[([\d,]*)\]\S* copy\(%([\w.\-]+)", hlo):
+        dims = [int(d) for d in m.group(1).split(",") if d]
+        if int(np.prod(dims)) >= min_elements:
+            if "broadcast" in m.group(2):
+                zeros += 1
+            else:
+                state += 1
+    return state, zeros
+
+
+class Candidate:
+    """A jitted function with donated state, called repeatedly on its own outputs."""
+
+    def __init__(self, name: str, fn: Callable, state, args, donate=(0,)):
+        self.name = name
+        self.jitted = jax.jit(fn, donate_argnums=donate)
+        self.compiled = self.jitted.lower(state, *args).compile()
+        self.state, self.args, self.times = state, args, []
+        self.run()  # warm up
+
+    def run(self):
+        t0 = time.perf_counter()
+        out = self.compiled(self.state, *self.args)
+        jax.block_until_ready(out)
+        self.times.append(time.perf_counter() - t0)
+        self.state = out[0]
+
+    def median_ms(self) -> float:
+        return float(np.median(self.times[1:])) * 1e3
+
+    def memory(self, min_elements: int) -> dict[str, float]:
+        mem = self.compiled.memory_analysis()
+        copies = parameter_sized_copies(self.compiled.as_text(), min_elements)
+        return {
+            "temp_MB": mem.temp_size_in_bytes / 1e6,
+            "argument_MB": mem.argument_size_in_bytes / 1e6,
+            "output_MB": mem.output_size_in_bytes / 1e6,
+            "state_copies": copies[0],
+            "zero_copies": copies[1],
+        }
+
+
+def interleave(candidates: list[Candidate], repeats: int) -> None:
+    for _ in range(repeats):
+        for c in candidates:
+            c.run()
+
+
+def transform_step(tx, params):
+    def step(state, grads):
+        updates, state = tx.update(grads, state, params)
+        return state, updates  # state first: each donated buffer aliases its successor
+
+    return step
+
+
+def floor_step(acc, grads):
+    return (jax.tree.map(jnp.add, acc, grads),)
+
+
+def floor_and_zeros_step(acc, grads):
+    return jax.tree.map(jnp.add, acc, grads), jax.tree.map(jnp.zeros_like, grads)
+
+
+def optimizer_tables(label: str, params, repeats: int) -> list[dict]:
+    """Tables (a), (b) and (c) for one parameter tree."""
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    big_leaf = max(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+    adam = optax.adam(1e-3)
+    tx_micro = ga.accumulate(adam, NEVER)
+    tx_boundary = ga.accumulate(adam, 1)
+    multisteps = optax.MultiSteps(adam, NEVER)
+    candidates = [
+        Candidate("floor (donated add)", floor_step, fresh(zeros), (grads,)),
+        Candidate("floor + zero updates", floor_and_zeros_step, fresh(zeros), (grads,)),
+        Candidate(
+            "accumulate(adam) micro-step",
+            transform_step(tx_micro, params),
+            tx_micro.init(params),
+            (grads,),
+        ),
+        Candidate(
+            "accumulate(adam, skip_nonfinite=False) micro-step",
+            transform_step(ga.accumulate(adam, NEVER, skip_nonfinite=False), params),
+            tx_micro.init(params),
+            (grads,),
+        ),
+        Candidate(
+            "optax.MultiSteps(adam) micro-step",
+            transform_step(multisteps, params),
+            multisteps.init(params),
+            (grads,),
+        ),
+        Candidate("adam alone", transform_step(adam, params), adam.init(params), (grads,)),
+        Candidate(
+            "accumulate(adam) boundary step",
+            transform_step(tx_boundary, params),
+            tx_boundary.init(params),
+            (grads,),
+        ),
+    ]
+    interleave(candidates, repeats)
+    t = {c.name: c.median_ms() for c in candidates}
+    floor = t["floor (donated add)"]
+    rows = []
+    for c in candidates:
+        row = {"model": label, "candidate": c.name, "ms": round(t[c.name], 3)}
+        row["x_floor"] = round(t[c.name] / floor, 2)
+        row.update({k: round(v, 3) for k, v in c.memory(big_leaf).items()})
+        rows.append(row)
+    boundary_ref = t["adam alone"] + floor
+    rows.append(
+        {
+            "model": label,
+            "candidate": "ratio: boundary step / (adam alone + floor)",
+            "ms": round(boundary_ref, 3),
+            "x_floor": round(t["accumulate(adam) boundary step"] / boundary_ref, 2),
+        }
+    )
+    rows.append(
+        {
+            "model": label,
+            "candidate": "ratio: micro-step / (floor + zero updates)",
+            "ms": round(t["floor + zero updates"], 3),
+            "x_floor": round(t["accumulate(adam) micro-step"] / t["floor + zero updates"], 2),
+        }
+    )
+    return rows
+
+
+def train_step_table(label: str, sizes: list[int], repeats: int, k: int, micro: int) -> list[dict]:
+    """Table (d): a whole train step at equal effective batch."""
+    params = mlp_params(sizes)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(k * micro, sizes[0])), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(k * micro, sizes[-1])), jnp.float32)
+    xs, ys = x.reshape(k, micro, -1), y.reshape(k, micro, -1)
+    adam = optax.adam(1e-3)
+
+    def one_update(tx):
+        def step(carry, xb, yb):
+            p, s = carry
+            g = jax.grad(mlp_loss)(p, xb, yb)
+            u, s = tx.update(g, s, p)
+            return (optax.apply_updates(p, u), s), None
+
+        return step
+
+    def k_micro_steps(tx):
+        step = one_update(tx)
+
+        class Looped:
+            def __init__(self):
+                self.c = Candidate(
+                    f"{k} x {micro}: {name_of(tx)}",
+                    step,
+                    (fresh(params), tx.init(params)),
+                    (xs[0], ys[0]),
+                )
+                self.name, self.times = self.c.name, []
+
+            def run(self):
+                t0 = time.perf_counter()
+                for i in range(k):
+                    out = self.c.compiled(self.c.state, xs[i], ys[i])
+                    self.c.state = out[0]
+                jax.block_until_ready(self.c.state)
+                self.times.append(time.perf_counter() - t0)
+
+            def median_ms(self):
+                return float(np.median(self.times[1:])) * 1e3
+
+        return Looped()
+
+    def name_of(tx):
+        return "accumulate(adam)" if tx is acc_tx else "optax.MultiSteps(adam)"
+
+    def scan_step(carry, xs, ys):
+        p, s = carry
+
+        def body(total, batch):
+            g = jax.grad(mlp_loss)(p, *batch)
+            return jax.tree.map(jnp.add, total, g), None
+
+        total, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), (xs, ys))
+        u, s = adam.update(jax.tree.map(lambda t: t / k, total), s, p)
+        return (optax.apply_updates(p, u), s), None
+
+    acc_tx = ga.accumulate(adam, k)
+    multi = optax.MultiSteps(adam, k)
+    candidates = [
+        k_micro_steps(acc_tx),
+        k_micro_steps(multi),
+        Candidate(
+            f"scan over {k} x {micro} in one step",
+            scan_step,
+            (fresh(params), adam.init(params)),
+            (xs, ys),
+        ),
+        Candidate(
+            f"1 x {k * micro} large batch",
+            one_update(adam),
+            (fresh(params), adam.init(params)),
+            (x, y),
+        ),
+    ]
+    interleave(candidates, repeats)
+    t = {c.name: c.median_ms() for c in candidates}
+    scan = t[f"scan over {k} x {micro} in one step"]
+    return [
+        {"model": label, "candidate": name, "ms": round(ms, 2), "x_scan": round(ms / scan, 3)}
+        for name, ms in t.items()
+    ]
+
+
+def print_rows(title: str, rows: list[dict]) -> None:
+    print(f"\n## {title}")
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, a smoke test")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 15)
+    width = 512 if args.quick else 4096
+    print(
+        f"# accumulate benchmark: jax {jax.__version__}, optax {optax.__version__}, "
+        f"{jax.devices()[0].platform} ({platform.processor() or platform.machine()}), "
+        f"{len(jax.devices())} device(s), repeats={repeats}"
+    )
+    rows: list[dict] = []
+
+    big = mlp_params([width, width, width])
+    label = f"MLP {num_params(big) / 1e6:.1f}M params, {len(jax.tree.leaves(big))} leaves"
+    table = optimizer_tables(label, big, repeats)
+    print_rows("(a-c) micro-step, boundary step and compiled memory: " + label, table)
+    rows += table
+    del big
+
+    many = mlp_params([64] * (11 if args.quick else 101))
+    label = f"MLP {num_params(many) / 1e6:.2f}M params, {len(jax.tree.leaves(many))} leaves"
+    table = optimizer_tables(label, many, repeats)
+    print_rows("(a-c) micro-step, boundary step and compiled memory: " + label, table)
+    rows += table
+
+    train_repeats = max(3, repeats // 3)
+    for sizes in ([width, width, width], [64] * (11 if args.quick else 101)):
+        label = f"MLP {num_params(mlp_params(sizes)) / 1e6:.2f}M params"
+        table = train_step_table(label, sizes, train_repeats, k=4, micro=64)
+        print_rows(f"(d) train step at effective batch 256: {label}", table)
+        rows += table
+    return rows
+
+
+if __name__ == "__main__":
+    main()

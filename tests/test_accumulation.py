@@ -1,0 +1,688 @@
+"""Tests of gradaccum_jax.accumulate: equivalence, robustness, composition, programs."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradaccum_jax as ga
+
+# ---------------------------------------------------------------------------
+# A small regression problem shared by the equivalence tests.
+
+IN, HIDDEN, OUT = 6, 8, 3
+MICRO = 4  # examples per micro-batch
+
+
+def _init_params(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {
+        "w1": jax.random.normal(k1, (IN, HIDDEN)) * 0.5,
+        "b1": jnp.full((HIDDEN,), 0.1, jnp.float32),
+        "w2": jax.random.normal(k2, (HIDDEN, OUT)) * 0.5,
+        "b2": jnp.zeros((OUT,)),
+    }
+
+
+def _loss(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] + params["b2"] - y) ** 2)
+
+
+def _data(num_examples, seed=1):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (num_examples, IN))
+    y = jax.random.normal(ky, (num_examples, OUT))
+    return x, y
+
+
+def _train_accumulated(tx, params, x, y, micro):
+    """Runs one update per micro-batch of size `micro`, in order, inside a scan."""
+    xs = x.reshape(-1, micro, IN)
+    ys = y.reshape(-1, micro, OUT)
+
+    def body(carry, batch):
+        p, s = carry
+        g = jax.grad(_loss)(p, *batch)
+        u, s = tx.update(g, s, p)
+        return (optax.apply_updates(p, u), s), None
+
+    (params, state), _ = jax.lax.scan(body, (params, tx.init(params)), (xs, ys))
+    return params, state
+
+
+def _train_large(tx, params, x, y, batch):
+    return _train_accumulated(tx, params, x, y, batch)
+
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw_schedule": lambda: optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 6), weight_decay=1e-2
+    ),
+    "lion": lambda: optax.lion(1e-3),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "lamb": lambda: optax.lamb(1e-2),
+    "rmsprop": lambda: optax.rmsprop(1e-2),
+}
+NUM_WINDOWS = 3
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_equals_large_batch(name, k):
+    params = _init_params()
+    x, y = _data(NUM_WINDOWS * k * MICRO)
+    inner = OPTIMIZERS[name]()
+    acc_fn = jax.jit(functools.partial(_train_accumulated, ga.accumulate(inner, k), micro=MICRO))
+    big_fn = jax.jit(functools.partial(_train_large, inner, batch=k * MICRO))
+    p_acc, state = acc_fn(params, x, y)
+    p_big, _ = big_fn(params, x, y)
+    assert int(state.gradient_step) == NUM_WINDOWS
+    assert int(state.micro_step) == 0
+    # float32: the window mean is summed in another order than the large
+    # batch's mean, so the two differ by a few ulps per step.
+    chex.assert_trees_all_close(p_acc, p_big, rtol=1e-5, atol=1e-6)
+
+
+def test_sum_mode_returns_sum_of_micro_gradients():
+    params = _init_params()
+    tx = ga.accumulate(optax.sgd(1.0), 3, use_grad_mean=False)
+    state = tx.init(params)
+    grads = [jax.tree.map(lambda p, i=i: jnp.full_like(p, i + 1.0), params) for i in range(3)]
+    update = jax.jit(tx.update)
+    for g in grads:
+        u, state = update(g, state, params)
+    chex.assert_trees_all_close(u, jax.tree.map(lambda p: jnp.full_like(p, -6.0), params))
+
+
+def test_weighted_mean_of_unequal_micro_batches_equals_large_batch_gradient():
+    params = _init_params()
+    sizes = [1, 3, 5, 7]
+    x, y = _data(sum(sizes))
+    tx = ga.accumulate(optax.sgd(1.0), len(sizes))
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    start = 0
+    for size in sizes:
+        g = jax.grad(_loss)(params, x[start : start + size], y[start : start + size])
+        u, state = update(g, state, params, weight=size)
+        start += size
+    expected = jax.tree.map(jnp.negative, jax.grad(_loss)(params, x, y))
+    chex.assert_trees_all_close(u, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_weighted_adam_over_windows_equals_large_batch():
+    params = _init_params()
+    sizes = [2, 6, 4]
+    x, y = _data(3 * sum(sizes))
+    inner = optax.adam(1e-2)
+    tx = ga.accumulate(inner, len(sizes))
+
+    @jax.jit
+    def run(params):
+        state, big_state, big = tx.init(params), inner.init(params), params
+        start = 0
+        for _ in range(3):
+            window_start = start
+            for size in sizes:
+                sl = slice(start, start + size)
+                g = jax.grad(_loss)(params, x[sl], y[sl])
+                u, state = tx.update(g, state, params, weight=size)
+                params = optax.apply_updates(params, u)
+                start += size
+            sl = slice(window_start, start)
+            g = jax.grad(_loss)(big, x[sl], y[sl])
+            u, big_state = inner.update(g, big_state, big)
+            big = optax.apply_updates(big, u)
+        return params, big
+
+    p_acc, p_big = run(params)
+    chex.assert_trees_all_close(p_acc, p_big, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Non-finite micro-gradients.
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("position", [0, 1, 2, 3])
+def test_nonfinite_micro_gradient_is_dropped(position, bad):
+    k = 4
+    params = _init_params()
+    x, y = _data(2 * k * MICRO)
+    inner = optax.adam(1e-2)
+    tx = ga.accumulate(inner, k)
+    bad_index = k + position  # a micro-batch of the second window
+
+    @jax.jit
+    def run(params):
+        state = tx.init(params)
+        for i in range(2 * k):
+            sl = slice(i * MICRO, (i + 1) * MICRO)
+            g = jax.grad(_loss)(params, x[sl], y[sl])
+            if i == bad_index:
+                g = jax.tree.map(lambda t: t.at[0].set(bad), g)
+            u, state = tx.update(g, state, params)
+            if i % k != k - 1:
+                # Micro-steps return exact zeros, even for the non-finite one.
+                zeros = jax.tree.map(jnp.zeros_like, u)
+                u = jax.tree.map(lambda a, z: jnp.where(jnp.all(a == z), a, jnp.nan), u, zeros)
+            params = optax.apply_updates(params, u)
+        return params, state
+
+    p_acc, state = run(params)
+    # Reference: large batches with the dropped micro-batch removed.
+    keep = [i for i in range(2 * k) if i != bad_index]
+    windows = [keep[:k], keep[k:]]
+    p_ref, s_ref = params, inner.init(params)
+    for window in windows:
+        idx = np.concatenate([np.arange(i * MICRO, (i + 1) * MICRO) for i in window])
+        g = jax.grad(_loss)(p_ref, x[idx], y[idx])
+        u, s_ref = inner.update(g, s_ref, p_ref)
+        p_ref = optax.apply_updates(p_ref, u)
+    assert int(state.num_skipped) == 1
+    assert int(state.gradient_step) == 2
+    chex.assert_tree_all_finite((p_acc, state))
+    chex.assert_trees_all_close(p_acc, p_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_window_with_nothing_accepted_applies_no_update():
+    params = _init_params()
+    inner = optax.adam(1e-2)
+    tx = ga.accumulate(inner, 2)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    nan_grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
+    for _ in range(2):
+        u, state = update(nan_grads, state, params)
+    chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, params))
+    chex.assert_trees_all_equal(state.inner_state, inner.init(params))
+    assert int(state.gradient_step) == 0
+    assert int(state.num_skipped) == 2
+    assert int(state.micro_step) == 0  # the window still closed on schedule
+    chex.assert_tree_all_finite(state)
+
+
+def test_skip_nonfinite_false_adds_non_finite_values():
+    params = {"w": jnp.zeros(2)}
+    tx = ga.accumulate(optax.sgd(1.0), 2, skip_nonfinite=False)
+    state = tx.init(params)
+    _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state, params)
+    assert int(state.num_skipped) == 0
+    assert np.isnan(state.acc_grads["w"][0])
+
+
+def test_traced_negative_weight_is_dropped():
+    params = {"w": jnp.zeros(2)}
+    tx = ga.accumulate(optax.sgd(1.0), 2)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    _, state = update({"w": jnp.ones(2)}, state, params, weight=jnp.float32(-1.0))
+    u, state = update({"w": jnp.full(2, 3.0)}, state, params, weight=jnp.float32(2.0))
+    assert int(state.num_skipped) == 1
+    chex.assert_trees_all_close(u, {"w": jnp.full(2, -3.0)})
+
+
+# ---------------------------------------------------------------------------
+# State: checkpointing, scan, donation, abstract init, dtypes.
+
+
+def _micro_grads(params, n, seed=3):
+    keys = jax.random.split(jax.random.key(seed), n)
+    return [jax.tree.map(lambda p, k=k: jax.random.normal(k, p.shape), params) for k in keys]
+
+
+def test_checkpoint_at_every_micro_step_resumes_bit_identically(tmp_path):
+    import orbax.checkpoint as ocp
+
+    k = 3
+    params = _init_params()
+    tx = ga.accumulate(optax.adam(1e-2), k)
+    grads = _micro_grads(params, 2 * k)
+    update = jax.jit(tx.update)
+
+    def run(state, p, gs):
+        for g in gs:
+            u, state = update(g, state, p)
+            p = optax.apply_updates(p, u)
+        return state, p
+
+    ref_state, ref_params = run(tx.init(params), params, grads)
+    checkpointer = ocp.StandardCheckpointer()
+    for cut in range(2 * k + 1):
+        state, p = run(tx.init(params), params, grads[:cut])
+        path = tmp_path / f"cut{cut}"
+        checkpointer.save(path, {"state": state, "params": p})
+        checkpointer.wait_until_finished()
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"state": state, "params": p})
+        restored = checkpointer.restore(path, target)
+        restored_state = jax.tree.unflatten(
+            jax.tree.structure(state), jax.tree.leaves(restored["state"])
+        )
+        state, p = run(restored_state, restored["params"], grads[cut:])
+        chex.assert_trees_all_equal(p, ref_params)
+        chex.assert_trees_all_equal(state, ref_state)
+    checkpointer.close()
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "accumulator_dtype", "expected_acc"),
+    [
+        (jnp.float32, None, jnp.float32),
+        (jnp.bfloat16, None, jnp.float32),
+        (jnp.float16, None, jnp.float32),
+        (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
+        (jnp.float32, jnp.bfloat16, jnp.bfloat16),
+    ],
+)
+def test_state_dtypes_stable_under_scan(param_dtype, accumulator_dtype, expected_acc):
+    params = jax.tree.map(lambda p: p.astype(param_dtype), _init_params())
+    tx = ga.accumulate(optax.adam(1e-2), 3, accumulator_dtype=accumulator_dtype)
+    state = tx.init(params)
+    assert all(a.dtype == expected_acc for a in jax.tree.leaves(state.acc_grads))
+    grads = jax.tree.map(lambda p: jnp.stack([p] * 7) * 0.01, params)
+
+    def body(s, g):
+        u, s = tx.update(g, s, params)
+        return s, u
+
+    final, us = jax.jit(lambda s, g: jax.lax.scan(body, s, g))(state, grads)
+    chex.assert_trees_all_equal_shapes_and_dtypes(final, state)
+    chex.assert_trees_all_equal_dtypes(jax.tree.map(lambda u: u[0], us), params)
+    assert int(final.gradient_step) == 2
+
+
+def test_eval_shape_init_matches_init():
+    params = _init_params()
+    tx = ga.accumulate(optax.adam(1e-2), 4)
+    abstract = jax.eval_shape(
+        tx.init, jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+    )
+    chex.assert_trees_all_equal_shapes_and_dtypes(abstract, tx.init(params))
+
+
+def test_donated_step_matches_undonated():
+    params = _init_params()
+    tx = ga.accumulate(optax.adam(1e-2), 2)
+    grads = _micro_grads(params, 4)
+
+    def step(params, state, g):
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    plain, donated = jax.jit(step), jax.jit(step, donate_argnums=(0, 1))
+    p1, s1 = params, tx.init(params)
+    p2, s2 = jax.tree.map(jnp.copy, params), tx.init(params)
+    for g in grads:
+        p1, s1 = plain(p1, s1, g)
+        p2, s2 = donated(p2, s2, g)
+    chex.assert_trees_all_equal((p1, s1), (p2, s2))
+
+
+def test_updates_have_gradient_dtype():
+    params = {"w": jnp.ones(4, jnp.bfloat16)}
+    tx = ga.accumulate(optax.adam(1e-2), 2)
+    state = tx.init(params)
+    for _ in range(2):
+        u, state = jax.jit(tx.update)({"w": jnp.full(4, 0.5, jnp.bfloat16)}, state, params)
+        assert u["w"].dtype == jnp.bfloat16
+
+
+# ---------------------------------------------------------------------------
+# Window-length schedules.
+
+
+def test_schedule_changes_window_without_recompiling():
+    params = _init_params()
+    sizes = [2, 2, 3, 3]  # windows: gradient_step 0, 1 -> K=2; then K=3
+    x, y = _data(sum(sizes) * MICRO)
+    inner = optax.adam(1e-2)
+    tx = ga.accumulate(inner, lambda step: jnp.where(step < 2, 2, 3))
+    traces = []
+
+    @jax.jit
+    def step(p, s, xb, yb):
+        traces.append(1)
+        u, s = tx.update(jax.grad(_loss)(p, xb, yb), s, p)
+        return optax.apply_updates(p, u), s
+
+    p, s = params, tx.init(params)
+    for i in range(sum(sizes)):
+        sl = slice(i * MICRO, (i + 1) * MICRO)
+        p, s = step(p, s, x[sl], y[sl])
+    assert len(traces) == 1
+    assert int(s.gradient_step) == 4
+    p_ref, s_ref, start = params, inner.init(params), 0
+    for size in sizes:
+        sl = slice(start * MICRO, (start + size) * MICRO)
+        u, s_ref = inner.update(jax.grad(_loss)(p_ref, x[sl], y[sl]), s_ref, p_ref)
+        p_ref = optax.apply_updates(p_ref, u)
+        start += size
+    chex.assert_trees_all_close(p, p_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_closes_window_and_optimizer_step():
+    params = {"w": jnp.zeros(2)}
+    tx = optax.chain(optax.clip(1.0), ga.accumulate(optax.sgd(0.1), 3))
+    state = tx.init(params)
+    closes = []
+    for _ in range(6):
+        closes.append(bool(ga.closes_window(state, 3)))
+        _, state = tx.update({"w": jnp.ones(2)}, state, params)
+    assert closes == [False, False, True] * 2
+    assert int(ga.optimizer_step(state)) == 2
+
+
+# ---------------------------------------------------------------------------
+# Composition with optax and flax.
+
+
+def test_extra_args_reach_inner_reduce_on_plateau():
+    params = {"w": jnp.ones(3)}
+
+    def make_inner():
+        plateau = optax.contrib.reduce_on_plateau(patience=1, factor=0.5)
+        return optax.chain(optax.sgd(1.0), plateau)
+
+    tx = ga.accumulate(make_inner(), 2)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    g = {"w": jnp.ones(3)}
+    window_values = [3.0, 2.0, 2.5, 2.6, 2.7]
+    scales = []
+    for value in window_values:
+        for micro in range(2):
+            # Only the value given at the closing micro-step reaches the inner.
+            v = jnp.float32(value if micro == 1 else 1e9)
+            _, state = update(g, state, params, value=v)
+        scales.append(float(state.inner_state[1].scale))
+    ref_tx = make_inner()
+    ref_state, ref_scales = ref_tx.init(params), []
+    for value in window_values:
+        _, ref_state = ref_tx.update(g, ref_state, params, value=jnp.float32(value))
+        ref_scales.append(float(ref_state[1].scale))
+    assert scales == ref_scales
+    assert scales[-1] < 1.0  # the plateau was detected, so the test can tell
+
+
+def test_inject_hyperparams_as_inner_stays_changeable():
+    params = {"w": jnp.ones(3)}
+    tx = ga.accumulate(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), 2)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    g = {"w": jnp.ones(3)}
+    _, state = update(g, state, params)
+    u, state = update(g, state, params)
+    chex.assert_trees_all_close(u, {"w": jnp.full(3, -0.1)})
+    state.inner_state.hyperparams["learning_rate"] = jnp.float32(0.5)
+    _, state = update(g, state, params)
+    u, state = update(g, state, params)
+    chex.assert_trees_all_close(u, {"w": jnp.full(3, -0.5)})
+
+
+def test_inside_chain_and_masked():
+    params = {"a": jnp.ones(3), "b": jnp.ones(2)}
+    mask = {"a": True, "b": False}
+    tx = optax.chain(
+        optax.clip_by_global_norm(100.0),
+        optax.masked(ga.accumulate(optax.sgd(1.0), 2), mask),
+    )
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    g = {"a": jnp.ones(3), "b": jnp.full(2, 7.0)}
+    u1, state = update(g, state, params)
+    u2, state = update(g, state, params)
+    chex.assert_trees_all_close(u1, {"a": jnp.zeros(3), "b": jnp.full(2, 7.0)})
+    chex.assert_trees_all_close(u2, {"a": jnp.full(3, -1.0), "b": jnp.full(2, 7.0)})
+    assert int(ga.optimizer_step(state)) == 1
+
+
+def test_flax_train_state_counts_micro_steps_and_matches_large_batch():
+    from flax.training import train_state
+
+    k = 3
+    params = _init_params()
+    x, y = _data(2 * k * MICRO)
+    inner = optax.adam(1e-2)
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=ga.accumulate(inner, k))
+
+    @jax.jit
+    def step(state, xb, yb):
+        return state.apply_gradients(grads=jax.grad(_loss)(state.params, xb, yb))
+
+    for i in range(2 * k):
+        sl = slice(i * MICRO, (i + 1) * MICRO)
+        state = step(state, x[sl], y[sl])
+    assert int(state.step) == 2 * k  # TrainState counts micro-steps ...
+    assert int(ga.optimizer_step(state.opt_state)) == 2  # ... optimizer_step does not.
+    p_big, _ = _train_large(inner, params, x, y, k * MICRO)
+    chex.assert_trees_all_close(state.params, p_big, rtol=1e-5, atol=1e-6)
+
+
+def test_nnx_optimizer_matches_large_batch():
+    from flax import nnx
+
+    k = 2
+    x, y = _data(2 * k * MICRO)
+
+    def make():
+        return nnx.Linear(IN, OUT, rngs=nnx.Rngs(0))
+
+    def loss(model, xb, yb):
+        return jnp.mean((model(xb) - yb) ** 2)
+
+    inner = optax.adam(1e-2)
+    model_acc, model_big = make(), make()
+    opt_acc = nnx.Optimizer(model_acc, ga.accumulate(inner, k), wrt=nnx.Param)
+    opt_big = nnx.Optimizer(model_big, inner, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, xb, yb):
+        optimizer.update(model, nnx.grad(loss)(model, xb, yb))
+
+    for i in range(2 * k):
+        step(model_acc, opt_acc, x[i * MICRO : (i + 1) * MICRO], y[i * MICRO : (i + 1) * MICRO])
+    for w in range(2):
+        sl = slice(w * k * MICRO, (w + 1) * k * MICRO)
+        step(model_big, opt_big, x[sl], y[sl])
+    chex.assert_trees_all_close(
+        nnx.state(model_acc, nnx.Param), nnx.state(model_big, nnx.Param), rtol=1e-5, atol=1e-6
+    )
+
+
+# ---------------------------------------------------------------------------
+# Compiled program: gating and memory.
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    """Splits HLO text into {computation name: body}."""
+    comps, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header and not line.startswith(" "):
+            name, lines = header.group(1), []
+            if line.startswith("ENTRY"):
+                comps["__entry__"] = name
+        elif line.startswith("}") and name is not None:
+            comps[name] = "\n".join(lines)
+            name = None
+        elif name is not None:
+            lines.append(line)
+    return comps
+
+
+def _outside_conditionals(comps: dict[str, str]) -> set[str]:
+    """Computations reachable from ENTRY without entering a conditional branch."""
+    seen, todo = set(), [comps["__entry__"]]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for line in comps[name].splitlines():
+            if " conditional(" in line:
+                continue
+            todo.extend(
+                callee
+                for callee in re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
+                if callee in comps
+            )
+    return seen
+
+
+def _micro_step_program(tx, params):
+    def step(state, g):
+        u, state = tx.update(g, state, params)
+        return state, u  # state first: each donated buffer aliases its successor
+
+    grads = jax.tree.map(jnp.ones_like, params)
+    return jax.jit(step, donate_argnums=0).lower(tx.init(params), grads).compile()
+
+
+def _state_copies(hlo: str, min_elements: int) -> list[str]:
+    """Copies of parameter-sized buffers other than freshly broadcast zeros."""
+    copies = []
+    for line in hlo.splitlines():
+        m = re.search(r"= f32\[([\d,]+)\]\S* copy\(%([\w.\-]+)\)", line)
+        if m and np.prod([int(d) for d in m.group(1).split(",")]) >= min_elements:
+            if "broadcast" not in m.group(2):
+                copies.append(line.strip())
+    return copies
+
+
+BIG = {"w1": jnp.ones((256, 512)), "b1": jnp.ones(512), "w2": jnp.ones((512, 256))}
+
+
+def test_inner_optimizer_runs_only_inside_the_conditional():
+    compiled = _micro_step_program(ga.accumulate(optax.adam(1e-3), 4), BIG)
+    comps = _computations(compiled.as_text())
+    outside = _outside_conditionals(comps)
+    inside = set(comps) - outside - {"__entry__"}
+    # adam's denominator sqrt(nu) + eps is the marker of the inner optimizer.
+    assert not [c for c in outside if re.search(r" sqrt\(", comps[c])]
+    assert [c for c in inside if re.search(r" sqrt\(", comps[c])]
+    assert " conditional(" in comps[comps["__entry__"]]
+
+
+def test_no_copy_of_state_buffers_unlike_multisteps():
+    ours = _micro_step_program(ga.accumulate(optax.adam(1e-3), 4), BIG).as_text()
+    theirs = _micro_step_program(optax.MultiSteps(optax.adam(1e-3), 4), BIG).as_text()
+    assert _state_copies(ours, 512 * 256) == []
+    assert _state_copies(theirs, 512 * 256)  # the check can see a copy
+
+
+def test_temp_memory_no_more_than_adam_alone():
+    def temp_bytes(tx):
+        return _micro_step_program(tx, BIG).memory_analysis().temp_size_in_bytes
+
+    ours = temp_bytes(ga.accumulate(optax.adam(1e-3), 4))
+    adam = temp_bytes(optax.adam(1e-3))
+    multisteps = temp_bytes(optax.MultiSteps(optax.adam(1e-3), 4))
+    param_bytes = sum(p.nbytes for p in jax.tree.leaves(BIG))
+    assert ours <= adam + 16 * 1024, (ours, adam)
+    assert multisteps > param_bytes  # for contrast: MultiSteps keeps a parameter-sized temp
+
+
+# ---------------------------------------------------------------------------
+# Bad input.
+
+
+@pytest.mark.parametrize(
+    ("every_k", "error", "pattern"),
+    [
+        (0, ValueError, r"every_k_schedule must be >= 1; got every_k_schedule=0"),
+        (-3, ValueError, r"every_k_schedule=-3"),
+        (2.0, TypeError, r"every_k_schedule must be a Python int.*2\.0.*float"),
+        (True, TypeError, r"every_k_schedule.*True.*bool"),
+        ("4", TypeError, r"every_k_schedule.*'4'"),
+    ],
+)
+def test_bad_every_k_schedule(every_k, error, pattern):
+    with pytest.raises(error, match=pattern):
+        ga.accumulate(optax.sgd(0.1), every_k)
+
+
+def test_schedule_returning_float_or_zero():
+    params = {"w": jnp.zeros(2)}
+    g = {"w": jnp.ones(2)}
+    tx = ga.accumulate(optax.sgd(0.1), lambda step: 2.5)
+    with pytest.raises(TypeError, match=r"every_k_schedule must return an integer.*2\.5"):
+        tx.update(g, tx.init(params), params)
+    tx = ga.accumulate(optax.sgd(0.1), lambda step: 0)
+    with pytest.raises(ValueError, match=r"window length >= 1; it returned 0"):
+        tx.update(g, tx.init(params), params)
+    tx = ga.accumulate(optax.sgd(0.1), lambda step: jnp.array([2, 3]))
+    with pytest.raises(ValueError, match=r"must return a scalar"):
+        tx.update(g, tx.init(params), params)
+
+
+@pytest.mark.parametrize(
+    ("inner", "pattern"),
+    [
+        (lambda: None, r"inner must be an optax.GradientTransformation.*function"),
+        ("adam", r"inner must be.*'adam'"),
+        (optax.adam, r"did you mean to call it"),
+    ],
+)
+def test_bad_inner(inner, pattern):
+    with pytest.raises(TypeError, match=pattern):
+        ga.accumulate(inner, 2)
+
+
+def test_bad_accumulator_dtype():
+    with pytest.raises(TypeError, match=r"accumulator_dtype must be a floating.*int32"):
+        ga.accumulate(optax.sgd(0.1), 2, accumulator_dtype=jnp.int32)
+
+
+def test_gradient_tree_mismatch():
+    params = {"w": jnp.zeros(2), "b": jnp.zeros(3)}
+    tx = ga.accumulate(optax.sgd(0.1), 2)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"updates does not have the structure"):
+        tx.update({"w": jnp.zeros(2)}, state, params)
+    with pytest.raises(ValueError, match=r"leaf \['b'\] has shape \(4,\).*shape \(3,\)"):
+        tx.update({"w": jnp.zeros(2), "b": jnp.zeros(4)}, state, params)
+
+
+def test_integer_gradients_and_params():
+    tx = ga.accumulate(optax.sgd(0.1), 2)
+    with pytest.raises(TypeError, match=r"params must contain floating.*\['n'\].*int32"):
+        tx.init({"n": jnp.zeros(2, jnp.int32)})
+    state = tx.init({"w": jnp.zeros(2)})
+    with pytest.raises(TypeError, match=r"updates must contain floating.*\['w'\]"):
+        tx.update({"w": jnp.zeros(2, jnp.int32)}, state)
+
+
+@pytest.mark.parametrize(
+    ("weight", "error", "pattern"),
+    [
+        (-1.0, ValueError, r"weight must be finite and >= 0; got weight=-1\.0"),
+        (float("nan"), ValueError, r"weight=nan"),
+        (np.ones(3), ValueError, r"weight must be a scalar.*\(3,\)"),
+        (True, TypeError, r"weight must be a real scalar.*bool"),
+    ],
+)
+def test_bad_weight(weight, error, pattern):
+    params = {"w": jnp.zeros(2)}
+    tx = ga.accumulate(optax.sgd(0.1), 2)
+    with pytest.raises(error, match=pattern):
+        tx.update({"w": jnp.ones(2)}, tx.init(params), params, weight=weight)
+
+
+def test_optimizer_step_errors():
+    with pytest.raises(ValueError, match=r"contains no AccumulateState"):
+        ga.optimizer_step(optax.adam(0.1).init({"w": jnp.zeros(2)}))
+    two = optax.chain(ga.accumulate(optax.sgd(0.1), 2), ga.accumulate(optax.sgd(0.1), 2))
+    with pytest.raises(ValueError, match=r"contains 2 AccumulateState"):
+        ga.optimizer_step(two.init({"w": jnp.zeros(2)}))
