@@ -1,0 +1,141 @@
+"""Runs every benchmark of the project and writes the report under benchmarks/results/.
+
+Each benchmark runs in its own process (the distributed one must set XLA_FLAGS
+before jax is imported) and prints its own side-by-side tables; this script
+collects the rows each one returns, writes them as one markdown report with
+the machine they were measured on, and plots the ratio columns.
+
+    python benchmarks/run.py            # full sizes (tens of minutes on 2 CPU cores)
+    python benchmarks/run.py --quick    # tiny sizes: checks that everything runs
+    python benchmarks/run.py --only accumulate microbatch
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+BENCHMARKS = ["accumulate", "microbatch", "distributed", "mixed_precision"]
+MARKER = "@@ROWS@@"
+CHILD = (
+    "import json, sys; sys.path.insert(0, {here!r}); import {name} as b; "
+    "rows = b.main({argv!r}); print({marker!r} + json.dumps(rows, default=str))"
+)
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import jax
+        import optax
+
+        versions = f"jax {jax.__version__}, optax {optax.__version__}"
+    except ImportError:
+        versions = "jax not importable"
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {versions}"
+
+
+def run_one(name: str, quick: bool) -> tuple[list[dict], str, float]:
+    argv = ["--quick"] if quick else []
+    code = CHILD.format(here=str(HERE), name=name, argv=argv, marker=MARKER)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark {name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    printed, rows = [], []
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARKER):
+            rows = json.loads(line[len(MARKER) :])
+        else:
+            printed.append(line)
+    return rows, "\n".join(printed), seconds
+
+
+def ratio_columns(rows: list[dict]) -> list[str]:
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return [k for k in keys if k.startswith("x_") or "ratio" in k]
+
+
+def plot(results: dict[str, list[dict]], path: pathlib.Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = []
+    for name, rows in results.items():
+        for column in ratio_columns(rows)[:1]:
+            picked = [r for r in rows if isinstance(r.get(column), int | float)]
+            if picked:
+                panels.append((name, column, picked))
+    if not panels:
+        return False
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels)), squeeze=False)
+    for ax, (name, column, picked) in zip(axes[:, 0], panels, strict=True):
+        labels = [
+            " / ".join(str(r[k]) for k in r if k not in (column,) and isinstance(r[k], str))
+            for r in picked
+        ]
+        ax.barh(range(len(picked)), [r[column] for r in picked], color="tab:blue")
+        ax.set_yticks(range(len(picked)), labels, fontsize=6)
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.invert_yaxis()
+        ax.set_title(f"{name}: {column}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
+    parser.add_argument("--only", nargs="*", default=None, choices=BENCHMARKS)
+    parser.add_argument("--out", default=str(HERE / "results"), help="output folder")
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.only or BENCHMARKS
+    machine = machine_description()
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    results, sections = {}, []
+    for name in names:
+        print(f"running benchmarks/{name}.py{' --quick' if args.quick else ''} ...", flush=True)
+        rows, printed, seconds = run_one(name, args.quick)
+        results[name] = rows
+        sections.append(f"## {name} ({seconds:.0f} s)\n\n```text\n{printed.strip()}\n```\n")
+        print(printed, flush=True)
+    suffix = "_quick" if args.quick else ""
+    report = out / f"report{suffix}.md"
+    header = (
+        f"# Benchmark report\n\nMeasured {stamp} on {machine}.\n"
+        f"Command: `python benchmarks/run.py{' --quick' if args.quick else ''}`. "
+        "Every table is measured side by side in one process; read the ratios.\n\n"
+    )
+    report.write_text(header + "\n".join(sections))
+    (out / f"rows{suffix}.json").write_text(json.dumps(results, indent=1, default=str))
+    plotted = plot(results, out / f"ratios{suffix}.png")
+    print(f"wrote {report}" + (f" and {out / f'ratios{suffix}.png'}" if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
