@@ -11,9 +11,9 @@ disagree more and their mean is smaller than each of them.
 Memory: ``compiled.memory_analysis()`` of one jitted micro-step (Adam inner,
 optimizer state donated) on a parameter tree of P float32 values, for each
 accumulator: the accumulator's state bytes per parameter, the program's temp
-bytes per parameter, and the number of parameter-sized copies in the HLO. The
-micro-step time relative to the float32 accumulator is measured interleaved
-(median of repetitions).
+bytes per parameter, and the number of state buffers the HLO copies instead of
+updating in place. The micro-step time relative to the float32 accumulator is
+measured interleaved (median of repetitions).
 
     python benchmarks/mixed_precision.py [--quick]
 """
@@ -108,8 +108,10 @@ def window_mean(grads, **accumulator):
 
 
 def errors(mean, grads):
-    ref = [np.mean(np.stack([np.asarray(g, np.float64) for g in leaves]), axis=0) for leaves in
-           zip(*[jax.tree.leaves(g) for g in grads], strict=True)]
+    ref = [
+        np.mean(np.stack([np.asarray(g, np.float64) for g in leaves]), axis=0)
+        for leaves in zip(*[jax.tree.leaves(g) for g in grads], strict=True)
+    ]
     got = [np.asarray(m, np.float64) for m in jax.tree.leaves(mean)]
     diff = np.concatenate([(g - r).ravel() for g, r in zip(got, ref, strict=True)])
     ref_flat = np.concatenate([r.ravel() for r in ref])

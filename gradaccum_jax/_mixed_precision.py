@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax import _validation
-from gradaccum_jax._accumulation import _all_finite, _saturating_increment
+from gradaccum_jax._accumulation import AxisName, _all_finite, _saturating_increment
 
 
 class LossScaleState(NamedTuple):
@@ -32,15 +32,14 @@ class LossScaleState(NamedTuple):
     num_overflows: jax.Array
 
 
+_Adjust = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
 def _loss_scaling(
-    initial_scale: float,
-    *,
-    dynamic: bool,
-    growth_interval: int = 1,
-    growth_factor: float = 1.0,
-    backoff_factor: float = 1.0,
-    min_scale: float = 0.0,
+    initial_scale: float, adjust: _Adjust, axis_name: AxisName | None
 ) -> optax.GradientTransformationExtraArgs:
+    """The transformation shared by both scales; ``adjust(scale, count, finite)``."""
+
     def init_fn(params: optax.Params) -> LossScaleState:
         del params
         return LossScaleState(
@@ -64,15 +63,10 @@ def _loss_scaling(
             updates,
         )
         finite = _all_finite(grads)
-        scale, count = state.loss_scale, state.growth_count
-        if dynamic:
-            counted = count + 1
-            grow = finite & (counted >= growth_interval)
-            grown = scale * growth_factor
-            grown = jnp.where(jnp.isfinite(grown), grown, scale)
-            shrunk = jnp.maximum(scale * backoff_factor, min_scale)
-            scale = jnp.where(finite, jnp.where(grow, grown, scale), shrunk)
-            count = jnp.where(finite & ~grow, counted, 0)
+        if axis_name is not None:
+            # One scalar per micro-step keeps every replica's scale identical.
+            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+        scale, count = adjust(state.loss_scale, state.growth_count, finite)
         new_state = LossScaleState(
             loss_scale=scale.astype(jnp.float32),
             growth_count=count.astype(jnp.int32),
@@ -90,6 +84,7 @@ def dynamic_loss_scale(
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
     min_scale: float = 1.0,
+    axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Unscales loss-scaled gradients and adapts the scale, one micro-step at a time.
 
@@ -134,6 +129,10 @@ def dynamic_loss_scale(
       backoff_factor: Factor ``β`` in ``(0, 1]`` applied on overflow.
       min_scale: Floor of the scale, finite, ``> 0`` and at most
         ``initial_scale``.
+      axis_name: Name (or tuple of names) of a mapped axis, for use inside
+        ``jax.shard_map`` or ``jax.pmap``: an overflow on any replica then
+        counts on all of them (one scalar ``pmin`` per micro-step), so the
+        replicas keep one scale. Without it each replica adapts its own.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state
@@ -187,17 +186,22 @@ def dynamic_loss_scale(
         raise ValueError(
             f"min_scale must be <= initial_scale; got {min_scale=} and {initial_scale=}."
         )
-    return _loss_scaling(
-        initial_scale,
-        dynamic=True,
-        growth_interval=growth_interval,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        min_scale=min_scale,
-    )
+
+    def adjust(scale, count, finite):
+        counted = count + 1
+        grow = finite & (counted >= growth_interval)
+        grown = scale * growth_factor
+        grown = jnp.where(jnp.isfinite(grown), grown, scale)
+        shrunk = jnp.maximum(scale * backoff_factor, min_scale)
+        new_scale = jnp.where(finite, jnp.where(grow, grown, scale), shrunk)
+        return new_scale, jnp.where(finite & ~grow, counted, 0)
+
+    return _loss_scaling(initial_scale, adjust, axis_name)
 
 
-def static_loss_scale(loss_scale: float) -> optax.GradientTransformationExtraArgs:
+def static_loss_scale(
+    loss_scale: float, *, axis_name: AxisName | None = None
+) -> optax.GradientTransformationExtraArgs:
     """Unscales gradients computed with a fixed loss scale.
 
     The fixed-scale counterpart of :func:`dynamic_loss_scale`, with the same
@@ -208,6 +212,8 @@ def static_loss_scale(loss_scale: float) -> optax.GradientTransformationExtraArg
 
     Args:
       loss_scale: The scale, finite and ``> 0``.
+      axis_name: As in :func:`dynamic_loss_scale`: a mapped axis over which
+        overflows are counted alike.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``update`` returns the
@@ -227,7 +233,7 @@ def static_loss_scale(loss_scale: float) -> optax.GradientTransformationExtraArg
       Array([0.5, 2. ], dtype=float32)
     """
     loss_scale = _validation.check_nonnegative_float("loss_scale", loss_scale, allow_zero=False)
-    return _loss_scaling(loss_scale, dynamic=False)
+    return _loss_scaling(loss_scale, lambda scale, count, finite: (scale, count), axis_name)
 
 
 def current_loss_scale(opt_state: optax.OptState) -> jax.Array:

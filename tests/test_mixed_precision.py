@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 
@@ -144,6 +146,31 @@ def test_static_scale_counts_overflows_and_keeps_its_scale():
     grads, state = jax.jit(tx.update)({"w": jnp.array([8.0, jnp.nan], jnp.float16)}, state)
     assert grads["w"].dtype == jnp.float32
     assert float(state.loss_scale) == 8.0 and int(state.num_overflows) == 1
+
+
+def test_extra_arguments_pass_through_to_accumulate():
+    tx = optax.chain(ga.static_loss_scale(4.0), ga.accumulate(optax.identity(), 2))
+    update = jax.jit(tx.update)
+    state = tx.init({"w": jnp.zeros(1)})
+    _, state = update({"w": jnp.array([4.0])}, state, weight=3.0)
+    u, state = update({"w": jnp.array([8.0])}, state, weight=1.0)
+    np.testing.assert_array_equal(u["w"], [(3 * 1.0 + 1 * 2.0) / 4])
+
+
+def test_replicas_agree_on_overflow_with_axis_name():
+    mesh = jax.make_mesh((8,), ("d",))
+    tx = ga.dynamic_loss_scale(64.0, axis_name="d")
+    grads = jnp.ones((8, 2)).at[3].set(jnp.inf)  # one replica overflows
+    grads = jax.device_put(grads, NamedSharding(mesh, P("d")))
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P("d"), P()), out_specs=(P("d"), P()))
+    def update(g, state):
+        return tx.update(g, state)
+
+    unscaled, state = update(grads, tx.init(None))
+    assert float(state.loss_scale) == 32.0 and int(state.num_overflows) == 1
+    np.testing.assert_array_equal(np.asarray(unscaled)[0], [1 / 64, 1 / 64])
 
 
 def test_scale_loss_keeps_value_and_aux():
