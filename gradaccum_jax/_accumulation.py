@@ -37,6 +37,9 @@ class AccumulateState(NamedTuple):
         or the weight was not finite. Saturates at the int32 maximum.
       inner_state: The inner transformation's state. It changes only when a
         window closes.
+      acc_compensation: ``None`` unless ``compensated=True``; then a tree like
+        ``acc_grads``, in the same dtype, holding the rounding error of
+        ``acc_grads``: the window's sum is ``acc_grads + acc_compensation``.
     """
 
     micro_step: jax.Array
@@ -45,6 +48,7 @@ class AccumulateState(NamedTuple):
     acc_weight: jax.Array
     num_skipped: jax.Array
     inner_state: optax.OptState
+    acc_compensation: optax.Updates | None = None
 
 
 def _saturating_increment(count: jax.Array, predicate: jax.Array) -> jax.Array:
@@ -58,6 +62,36 @@ def _accumulator_dtype(leaf: Any, accumulator_dtype: Any) -> jnp.dtype:
     # 16-bit gradients are summed in float32: a bfloat16 sum of K terms loses
     # about log2(K) of its 8 mantissa bits. Wider dtypes are kept as they are.
     return jnp.promote_types(jnp.result_type(leaf), jnp.float32)
+
+
+# Compensated accumulators hold a 16-bit high part and a 16-bit low part; wider
+# accumulators gain nothing from a second buffer of their own width.
+_COMPENSABLE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _check_accumulator_dtype(accumulator_dtype: Any, compensated: Any) -> None:
+    if not isinstance(compensated, bool):
+        raise TypeError(f"compensated must be a bool; got {compensated=!r}.")
+    if accumulator_dtype is not None:
+        try:
+            dtype = jnp.dtype(accumulator_dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                "accumulator_dtype must be None or a floating-point dtype such as "
+                f"jnp.float32 or jnp.bfloat16; got {accumulator_dtype=!r}. For a "
+                "compensated (Kahan) bfloat16 accumulator pass "
+                "accumulator_dtype=jnp.bfloat16, compensated=True."
+            )
+    if compensated and (
+        accumulator_dtype is None or jnp.dtype(accumulator_dtype) not in _COMPENSABLE
+    ):
+        raise ValueError(
+            "compensated=True needs a 16-bit accumulator_dtype (jnp.bfloat16 or "
+            f"jnp.float16); got {accumulator_dtype=!r}. A float32 accumulator is "
+            "already more accurate than a compensated 16-bit pair of the same size."
+        )
 
 
 def _window_length(every_k_schedule: int | Callable[[jax.Array], Any], step: jax.Array):
@@ -120,6 +154,7 @@ def accumulate(
     *,
     use_grad_mean: bool = True,
     accumulator_dtype: Any = None,
+    compensated: bool = False,
     skip_nonfinite: bool = True,
     axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -172,7 +207,15 @@ def accumulate(
       accumulator_dtype: dtype of the accumulator. ``None`` (default) keeps
         float32 and wider gradients in their dtype and accumulates float16 and
         bfloat16 gradients in float32. Returned updates always have the
-        gradients' dtype.
+        gradients' dtype. ``jnp.bfloat16`` halves the accumulator's memory for
+        float32 gradients at the cost of about ``log2(K)`` mantissa bits.
+      compensated: If ``True``, a second buffer in ``accumulator_dtype`` (which
+        must be ``jnp.bfloat16`` or ``jnp.float16``) keeps the rounding error
+        of the accumulator, as in Kahan summation: each addition is done in
+        float32 and its result split into a 16-bit high part and the 16-bit
+        remainder, so the pair carries about 16 mantissa bits. It costs as
+        much memory as a float32 accumulator and is less accurate than one;
+        see the mixed-precision docs for measurements.
       skip_nonfinite: If ``True`` (default) non-finite micro-gradients are
         dropped as described above. If ``False`` they are added as they are.
       axis_name: Name (or tuple of names) of a mapped axis, for use inside
@@ -186,9 +229,11 @@ def accumulate(
       argument to ``inner``.
 
     Raises:
-      TypeError: If ``inner`` is not a gradient transformation or
-        ``every_k_schedule`` is neither an int nor a callable.
-      ValueError: If ``every_k_schedule`` is an int below 1.
+      TypeError: If ``inner`` is not a gradient transformation,
+        ``every_k_schedule`` is neither an int nor a callable, or
+        ``accumulator_dtype`` is not a floating-point dtype.
+      ValueError: If ``every_k_schedule`` is an int below 1, or
+        ``compensated=True`` without a 16-bit ``accumulator_dtype``.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -212,13 +257,7 @@ def accumulate(
     _validation.check_gradient_transformation("inner", inner)
     if not callable(every_k_schedule):
         _validation.check_positive_int("every_k_schedule", every_k_schedule)
-    if accumulator_dtype is not None:
-        dtype = jnp.dtype(accumulator_dtype)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                "accumulator_dtype must be a floating-point dtype such as jnp.float32 "
-                f"or jnp.bfloat16; got accumulator_dtype={accumulator_dtype!r}."
-            )
+    _check_accumulator_dtype(accumulator_dtype, compensated)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> AccumulateState:
@@ -234,6 +273,7 @@ def accumulate(
             acc_weight=jnp.zeros([], jnp.float32),
             num_skipped=jnp.zeros([], jnp.int32),
             inner_state=inner.init(params),
+            acc_compensation=jax.tree.map(jnp.zeros_like, acc) if compensated else None,
         )
 
     def update_fn(
@@ -261,17 +301,41 @@ def accumulate(
         micro_step = state.micro_step + 1
         closes = micro_step >= k
 
+        def term(grad_leaf, dtype):
+            t = grad_leaf.astype(dtype)
+            return t if w is None else t * w.astype(dtype)
+
         def add(acc_leaf, grad_leaf):
-            term = grad_leaf.astype(acc_leaf.dtype)
-            if w is not None:
-                term = term * w.astype(acc_leaf.dtype)
-            return jnp.where(accepted, acc_leaf + term, acc_leaf)
+            return jnp.where(accepted, acc_leaf + term(grad_leaf, acc_leaf.dtype), acc_leaf)
+
+        def compensated_add(acc_leaf, comp_leaf, grad_leaf):
+            wide = jnp.promote_types(acc_leaf.dtype, jnp.float32)
+            held = acc_leaf.astype(wide) + comp_leaf.astype(wide)
+            return jnp.where(accepted, held + term(grad_leaf, wide), held)
+
+        def compensated_split(acc_leaf, comp_leaf, grad_leaf):
+            total = compensated_add(acc_leaf, comp_leaf, grad_leaf)
+            finfo = jnp.finfo(acc_leaf.dtype)
+            # Rounded with reduce_precision, not with a cast: the high part is
+            # then exactly representable, and XLA's licence to drop a
+            # float32->16-bit->float32 convert pair (excess precision) cannot
+            # turn the remainder into zero.
+            high = jax.lax.reduce_precision(
+                total, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant
+            )
+            return high.astype(acc_leaf.dtype), (total - high).astype(acc_leaf.dtype)
+
+        def window_total(acc):
+            if compensated:
+                sums, comps = acc
+                return jax.tree.map(compensated_add, sums, comps, grads)
+            return jax.tree.map(add, acc, grads)
 
         def zero_updates():
             return jax.tree.map(jnp.zeros_like, grads)
 
         def run_inner(acc, inner_state, total_weight):
-            total = jax.tree.map(add, acc, grads)
+            total = window_total(acc)
             if axis_name is not None:
                 total = jax.lax.psum(total, axis_name)
             if use_grad_mean:
@@ -321,11 +385,14 @@ def accumulate(
 
             predicate = closes
 
+        acc_operand = state.acc_grads
+        if compensated:
+            acc_operand = (state.acc_grads, state.acc_compensation)
         new_updates, new_inner, reset, applied = jax.lax.cond(
             predicate,
             apply_branch,
             skip_branch,
-            state.acc_grads,
+            acc_operand,
             state.inner_state,
             closes,
             window_weight,
@@ -335,11 +402,22 @@ def accumulate(
         # in-place write after the branch has read the old accumulator; with
         # `closes` instead, XLA may run it first and must copy the accumulator.
         # The reset uses fresh zeros, never a product with zero (NaN * 0 = NaN).
-        new_acc = jax.tree.map(
-            lambda a, g: jnp.where(reset, jnp.zeros_like(a), add(a, g)),
-            state.acc_grads,
-            grads,
-        )
+        new_comp = None
+        if compensated:
+            split = jax.tree.map(compensated_split, state.acc_grads, state.acc_compensation, grads)
+            # `split` holds a (high, low) pair where acc_grads holds a leaf.
+            new_acc = jax.tree.map(
+                lambda a, hl: jnp.where(reset, jnp.zeros_like(a), hl[0]), state.acc_grads, split
+            )
+            new_comp = jax.tree.map(
+                lambda a, hl: jnp.where(reset, jnp.zeros_like(a), hl[1]), state.acc_grads, split
+            )
+        else:
+            new_acc = jax.tree.map(
+                lambda a, g: jnp.where(reset, jnp.zeros_like(a), add(a, g)),
+                state.acc_grads,
+                grads,
+            )
         new_state = AccumulateState(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
             gradient_step=_saturating_increment(state.gradient_step, applied),
@@ -347,6 +425,7 @@ def accumulate(
             acc_weight=jnp.where(reset, 0.0, window_weight).astype(jnp.float32),
             num_skipped=_saturating_increment(state.num_skipped, ~accepted),
             inner_state=new_inner,
+            acc_compensation=new_comp,
         )
         return new_updates, new_state
 

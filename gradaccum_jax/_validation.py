@@ -94,3 +94,41 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
                 f"but {reference_name} holds shape {jnp.shape(ref_leaf)} there. Call "
                 "init with the same parameter tree whose gradients you pass to update."
             )
+
+
+def check_positive_scalar(name: str, value: Any) -> jax.Array:
+    """Returns ``value`` as a float32 scalar, or raises if it is not a finite real ``> 0``.
+
+    Traced values are checked for shape and dtype only; their value is known
+    only when the program runs.
+    """
+    dtype = jnp.result_type(value)
+    if jnp.issubdtype(dtype, jnp.bool_) or not (
+        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    ):
+        raise TypeError(f"{name} must be a real scalar; got {value!r} with dtype {dtype}.")
+    if jnp.ndim(value) != 0:
+        raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.")
+    if not isinstance(value, jax.core.Tracer):
+        number = float(value)
+        if not (np.isfinite(number) and number > 0):
+            raise ValueError(f"{name} must be finite and > 0; got {name}={number!r}.")
+    return jnp.asarray(value, jnp.float32)
+
+
+def find_unique_state(opt_state: Any, state_type: type, made_by: str) -> Any:
+    """Returns the one ``state_type`` value inside ``opt_state``, or raises ``ValueError``."""
+    found = [
+        leaf
+        for leaf in jax.tree_util.tree_leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, state_type)
+        )
+        if isinstance(leaf, state_type)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"opt_state must contain exactly one {state_type.__name__} (the state of "
+            f"{made_by}); found {len(found)}. Pass the optimizer state that holds it, "
+            "e.g. state.opt_state for a Flax TrainState."
+        )
+    return found[0]
