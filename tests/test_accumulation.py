@@ -641,7 +641,7 @@ def test_bad_inner(inner, pattern):
 
 
 def test_bad_accumulator_dtype():
-    with pytest.raises(TypeError, match=r"accumulator_dtype must be a floating.*int32"):
+    with pytest.raises(TypeError, match=r"accumulator_dtype must be None or a floating.*int32"):
         ga.accumulate(optax.sgd(0.1), 2, accumulator_dtype=jnp.int32)
 
 
