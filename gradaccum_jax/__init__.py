@@ -6,12 +6,38 @@ from gradaccum_jax._accumulation import (
     closes_window,
     optimizer_step,
 )
+from gradaccum_jax._conditional import (
+    ConditionalAccumulateState,
+    ConditionalAccumulatorState,
+    conditional_accumulate,
+    conditional_accumulator_init,
+    conditional_apply_grad,
+    conditional_num_accumulated,
+    conditional_set_global_step,
+    conditional_take_grad,
+)
+from gradaccum_jax._split import (
+    SplitAccumulateState,
+    clamp_params,
+    split_accumulate,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccumulateState",
+    "ConditionalAccumulateState",
+    "ConditionalAccumulatorState",
+    "SplitAccumulateState",
     "accumulate",
+    "clamp_params",
     "closes_window",
+    "conditional_accumulate",
+    "conditional_accumulator_init",
+    "conditional_apply_grad",
+    "conditional_num_accumulated",
+    "conditional_set_global_step",
+    "conditional_take_grad",
     "optimizer_step",
+    "split_accumulate",
 ]
