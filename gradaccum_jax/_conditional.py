@@ -313,7 +313,8 @@ def conditional_set_global_step(
     staleness can never move backwards and let old gradients in. Since jitted
     code cannot log, the ignored call is reported by incrementing
     ``num_ignored_steps`` in the returned state. (TensorFlow logs a warning
-    instead.) Gradients already accumulated stay in the sum.
+    and sets the lower step anyway.) Gradients already accumulated stay in the
+    sum.
 
     Args:
       state: A :class:`ConditionalAccumulatorState` or

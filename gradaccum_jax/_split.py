@@ -158,32 +158,30 @@ def split_accumulate(
 
     where the upper limit acts on the positive part and the lower limit on
     the negative part (``f = 1`` for a side without a limit, so
-    ``bound=None`` returns ``P - N``), and, with the exponents ``μ±`` and
-    ``r = p_max - p_min``,
+    ``bound=None`` returns ``P - N``), and, with ``r = p_max - p_min`` and the
+    exponent ``μ`` (``upper_exponent`` for ``f_+``, ``lower_exponent`` for
+    ``f_-``),
 
-    ===========================  ==========================================
-    ``bound``                    ``f_±(d)``
-    ===========================  ==========================================
-    ``"power"``                  ``d^μ±``
-    ``"scaled_power"``           ``(d / r)^μ±``
-    ``"multiplicative"``         ``d``
-    ``"scaled_multiplicative"``  ``d / r``
-    ``"sharp"``                  ``Θ(d)``: 1 if ``d > 0``, else 0
-    ===========================  ==========================================
+    - ``"power"``: ``f(d) = d^μ``,
+    - ``"scaled_power"``: ``f(d) = (d / r)^μ``,
+    - ``"multiplicative"``: ``f(d) = d``,
+    - ``"scaled_multiplicative"``: ``f(d) = d / r``,
+    - ``"sharp"``: ``f(d) = Θ(d)``, 1 if ``d > 0`` and 0 otherwise.
 
-    Two conventions where the reference (seed 004, ``inferno``) is silent or
-    undefined: the sharp bound takes ``Θ(0) = 0``, so a parameter exactly at
-    its upper limit gets no positive push and one at its lower limit no
-    negative push (the reference's text says ``Θ(0) = 1`` while its code
-    gives 0); and outside the box (``d < 0``) the power bounds use the odd
-    extension ``sign(d)·|d|^μ``, which is finite and pushes back towards the
-    box, instead of the undefined ``d^μ``. None of these soft bounds keeps a
-    parameter inside the box; chain :func:`clamp_params` after this for that.
+    Two conventions where the reference (the ``inferno`` library's
+    accumulator) is ambiguous or undefined. The sharp bound takes
+    ``Θ(0) = 0``, so a parameter exactly at its upper limit gets no positive
+    push and one at its lower limit no negative push (the reference's text
+    says ``Θ(0) = 1``, its code gives 0). Outside the box (``d < 0``) the
+    power bounds use the odd extension ``sign(d)·|d|^μ``, which is finite and
+    pushes back towards the box, instead of the undefined ``d^μ``. None of
+    these soft bounds keeps a parameter inside the box; chain
+    :func:`clamp_params` after this for that.
 
     The other calls of the window return exact zeros. A call with a
-    non-finite entry is dropped (not reduced, not counted) and counted in
-    ``num_skipped``; a component that received nothing in a window reduces to
-    zero. A window with nothing accepted returns zeros.
+    non-finite entry is dropped: it joins neither component's reduction nor
+    its count, and ``num_skipped`` grows by one. A component that received
+    nothing in a window reduces to zero. A window with nothing accepted returns zeros.
 
     This transform acts on the final increment and reads the current params:
     it must be the last transform in an ``optax.chain`` (only
