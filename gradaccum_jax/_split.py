@@ -61,6 +61,18 @@ class SplitAccumulateState(NamedTuple):
     num_skipped: jax.Array
 
 
+def _positive_part(x: jax.Array) -> jax.Array:
+    return jnp.maximum(x, 0)
+
+
+def _negative_part(x: jax.Array) -> jax.Array:
+    return jnp.maximum(-x, 0)
+
+
+def _identity(x: jax.Array) -> jax.Array:
+    return x
+
+
 def _combine(reduction: str, acc: jax.Array, x: jax.Array, count: jax.Array) -> jax.Array:
     """One step of a running reduction; ``count`` is the count before ``x``."""
     x = x.astype(acc.dtype)
@@ -289,9 +301,10 @@ def split_accumulate(
         if not paired:
             _validation.check_same_structure("updates", updates, "params", params)
             _validation.check_float_tree("updates", updates)
-            positive = jax.tree.map(lambda u: jnp.maximum(u, 0), updates)
-            negative = jax.tree.map(lambda u: jnp.maximum(-u, 0), updates)
-            return positive, negative
+            # The parts are taken where they are used (in the branch, in the
+            # accumulator pass) so that XLA fuses them instead of keeping two
+            # parameter-sized temporaries alive across the conditional.
+            return updates, updates, _positive_part, _negative_part
         if not (isinstance(updates, (tuple, list)) and len(updates) == 2):
             raise TypeError(
                 "with paired=True, updates must be a pair (positive, negative) of trees "
@@ -304,7 +317,7 @@ def split_accumulate(
             if part is not None:
                 _validation.check_same_structure(name, part, "params", params)
                 _validation.check_float_tree(name, part)
-        return updates[0], updates[1]
+        return updates[0], updates[1], _identity, _identity
 
     def update_fn(
         updates: optax.Updates,
@@ -318,8 +331,8 @@ def split_accumulate(
                 "last in optax.chain (only clamp_params may follow it)."
             )
         _validation.check_float_tree("params", params)
-        positive, negative = split(updates, params)
-        given = [part for part in (positive, negative) if part is not None]
+        positive, negative, pos_part, neg_part = split(updates, params)
+        given = [src for src in (positive, negative) if src is not None] if paired else [updates]
 
         accepted = jnp.array(True)
         if skip_nonfinite:
@@ -354,33 +367,39 @@ def split_accumulate(
                 new = jnp.where(present, x.astype(buffer.dtype), old)
                 return jax.lax.dynamic_update_index_in_dim(buffer, new, slot, 0)
 
-            def stored(acc, part, count, present):
-                if part is None:
+            def stored(acc, src, part, count, present):
+                if src is None:
                     return acc
-                return jax.tree.map(lambda b, x: store(b, x, count, present), acc, part)
+                return jax.tree.map(lambda b, x: store(b, part(x), count, present), acc, src)
 
-            pos_acc = stored(state.positive, positive, state.positive_count, pos_in)
-            neg_acc = stored(state.negative, negative, state.negative_count, neg_in)
+            pos_acc = stored(state.positive, positive, pos_part, state.positive_count, pos_in)
+            neg_acc = stored(state.negative, negative, neg_part, state.negative_count, neg_in)
 
-            def window_value(acc, part, count, present, old_count):
-                del part, present, old_count
+            def window_value(acc, src, part, count, present, old_count):
+                del src, part, present, old_count
                 return jax.tree.map(lambda b: _buffer_finish(window_fn, b, count, buffer_len), acc)
         else:
             pos_acc, neg_acc = state.positive, state.negative
 
-            def window_value(acc, part, count, present, old_count):
-                if part is not None:
+            def window_value(acc, src, part, count, present, old_count):
+                if src is not None:
                     acc = jax.tree.map(
-                        lambda a, x: jnp.where(present, _combine(reduction, a, x, old_count), a),
+                        lambda a, x: jnp.where(
+                            present, _combine(reduction, a, part(x), old_count), a
+                        ),
                         acc,
-                        part,
+                        src,
                     )
                 return jax.tree.map(lambda a: _finish(reduction, a, count), acc)
 
         def apply_branch(pos_acc, neg_acc, closes_):
             del closes_
-            big_p = window_value(pos_acc, positive, pos_count, pos_in, state.positive_count)
-            big_n = window_value(neg_acc, negative, neg_count, neg_in, state.negative_count)
+            big_p = window_value(
+                pos_acc, positive, pos_part, pos_count, pos_in, state.positive_count
+            )
+            big_n = window_value(
+                neg_acc, negative, neg_part, neg_count, neg_in, state.negative_count
+            )
             new_updates = jax.tree.map(
                 lambda bp, bn, p: bounded(bp, bn, p.astype(bp.dtype)).astype(p.dtype),
                 big_p,
@@ -410,21 +429,21 @@ def split_accumulate(
             # Written after the conditional and ordered by its `reset` output,
             # so the in-place pass runs after the branch has read the old
             # values (see gradaccum_jax.accumulate).
-            def advance(acc, part, present, old_count):
-                if part is None:
+            def advance(acc, src, part, present, old_count):
+                if src is None:
                     return jax.tree.map(lambda a: jnp.where(reset, jnp.zeros_like(a), a), acc)
                 return jax.tree.map(
                     lambda a, x: jnp.where(
                         reset,
                         jnp.zeros_like(a),
-                        jnp.where(present, _combine(reduction, a, x, old_count), a),
+                        jnp.where(present, _combine(reduction, a, part(x), old_count), a),
                     ),
                     acc,
-                    part,
+                    src,
                 )
 
-            new_pos = advance(state.positive, positive, pos_in, state.positive_count)
-            new_neg = advance(state.negative, negative, neg_in, state.negative_count)
+            new_pos = advance(state.positive, positive, pos_part, pos_in, state.positive_count)
+            new_neg = advance(state.negative, negative, neg_part, neg_in, state.negative_count)
 
         new_state = SplitAccumulateState(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),

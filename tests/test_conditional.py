@@ -266,3 +266,17 @@ def test_skip_branch_does_not_copy_the_inner_state():
 def test_docstring_examples():
     result = doctest.testmod(_conditional, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_counters_saturate_and_traced_num_required():
+    top = jnp.iinfo(jnp.int32).max
+    acc = ga.conditional_accumulator_init(PARAMS)._replace(
+        global_step=jnp.int32(top), num_stale=jnp.int32(top), num_ignored_steps=jnp.int32(top)
+    )
+    acc = ga.conditional_apply_grad(acc, jax.tree.map(jnp.ones_like, PARAMS), 0)  # stale
+    acc = ga.conditional_set_global_step(acc, 0)  # lower: ignored
+    assert int(acc.num_stale) == int(acc.num_ignored_steps) == top
+    acc = ga.conditional_apply_grad(acc, jax.tree.map(jnp.ones_like, PARAMS), top)
+    _, ready, acc = jax.jit(ga.conditional_take_grad)(acc, jnp.int32(1))
+    assert bool(ready) and int(acc.global_step) == top
+    assert all(x.dtype == jnp.int32 for x in (acc.global_step, acc.num_accumulated))

@@ -257,6 +257,27 @@ def test_scan_keeps_state_dtypes(reduction):
     assert p_scan["w"].dtype == jnp.bfloat16
 
 
+def test_gate_keeps_no_copies_or_extra_temporaries():
+    # With donation the components are updated in place and the positive and
+    # negative parts are fused where they are used: the only parameter-sized
+    # temporary is the update that the boundary branch returns.
+    big = {"w": jnp.full((256, 256), 0.5)}
+    tx = ga.split_accumulate(
+        4, reduction="geometric_mean", bound="power", upper=1.0, lower=0.0, upper_exponent=2.0
+    )
+
+    def step(state, params, updates):
+        updates, state = tx.update(updates, state, params)
+        return state, optax.apply_updates(params, updates)
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(tx.init(big), big, big).compile()
+    copies = [
+        line for line in compiled.as_text().splitlines() if " copy(" in line and "256,256" in line
+    ]
+    assert copies == []
+    assert compiled.memory_analysis().temp_size_in_bytes < 2 * big["w"].nbytes
+
+
 def test_construction_and_trace_errors():
     with pytest.raises(ValueError, match="reduction must be one of"):
         ga.split_accumulate(2, reduction="harmonic")
