@@ -359,7 +359,13 @@ def test_clamp_params_lands_inside_whenever_any_addition_can(dtype):
     new = np.asarray(optax.apply_updates(params, delta)["w"], np.float64)
     outside = (new < lo) | (new > hi)
     p_used = np.asarray(params["w"], np.float64)
-    assert not np.any(outside & (p_used >= lo) & (p_used <= hi))
+    was_inside = (p_used >= lo) & (p_used <= hi)
+    assert not np.any(outside & was_inside)
+    # ... and they land within rounding of the clipped sum (the last-resort
+    # "stay put" is never what kept them inside).
+    target = np.clip(p_used + np.asarray(jnp.asarray(u, dtype), np.float64), lo, hi)
+    slack = 4 * float(jnp.finfo(dtype).eps) * np.maximum(np.abs(target), np.abs(p_used))
+    assert np.all(np.abs(new - target)[was_inside] <= slack[was_inside])
     # Elsewhere a miss must be unavoidable: p + d is monotone in d, so if d
     # lands below the box and the next float above d lands above it (or the
     # reverse), no addition lands inside.
