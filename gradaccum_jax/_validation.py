@@ -85,7 +85,9 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
             "gradients you pass to update."
         )
     pairs = zip(
-        jax.tree_util.tree_leaves_with_path(tree), jax.tree_util.tree_leaves(reference), strict=True
+        jax.tree_util.tree_leaves_with_path(tree),
+        jax.tree_util.tree_leaves(reference),
+        strict=True,
     )
     for (path, leaf), ref_leaf in pairs:
         if jnp.shape(leaf) != jnp.shape(ref_leaf):
@@ -132,3 +134,59 @@ def find_unique_state(opt_state: Any, state_type: type, made_by: str) -> Any:
             "e.g. state.opt_state for a Flax TrainState."
         )
     return found[0]
+
+
+def check_int(name: str, value: Any, *, minimum: int) -> int:
+    """Returns ``value`` as an int, or raises if it is not an integer ``>= minimum``.
+
+    Unlike :func:`check_positive_int` its message does not suggest a schedule,
+    for arguments that must be a plain count.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be a Python int >= {minimum}; got {name}={value!r} of type "
+            f"{type(value).__name__}."
+        )
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {name}={value!r}.")
+    return int(value)
+
+
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    """Returns ``value`` if it is one of the strings in ``allowed``, else raises ``ValueError``."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(
+            f"{name} must be one of {', '.join(repr(a) for a in allowed)}; got {name}={value!r}."
+        )
+    return value
+
+
+def check_finite_real(name: str, value: Any) -> float:
+    """Returns ``value`` as a float, or raises if it is not a finite real number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a real number such as 1.0; got {name}={value!r} of type "
+            f"{type(value).__name__}."
+        )
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {name}={value!r}.")
+    return value
+
+
+def check_int_scalar(name: str, value: Any) -> jax.Array:
+    """Returns ``value`` as an ``int32`` scalar, or raises if it is not an integer scalar."""
+    dtype = jnp.result_type(value)
+    if jnp.issubdtype(dtype, jnp.bool_) or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+            f"{name} must be an integer scalar such as a step count; got {name}={value!r} "
+            f"with dtype {dtype}."
+        )
+    if jnp.ndim(value) != 0:
+        raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.")
+    if not isinstance(value, jax.core.Tracer):
+        as_int = int(value)
+        info = jnp.iinfo(jnp.int32)
+        if not info.min <= as_int <= info.max:
+            raise ValueError(f"{name} must fit in int32; got {name}={as_int!r}.")
+    return jnp.asarray(value, jnp.int32)
