@@ -304,7 +304,7 @@ def test_construction_and_trace_errors():
     state = tx.init(params)
     with pytest.raises(ValueError, match="params=None"):
         tx.update(params, state)
-    with pytest.raises(ValueError, match=r"\['b'\]\" has shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"leaf \['b'\] has shape \(2,\)"):
         tx.update({"w": jnp.zeros(2), "b": jnp.zeros(2)}, state, params)
     paired = ga.split_accumulate(2, paired=True)
     with pytest.raises(TypeError, match=r"pair \(positive, negative\)"):
