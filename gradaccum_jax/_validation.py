@@ -84,8 +84,9 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
             f"expected {ref_def}. Call init with the same parameter tree whose "
             "gradients you pass to update."
         )
+    # The tree structures are equal (checked above), so the leaf lists align.
     pairs = zip(
-        jax.tree_util.tree_leaves_with_path(tree), jax.tree_util.tree_leaves(reference)
+        jax.tree_util.tree_leaves_with_path(tree), jax.tree_util.tree_leaves(reference), strict=True
     )
     for (path, leaf), ref_leaf in pairs:
         if jnp.shape(leaf) != jnp.shape(ref_leaf):
@@ -94,3 +95,39 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
                 f"but {reference_name} holds shape {jnp.shape(ref_leaf)} there. Call "
                 "init with the same parameter tree whose gradients you pass to update."
             )
+
+
+def check_hyperparameter(
+    name: str, value: Any, *, allow_zero: bool = True, allow_none: bool = False
+) -> Any:
+    """Checks a real, finite, non-negative hyperparameter; returns it unchanged.
+
+    Python numbers and concrete scalar arrays are checked by value. Traced
+    scalars (``optax.inject_hyperparams`` builds the transform inside ``jit``)
+    are checked only for shape, since their value is not known yet.
+    """
+    if value is None:
+        if allow_none:
+            return None
+        raise TypeError(f"{name} must be a real number; got {name}=None.")
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        check_nonnegative_float(name, value, allow_zero=allow_zero)
+        return value
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or isinstance(value, bool) or not jnp.issubdtype(dtype, jnp.number):
+        raise TypeError(
+            f"{name} must be a real number{' or None' if allow_none else ''}; got "
+            f"{value!r} of type {type(value).__name__}."
+        )
+    if jnp.ndim(value) != 0:
+        raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.")
+    if not isinstance(value, jax.core.Tracer):
+        check_nonnegative_float(name, float(value), allow_zero=allow_zero)
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """Raises ``ValueError`` unless ``value`` is one of the strings ``choices``; returns it."""
+    if isinstance(value, str) and value in choices:
+        return value
+    raise ValueError(f"{name} must be one of {choices!r}; got {name}={value!r}.")
