@@ -24,20 +24,6 @@ from gradaccum_jax._accumulation import _all_finite, _saturating_increment
 Ord = int | float | Literal["mad", "std", "var", "sum", "l0", "l1", "l2", "l3", "l4", "linf"]
 Dim = int | Sequence[int] | Literal["global"] | None
 
-_NAMED_ORDS: dict[str, tuple[str, float]] = {
-    "mad": ("mad", 1.0),
-    "std": ("std", 2.0),
-    "var": ("var", 2.0),
-    "sum": ("sum", 1.0),
-    "l0": ("norm", 0.0),
-    "l1": ("norm", 1.0),
-    "l2": ("norm", 2.0),
-    "l3": ("norm", 3.0),
-    "l4": ("norm", 4.0),
-    "linf": ("norm", math.inf),
-}
-
-
 # --------------------------------------------------------------------------- #
 # Measures                                                                     #
 # --------------------------------------------------------------------------- #
@@ -45,13 +31,27 @@ _NAMED_ORDS: dict[str, tuple[str, float]] = {
 
 @dataclasses.dataclass(frozen=True)
 class _Measure:
-    """A parsed ``ord``: a p-norm (``kind="norm"``) or a named statistic.
+    """A parsed ``ord``: a p-norm of order ``p`` (``kind="norm"``) or a statistic.
 
     ``kind="mean"`` (the signed mean) is used by :func:`centralize` only.
     """
 
     kind: str
-    p: float
+    p: float = 0.0
+
+
+_NAMED_ORDS: dict[str, _Measure] = {
+    "mad": _Measure("mad"),
+    "std": _Measure("std"),
+    "var": _Measure("var"),
+    "sum": _Measure("sum"),
+    "l0": _Measure("norm", 0.0),
+    "l1": _Measure("norm", 1.0),
+    "l2": _Measure("norm", 2.0),
+    "l3": _Measure("norm", 3.0),
+    "l4": _Measure("norm", 4.0),
+    "linf": _Measure("norm", math.inf),
+}
 
 
 # optax.inject_hyperparams turns every numeric argument into an array.
@@ -64,7 +64,7 @@ _STATIC_HINT = (
 def _parse_ord(ord: Any) -> _Measure:
     if isinstance(ord, str):
         if ord in _NAMED_ORDS:
-            return _Measure(*_NAMED_ORDS[ord])
+            return _NAMED_ORDS[ord]
         raise ValueError(
             f"ord must be a number >= 0, inf, or one of {tuple(_NAMED_ORDS)}; got {ord=}."
         )
@@ -224,8 +224,8 @@ def _unit_axes(
     if dims is None:
         return tuple(range(ndim))
     # A leaf takes part in the axes of `dims` it has; negative axes count
-    # from its end (torchzero compares them with ndim unnormalised, so -1
-    # never matches when inverted).
+    # from its end. (torchzero compares raw negative axes with range(ndim),
+    # so inverting dim=-1 selects every axis.)
     present = {d % ndim for d in dims if -ndim <= d < ndim}
     if inverse_dims:
         present = set(range(ndim)) - present
@@ -277,15 +277,15 @@ def _unit_args(
     return _parse_ord(ord), _parse_dim(dim, inverse_dims), _check_min_size(min_size)
 
 
-def _clip_scale(size: jax.Array, max_size: Any, min_size: Any = None) -> jax.Array:
-    """Factor that brings ``size`` into ``[min_size, max_size]``; 1 for zero sizes."""
+def _clip_scale(size: jax.Array, hi: Any, lo: Any = None) -> jax.Array:
+    """Factor that brings ``size`` into ``[lo, hi]`` (either may be None); 1 for size 0."""
     scale = jnp.ones_like(size)
-    if max_size is not None:
-        over = size > max_size
-        scale = jnp.where(over, max_size / _safe(size, over), scale)
-    if min_size is not None:
-        under = (size < min_size) & (size > 0)
-        scale = jnp.where(under, min_size / _safe(size, under), scale)
+    if hi is not None:
+        over = size > hi
+        scale = jnp.where(over, hi / _safe(size, over), scale)
+    if lo is not None:
+        under = (size < lo) & (size > 0)
+        scale = jnp.where(under, lo / _safe(size, under), scale)
     return scale
 
 
@@ -333,6 +333,14 @@ def clip_grad_norm(
     Unlike torchzero's ``clip_grad_norm_`` this returns a new tree (JAX arrays
     are immutable) together with the measures it took, like
     ``torch.nn.utils.clip_grad_norm_`` returns the total norm.
+
+    Differences from torchzero, which implement its documentation where its
+    code departs from it (they apply to :func:`clip_norm`, :func:`normalize`
+    and :func:`normalize_grads` too): ``dim=None`` makes each leaf one unit
+    over its own axes (torchzero takes the first tensor's axes for every
+    tensor); negative axes are matched per leaf, so ``inverse_dims`` works
+    with them; ``"var"`` and ``"sum"`` are handled as described under
+    ``ord``.
 
     Args:
       grads: A pytree of arrays.
@@ -531,7 +539,7 @@ def centralize(
       Deep Neural Networks*, 2020, https://arxiv.org/abs/2004.01461
     """
     _, dims, min_size = _unit_args(2, dim, inverse_dims, min_size)
-    mean = _Measure("mean", 1.0)
+    mean = _Measure("mean")
 
     def centre(x: jax.Array, measured: jax.Array) -> jax.Array:
         return x - measured
@@ -551,8 +559,9 @@ def clip_norm(
 
     :math:`g_u \leftarrow g_u \cdot \min(1, \mathrm{max\_norm} / n_u)` for
     every unit :math:`u` with measure :math:`n_u`; see :func:`clip_grad_norm`
-    for ``ord`` and the units. With ``dim="global"`` and ``ord=2`` this is
-    ``optax.clip_by_global_norm``.
+    for ``ord``, the units and where this departs from torchzero's ``ClipNorm``
+    (``dim=None`` is per leaf, negative axes work with ``inverse_dims``). With
+    ``dim="global"`` and ``ord=2`` this is ``optax.clip_by_global_norm``.
 
     Args:
       max_norm: The bound, ``>= 0``.
@@ -626,7 +635,9 @@ def normalize(
     r"""Rescales every unit of the updates to measure ``norm_value``.
 
     :math:`g_u \leftarrow g_u \cdot \mathrm{norm\_value} / n_u` for every unit
-    with a nonzero measure; zero units stay zero. See :func:`normalize_grads`.
+    with a nonzero measure; zero units stay zero. See :func:`normalize_grads`
+    and, for where this departs from torchzero's ``Normalize``,
+    :func:`clip_grad_norm`.
 
     Args:
       norm_value: The target measure, ``>= 0`` (default 1).
