@@ -190,3 +190,32 @@ def check_int_scalar(name: str, value: Any) -> jax.Array:
         if not info.min <= as_int <= info.max:
             raise ValueError(f"{name} must fit in int32; got {name}={as_int!r}.")
     return jnp.asarray(value, jnp.int32)
+
+
+def check_hyperparameter(
+    name: str, value: Any, *, allow_zero: bool = True, allow_none: bool = False
+) -> Any:
+    """Checks a real, finite, non-negative hyperparameter; returns it unchanged.
+
+    Python numbers and concrete scalar arrays are checked by value. Traced
+    scalars (``optax.inject_hyperparams`` builds the transform inside ``jit``)
+    are checked only for shape, since their value is not known yet.
+    """
+    if value is None:
+        if allow_none:
+            return None
+        raise TypeError(f"{name} must be a real number; got {name}=None.")
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        check_nonnegative_float(name, value, allow_zero=allow_zero)
+        return value
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or isinstance(value, bool) or not jnp.issubdtype(dtype, jnp.number):
+        raise TypeError(
+            f"{name} must be a real number{' or None' if allow_none else ''}; got "
+            f"{value!r} of type {type(value).__name__}."
+        )
+    if jnp.ndim(value) != 0:
+        raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.")
+    if not isinstance(value, jax.core.Tracer):
+        check_nonnegative_float(name, float(value), allow_zero=allow_zero)
+    return value
