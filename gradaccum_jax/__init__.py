@@ -6,6 +6,7 @@ from gradaccum_jax._accumulation import (
     closes_window,
     optimizer_step,
 )
+from gradaccum_jax._microbatch import microbatch_value_and_grad
 
 __version__ = "0.1.0"
 
@@ -13,5 +14,6 @@ __all__ = [
     "AccumulateState",
     "accumulate",
     "closes_window",
+    "microbatch_value_and_grad",
     "optimizer_step",
 ]

@@ -85,7 +85,9 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
             "gradients you pass to update."
         )
     pairs = zip(
-        jax.tree_util.tree_leaves_with_path(tree), jax.tree_util.tree_leaves(reference)
+        jax.tree_util.tree_leaves_with_path(tree),
+        jax.tree_util.tree_leaves(reference),
+        strict=True,
     )
     for (path, leaf), ref_leaf in pairs:
         if jnp.shape(leaf) != jnp.shape(ref_leaf):
@@ -94,3 +96,17 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
                 f"but {reference_name} holds shape {jnp.shape(ref_leaf)} there. Call "
                 "init with the same parameter tree whose gradients you pass to update."
             )
+
+
+def check_float_dtype(name: str, value: Any) -> jnp.dtype:
+    """Returns ``value`` as a dtype, or raises ``TypeError`` unless it is a floating dtype."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{name} must be a floating-point dtype such as jnp.float32 or jnp.bfloat16; "
+            f"got {name}={value!r}."
+        )
+    return dtype
