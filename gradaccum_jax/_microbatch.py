@@ -103,6 +103,25 @@ def _check_shards(args: tuple[Any, ...], batch_argnums: tuple[int, ...], micro: 
                 )
 
 
+def _varying(x: Any) -> frozenset:
+    """Returns the mesh axes along which ``x`` varies inside ``shard_map`` (none outside)."""
+    manual = getattr(x, "manual_axis_type", None)
+    if manual is None and not isinstance(x, jax.ShapeDtypeStruct):
+        manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", None) or ())
+
+
+def _match_varying(x: jax.Array, like: Any) -> jax.Array:
+    # Inside shard_map a scan carry must keep its varying axes from one
+    # iteration to the next: widen an initial value to those of its successor.
+    missing = _varying(like) - _varying(x)
+    return jax.lax.pcast(x, tuple(missing), to="varying") if missing else x
+
+
+def _zeros(like: jax.ShapeDtypeStruct, dtype: Any) -> jax.Array:
+    return _match_varying(jnp.zeros(like.shape, dtype), like)
+
+
 def _check_carry(new: Any, old: Any, carry_argnums: Any) -> None:
     new_def, old_def = jax.tree_util.tree_structure(new), jax.tree_util.tree_structure(old)
     if new_def != old_def:
@@ -482,9 +501,10 @@ def microbatch_value_and_grad(
                 lambda x: jax.lax.convert_element_type(x, jnp.result_type(x)), carried(args)
             )
         shapes = jax.eval_shape(lambda c: value_and_grad(*micro_args(jnp.int32(0), c)), carry0)
-        (value_shape, (_, carry_shape, aux_shape)), grad_shape = shapes
+        (value_shape, (weight_shape, carry_shape, aux_shape)), grad_shape = shapes
         if carry_nums:
             _check_carry(carry_shape, carry0, carry_argnums)
+            carry0 = jax.tree.map(_match_varying, carry0, carry_shape)
         aux_leaves, aux_def = jax.tree_util.tree_flatten(aux_shape)
         reductions = _leaf_reductions(aux_reduction, aux_shape)
         summed = [n for n, r in enumerate(reductions) if _is(r, "sum") or _is(r, "mean")]
@@ -499,13 +519,10 @@ def microbatch_value_and_grad(
             return jnp.int32 if dtype == jnp.bool_ else dtype
 
         acc0 = (
-            jax.tree.map(
-                lambda s: jnp.zeros(s.shape, _accumulator_dtype(s, accumulator_dtype)),
-                grad_shape,
-            ),
-            jnp.zeros([], value_dtype),
-            jnp.zeros([], jnp.float32),
-            [jnp.zeros(aux_leaves[n].shape, sum_dtype(n)) for n in summed],
+            jax.tree.map(lambda s: _zeros(s, _accumulator_dtype(s, accumulator_dtype)), grad_shape),
+            _zeros(value_shape, value_dtype),
+            _zeros(weight_shape, jnp.float32),
+            [_zeros(aux_leaves[n], sum_dtype(n)) for n in summed],
         )
 
         def body(state: Any, i: jax.Array) -> Any:
@@ -533,6 +550,11 @@ def microbatch_value_and_grad(
                 add(a, leaves[n], weight) if _is(reductions[n], "mean") else a + leaves[n]
                 for a, n in zip(acc_aux, summed, strict=True)
             ]
+            if carry_nums:
+                # Same dtypes, checked above; astype drops a weak type scan would reject.
+                new_carry = jax.tree.map(
+                    lambda n, c: _match_varying(n.astype(c.dtype), c), new_carry, carry
+                )
             new_state = (new_carry, (acc_grad, acc_value, acc_weight + weight, acc_aux))
             return new_state, [leaves[n] for n in stacked]
 

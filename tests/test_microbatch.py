@@ -82,6 +82,7 @@ def loss_with_metrics(params, batch):
 
 PARAMS, BATCH = _params(), _batch()
 FULL = jax.jit(jax.value_and_grad(mean_loss))(PARAMS, BATCH)
+MASKED_FULL = jax.jit(jax.value_and_grad(masked_loss))(PARAMS, BATCH)
 
 
 @pytest.mark.parametrize("k", [2, 8])
@@ -117,12 +118,15 @@ def test_argnums_tuple_and_batch_in_several_arguments():
 
     fn = ga.microbatch_value_and_grad(loss, 4, argnums=(1, 3), batch_argnums=(0, 2))
     out = jax.jit(fn)(BATCH["x"], PARAMS, BATCH["y"], 2.0)
-    _tree_close(out, jax.value_and_grad(loss, argnums=(1, 3))(BATCH["x"], PARAMS, BATCH["y"], 2.0))
+    expected = jax.jit(jax.value_and_grad(loss, argnums=(1, 3)))(
+        BATCH["x"], PARAMS, BATCH["y"], 2.0
+    )
+    _tree_close(out, expected)
 
 
 def test_weight_fn_gives_full_batch_weighted_mean():
     fn = ga.microbatch_value_and_grad(masked_loss, 4, weight_fn=lambda p, b: b["mask"])
-    expected = jax.value_and_grad(masked_loss)(PARAMS, BATCH)
+    expected = MASKED_FULL
     _tree_close(jax.jit(fn)(PARAMS, BATCH), expected)
     # Without the weights: a mean of micro-batch means, NaN from the empty one.
     naive_value, _ = jax.jit(ga.microbatch_value_and_grad(masked_loss, 4))(PARAMS, BATCH)
@@ -130,7 +134,7 @@ def test_weight_fn_gives_full_batch_weighted_mean():
 
 
 def test_sum_and_weight_gives_full_batch_weighted_mean():
-    expected = jax.value_and_grad(masked_loss)(PARAMS, BATCH)
+    expected = MASKED_FULL
     for k in (1, 4):
         fn = ga.microbatch_value_and_grad(masked_sum_and_weight, k, sum_and_weight=True)
         _tree_close(jax.jit(fn)(PARAMS, BATCH), expected)
@@ -144,7 +148,7 @@ def test_aux_reductions():
         aux_reduction=METRIC_REDUCTIONS,
     )
     out = jax.jit(fn)(PARAMS, BATCH)
-    expected = jax.value_and_grad(loss_with_metrics, has_aux=True)(PARAMS, BATCH)
+    expected = jax.jit(jax.value_and_grad(loss_with_metrics, has_aux=True))(PARAMS, BATCH)
     _tree_close(out, expected)
     (_, aux), _ = out
     assert aux["num_correct"].dtype == jnp.int32
@@ -166,7 +170,7 @@ def test_aux_default_mean_is_weighted_like_the_loss():
         return s / w, aux
 
     fn = ga.microbatch_value_and_grad(as_sum_and_weight, 4, has_aux=True, sum_and_weight=True)
-    expected = jax.value_and_grad(full, has_aux=True)(PARAMS, BATCH)
+    expected = jax.jit(jax.value_and_grad(full, has_aux=True))(PARAMS, BATCH)
     _tree_close(jax.jit(fn)(PARAMS, BATCH), expected)
 
 
@@ -205,8 +209,9 @@ def test_key_argnums_gives_each_microbatch_its_own_key(key):
     (value, draws), grads = jax.jit(fn)(PARAMS, BATCH, key)
     assert len(set(np.asarray(draws).tolist())) == k
     # Reference: a Python loop over the strided micro-batches, key fold_in(key, i).
+    reference = jax.jit(jax.value_and_grad(_dropout_loss, has_aux=True))
     results = [
-        jax.value_and_grad(_dropout_loss, has_aux=True)(
+        reference(
             PARAMS,
             jax.tree.map(lambda x, i=i: x[i::k], BATCH),
             jax.random.fold_in(key, i),
@@ -261,13 +266,12 @@ def test_flax_batch_stats_thread_through_microbatches_in_order():
     stats, (losses, grads) = two_steps(_BN_VARS["params"], _BN_VARS["batch_stats"])
     # Reference: a Python loop over the strided micro-batches, in order.
     ref_stats = _BN_VARS["batch_stats"]
+    reference = jax.jit(jax.value_and_grad(_bn_loss, has_aux=True))
     for step in range(2):
         total_loss, total_grads = 0.0, None
         for i in range(k):
             micro = jax.tree.map(lambda x, i=i: x[i::k], BATCH)
-            (loss, (ref_stats, _)), g = jax.value_and_grad(_bn_loss, has_aux=True)(
-                _BN_VARS["params"], ref_stats, micro
-            )
+            (loss, (ref_stats, _)), g = reference(_BN_VARS["params"], ref_stats, micro)
             total_loss += loss / k
             total_grads = g if total_grads is None else jax.tree.map(jnp.add, total_grads, g)
         total_grads = jax.tree.map(lambda g: g / k, total_grads)
@@ -326,6 +330,33 @@ def test_sharded_batch_stays_sharded(axis_type):
 
     control = _collectives(jax.jit(contiguous).lower(params, batch).compile().as_text())
     assert control["all-gather"] + control["all-to-all"] + control["collective-permute"] > 0
+
+
+def test_inside_shard_map_one_reduction_per_step():
+    # Local micro-batching per device and one cross-device mean per step.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    batch = jax.device_put(BATCH, NamedSharding(mesh, P("data")))
+    params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+
+    def loss(params, seen, batch):
+        # `seen` is carried state that becomes device-varying: a running sum.
+        return mean_loss(params, batch), (seen + batch["x"].sum(0), None)
+
+    grad_fn = ga.microbatch_value_and_grad(loss, 2, has_aux=True, batch_argnums=2, carry_argnums=1)
+
+    def local(params, batch):
+        # Varying params: no implicit all-reduce of every micro-gradient.
+        params = jax.lax.pcast(params, "data", to="varying")
+        (value, (seen, _)), grads = grad_fn(params, jnp.zeros(6), batch)
+        return jax.lax.pmean((value, grads), "data"), jax.lax.psum(seen, "data")
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())))
+    ops = _collectives(step.lower(params, batch).compile().as_text())
+    # XLA merges the final mean and sum into one all-reduce; none is left in the loop.
+    assert ops["all-reduce"] == 1 and ops["all-gather"] == 0, ops
+    out, seen = step(params, batch)
+    _tree_close(out, FULL)
+    np.testing.assert_allclose(seen, BATCH["x"].sum(0), rtol=RTOL, atol=1e-5)
 
 
 def test_batch_size_not_divisible():
