@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,15 +16,17 @@ from gradaccum_jax._accumulation import _accumulator_dtype
 _AUX_REDUCTIONS = ("mean", "sum", "concat")
 
 
+def _is_index(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
 def _as_index_tuple(name: str, value: Any, *, allow_empty: bool) -> tuple[int, ...]:
-    indices = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    indices = (value,) if _is_index(value) else value
     try:
         indices = tuple(indices)
     except TypeError:
         indices = None
-    if indices is None or any(
-        isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in indices
-    ):
+    if indices is None or not all(_is_index(i) for i in indices):
         raise TypeError(
             f"{name} must be a non-negative int or a sequence of them (positions of "
             f"positional arguments); got {name}={value!r}."
@@ -34,7 +37,7 @@ def _as_index_tuple(name: str, value: Any, *, allow_empty: bool) -> tuple[int, .
         )
     if len(set(indices)) != len(indices):
         raise ValueError(f"{name} must not repeat a position; got {name}={value!r}.")
-    return indices
+    return tuple(int(i) for i in indices)
 
 
 def _check_aux_reduction(aux_reduction: Any) -> None:
@@ -253,10 +256,11 @@ def microbatch_value_and_grad(
 
     Args:
       fun: The function to differentiate, ``fun(*args, **kwargs)``, returning
-        a scalar loss, ``(loss, aux)`` with ``has_aux``, or ``(loss_sum,
-        weight_sum)`` (and aux) with ``sum_and_weight``. With
-        ``carry_argnums`` its aux must be ``(new_carry, aux)``. Keyword
-        arguments are passed unchanged to every micro-batch.
+        a scalar loss, or ``(loss, aux)`` with ``has_aux``. With
+        ``sum_and_weight`` the loss is the pair ``(loss_sum, weight_sum)``
+        (so ``((loss_sum, weight_sum), aux)`` with ``has_aux``); with
+        ``carry_argnums`` the aux is ``(new_carry, aux)``. Keyword arguments
+        are passed unchanged to every micro-batch.
       num_microbatches: ``K``, an int ``>= 1``. It must divide the batch size.
         ``K = 1`` calls ``jax.value_and_grad`` itself and returns its result
         unchanged.
@@ -406,12 +410,12 @@ def microbatch_value_and_grad(
         return aux[0], aux[1]
 
     def carried(args: Sequence[Any]) -> Any:
-        if isinstance(carry_argnums, int):
+        if _is_index(carry_argnums):
             return args[carry_argnums]
         return tuple(args[i] for i in carry_nums)
 
     def with_carry(args: list[Any], carry: Any) -> list[Any]:
-        if isinstance(carry_argnums, int):
+        if _is_index(carry_argnums):
             args[carry_argnums] = carry
         else:
             for i, c in zip(carry_nums, carry, strict=True):
