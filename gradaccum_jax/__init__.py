@@ -37,6 +37,9 @@ from gradaccum_jax._conditional import (
     conditional_set_global_step,
     conditional_take_grad,
 )
+from gradaccum_jax._microbatch import (
+    microbatch_value_and_grad,
+)
 from gradaccum_jax._mixed_precision import (
     LossScaleState,
     current_loss_scale,
@@ -83,6 +86,7 @@ __all__ = [
     "conditional_take_grad",
     "current_loss_scale",
     "dynamic_loss_scale",
+    "microbatch_value_and_grad",
     "normalize",
     "normalize_by_ema",
     "normalize_grads",

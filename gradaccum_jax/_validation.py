@@ -219,3 +219,17 @@ def check_hyperparameter(
     if not isinstance(value, jax.core.Tracer):
         check_nonnegative_float(name, float(value), allow_zero=allow_zero)
     return value
+
+
+def check_float_dtype(name: str, value: Any) -> jnp.dtype:
+    """Returns ``value`` as a dtype, or raises ``TypeError`` unless it is a floating dtype."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{name} must be a floating-point dtype such as jnp.float32 or jnp.bfloat16; "
+            f"got {name}={value!r}."
+        )
+    return dtype

@@ -1,0 +1,445 @@
+"""Tests for gradaccum_jax.microbatch_value_and_grad."""
+
+import doctest
+import pathlib
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradaccum_jax as ga
+from gradaccum_jax import _microbatch
+
+RTOL, ATOL = 1e-5, 1e-6
+B = 32
+
+
+def _tree_close(a, b, rtol=RTOL, atol=ATOL):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert jnp.result_type(x) == jnp.result_type(y)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def _params(key=0):
+    k1, k2 = jax.random.split(jax.random.key(key))
+    return {
+        "w1": jax.random.normal(k1, (6, 16)) / 6**0.5,
+        "b1": jnp.zeros(16),
+        "w2": jax.random.normal(k2, (16, 3)) / 4.0,
+    }
+
+
+def _batch(key=1, n=B):
+    kx, ky, km = jax.random.split(jax.random.key(key), 3)
+    mask = (jax.random.uniform(km, (n,)) < 0.6).astype(jnp.float32)
+    # Micro-batch 1 of 4 (examples 1, 5, 9, ...) is all padding, the case
+    # where a mean of micro-batch means goes wrong and 0/0 appears.
+    mask = mask.at[1::4].set(0.0)
+    return {
+        "x": jax.random.normal(kx, (n, 6)),
+        "y": jax.random.randint(ky, (n,), 0, 3),
+        "mask": mask,
+    }
+
+
+def _per_example(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    logits = h @ params["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), logits
+
+
+def mean_loss(params, batch):
+    return _per_example(params, batch)[0].mean()
+
+
+def masked_loss(params, batch):
+    losses, _ = _per_example(params, batch)
+    return jnp.sum(losses * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+def masked_sum_and_weight(params, batch):
+    losses, _ = _per_example(params, batch)
+    return jnp.sum(losses * batch["mask"]), jnp.sum(batch["mask"])
+
+
+def loss_with_metrics(params, batch):
+    losses, logits = _per_example(params, batch)
+    correct = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
+    aux = {
+        "accuracy": jnp.mean(correct),
+        "num_correct": jnp.sum(correct.astype(jnp.int32)),
+        "losses": losses,
+        "max_loss": jnp.max(losses),
+    }
+    return losses.mean(), aux
+
+
+PARAMS, BATCH = _params(), _batch()
+FULL = jax.jit(jax.value_and_grad(mean_loss))(PARAMS, BATCH)
+MASKED_FULL = jax.jit(jax.value_and_grad(masked_loss))(PARAMS, BATCH)
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_matches_full_batch(k):
+    value, grads = jax.jit(ga.microbatch_value_and_grad(mean_loss, k))(PARAMS, BATCH)
+    _tree_close((value, grads), FULL)
+
+
+METRIC_REDUCTIONS = {
+    "accuracy": "mean",
+    "num_correct": "sum",
+    "losses": "concat",
+    "max_loss": lambda stacked: jnp.max(stacked, axis=0),
+}
+
+
+def test_k1_is_exactly_value_and_grad():
+    reductions = {**METRIC_REDUCTIONS, "max_loss": "mean"}
+    ours = ga.microbatch_value_and_grad(
+        loss_with_metrics, 1, has_aux=True, argnums=(0,), aux_reduction=reductions
+    )
+    theirs = jax.value_and_grad(loss_with_metrics, argnums=(0,), has_aux=True)
+    # The same program, hence bit-identical results.
+    assert str(jax.make_jaxpr(ours)(PARAMS, BATCH)) == str(jax.make_jaxpr(theirs)(PARAMS, BATCH))
+    out, expected = jax.jit(ours)(PARAMS, BATCH), jax.jit(theirs)(PARAMS, BATCH)
+    for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_argnums_tuple_and_batch_in_several_arguments():
+    def loss(x, params, y, scale):
+        return scale * mean_loss(params, {"x": x, "y": y})
+
+    fn = ga.microbatch_value_and_grad(loss, 4, argnums=(1, 3), batch_argnums=(0, 2))
+    out = jax.jit(fn)(BATCH["x"], PARAMS, BATCH["y"], 2.0)
+    expected = jax.jit(jax.value_and_grad(loss, argnums=(1, 3)))(
+        BATCH["x"], PARAMS, BATCH["y"], 2.0
+    )
+    _tree_close(out, expected)
+
+
+def test_weight_fn_gives_full_batch_weighted_mean():
+    fn = ga.microbatch_value_and_grad(masked_loss, 4, weight_fn=lambda p, b: b["mask"])
+    expected = MASKED_FULL
+    _tree_close(jax.jit(fn)(PARAMS, BATCH), expected)
+    # Without the weights: a mean of micro-batch means, NaN from the empty one.
+    naive_value, _ = jax.jit(ga.microbatch_value_and_grad(masked_loss, 4))(PARAMS, BATCH)
+    assert not np.isfinite(naive_value)
+
+
+def test_sum_and_weight_gives_full_batch_weighted_mean():
+    expected = MASKED_FULL
+    for k in (1, 4):
+        fn = ga.microbatch_value_and_grad(masked_sum_and_weight, k, sum_and_weight=True)
+        _tree_close(jax.jit(fn)(PARAMS, BATCH), expected)
+
+
+def test_aux_reductions():
+    fn = ga.microbatch_value_and_grad(
+        loss_with_metrics,
+        4,
+        has_aux=True,
+        aux_reduction=METRIC_REDUCTIONS,
+    )
+    out = jax.jit(fn)(PARAMS, BATCH)
+    expected = jax.jit(jax.value_and_grad(loss_with_metrics, has_aux=True))(PARAMS, BATCH)
+    _tree_close(out, expected)
+    (_, aux), _ = out
+    assert aux["num_correct"].dtype == jnp.int32
+
+
+def test_aux_default_mean_is_weighted_like_the_loss():
+    def loss(params, batch):
+        losses, logits = _per_example(params, batch)
+        correct = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
+        w = batch["mask"]
+        return jnp.sum(losses * w), jnp.sum(w), {"acc": jnp.sum(correct * w) / jnp.sum(w)}
+
+    def as_sum_and_weight(params, batch):
+        s, w, aux = loss(params, batch)
+        return (s, w), aux
+
+    def full(params, batch):
+        s, w, aux = loss(params, batch)
+        return s / w, aux
+
+    fn = ga.microbatch_value_and_grad(as_sum_and_weight, 4, has_aux=True, sum_and_weight=True)
+    expected = jax.jit(jax.value_and_grad(full, has_aux=True))(PARAMS, BATCH)
+    _tree_close(jax.jit(fn)(PARAMS, BATCH), expected)
+
+
+def test_aux_reduction_errors():
+    fn = ga.microbatch_value_and_grad(loss_with_metrics, 4, has_aux=True)
+    with pytest.raises(TypeError, match=r"'num_correct'.*int32"):
+        fn(PARAMS, BATCH)
+    with pytest.raises(ValueError, match=r"concat.*scalar"):
+        ga.microbatch_value_and_grad(loss_with_metrics, 4, has_aux=True, aux_reduction="concat")(
+            PARAMS, BATCH
+        )
+    with pytest.raises(ValueError, match="aux_reduction"):
+        ga.microbatch_value_and_grad(mean_loss, 4, has_aux=True, aux_reduction="median")
+    with pytest.raises(ValueError, match="has_aux=False"):
+        ga.microbatch_value_and_grad(mean_loss, 4, aux_reduction="sum")
+    with pytest.raises(ValueError, match="prefix"):
+        ga.microbatch_value_and_grad(
+            loss_with_metrics, 4, has_aux=True, aux_reduction={"accuracy": "mean"}
+        )(PARAMS, BATCH)
+
+
+def _dropout_loss(params, batch, key):
+    keep = jax.random.bernoulli(key, 0.5, (batch["x"].shape[0], 16))
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"]) * keep / 0.5
+    logits = h @ params["w2"]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, jax.random.uniform(key)
+
+
+@pytest.mark.parametrize("key", [jax.random.key(3), jax.random.PRNGKey(3)])
+def test_key_argnums_gives_each_microbatch_its_own_key(key):
+    k = 4
+    fn = ga.microbatch_value_and_grad(
+        _dropout_loss, k, has_aux=True, key_argnums=2, aux_reduction=lambda draws: draws
+    )
+    (value, draws), grads = jax.jit(fn)(PARAMS, BATCH, key)
+    assert len(set(np.asarray(draws).tolist())) == k
+    # Reference: a Python loop over the strided micro-batches, key fold_in(key, i).
+    reference = jax.jit(jax.value_and_grad(_dropout_loss, has_aux=True))
+    results = [
+        reference(
+            PARAMS,
+            jax.tree.map(lambda x, i=i: x[i::k], BATCH),
+            jax.random.fold_in(key, i),
+        )
+        for i in range(k)
+    ]
+    np.testing.assert_allclose(draws, [r[0][1] for r in results], rtol=RTOL)
+    _tree_close(
+        (value, grads),
+        jax.tree.map(lambda *xs: sum(xs) / k, *[(r[0][0], r[1]) for r in results]),
+    )
+    with pytest.raises(TypeError, match="key_argnums"):
+        fn(PARAMS, BATCH, jnp.zeros(2))
+
+
+class _BNNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.8)(x)
+        return nn.Dense(3)(nn.relu(x))
+
+
+_BN_MODEL = _BNNet()
+_BN_VARS = _BN_MODEL.init(jax.random.key(0), BATCH["x"], train=False)
+
+
+def _bn_loss(params, batch_stats, batch):
+    logits, updates = _BN_MODEL.apply(
+        {"params": params, "batch_stats": batch_stats},
+        batch["x"],
+        train=True,
+        mutable=["batch_stats"],
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, (updates["batch_stats"], None)
+
+
+def test_flax_batch_stats_thread_through_microbatches_in_order():
+    k = 4
+    fn = ga.microbatch_value_and_grad(_bn_loss, k, has_aux=True, batch_argnums=2, carry_argnums=1)
+
+    @jax.jit
+    def two_steps(params, batch_stats):
+        # Inside a scan over train steps: the carried state keeps its types.
+        def step(stats, _):
+            (loss, (stats, _)), grads = fn(params, stats, BATCH)
+            return stats, (loss, grads)
+
+        return jax.lax.scan(step, batch_stats, length=2)
+
+    stats, (losses, grads) = two_steps(_BN_VARS["params"], _BN_VARS["batch_stats"])
+    # Reference: a Python loop over the strided micro-batches, in order.
+    ref_stats = _BN_VARS["batch_stats"]
+    reference = jax.jit(jax.value_and_grad(_bn_loss, has_aux=True))
+    for step in range(2):
+        total_loss, total_grads = 0.0, None
+        for i in range(k):
+            micro = jax.tree.map(lambda x, i=i: x[i::k], BATCH)
+            (loss, (ref_stats, _)), g = reference(_BN_VARS["params"], ref_stats, micro)
+            total_loss += loss / k
+            total_grads = g if total_grads is None else jax.tree.map(jnp.add, total_grads, g)
+        total_grads = jax.tree.map(lambda g: g / k, total_grads)
+        _tree_close(
+            (losses[step], jax.tree.map(lambda g, step=step: g[step], grads)),
+            (total_loss, total_grads),
+        )
+    _tree_close(stats, ref_stats)
+    assert not np.allclose(stats["BatchNorm_0"]["mean"], 0.0)
+
+
+def test_carry_errors():
+    with pytest.raises(ValueError, match="has_aux=True"):
+        ga.microbatch_value_and_grad(_bn_loss, 4, batch_argnums=2, carry_argnums=1)
+
+    def bad(params, batch_stats, batch):
+        loss, (stats, _) = _bn_loss(params, batch_stats, batch)
+        return loss, ({"stats": stats}, None)
+
+    fn = ga.microbatch_value_and_grad(bad, 4, has_aux=True, batch_argnums=2, carry_argnums=1)
+    with pytest.raises(ValueError, match="carry_argnums=1"):
+        fn(_BN_VARS["params"], _BN_VARS["batch_stats"], BATCH)
+
+
+def _collectives(hlo_text):
+    ops = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+    return {op: len(re.findall(rf"= [^\n]*\b{op}(-start)?\(", hlo_text)) for op in ops}
+
+
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
+def test_sharded_batch_stays_sharded(axis_type):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    batch = jax.device_put(BATCH, NamedSharding(mesh, P("data")))
+    params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+    step = jax.jit(
+        ga.microbatch_value_and_grad(
+            loss_with_metrics, 2, has_aux=True, aux_reduction=METRIC_REDUCTIONS
+        )
+    )
+    hlo = step.lower(params, batch).compile().as_text()
+    ops = _collectives(hlo)
+    assert ops["all-gather"] == ops["all-to-all"] == ops["collective-permute"] == 0, ops
+    # Each device reads its own 2 rows of the 16-example micro-batch.
+    assert re.search(r"f32\[2,6\][^\n]*dynamic-slice", hlo)
+    (value, aux), grads = step(params, batch)
+    expected = jax.jit(jax.value_and_grad(loss_with_metrics, has_aux=True))(PARAMS, BATCH)
+    _tree_close(((value, aux), grads), expected)
+    # Per-example outputs come back in batch order and still sharded.
+    assert aux["losses"].sharding.is_equivalent_to(batch["y"].sharding, 1)
+
+    if axis_type == jax.sharding.AxisType.Explicit:
+        # Micro-batches of 4 examples cannot split over 8 devices without moving data.
+        with pytest.raises(ValueError, match="micro-batch size 4"):
+            jax.jit(ga.microbatch_value_and_grad(mean_loss, 8))(params, batch)
+        return
+
+    # Control: contiguous micro-batches (examples 0..15, 16..31) need resharding.
+    def contiguous(params, batch):
+        halves = jax.tree.map(lambda x: x.reshape(2, -1, *x.shape[1:]), batch)
+        grads = [
+            jax.grad(mean_loss)(params, jax.tree.map(lambda x, i=i: x[i], halves)) for i in (0, 1)
+        ]
+        return jax.tree.map(lambda a, b: (a + b) / 2, *grads)
+
+    control = _collectives(jax.jit(contiguous).lower(params, batch).compile().as_text())
+    assert control["all-gather"] + control["all-to-all"] + control["collective-permute"] > 0
+
+
+def test_inside_shard_map_one_reduction_per_step():
+    # Local micro-batching per device and one cross-device mean per step.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    batch = jax.device_put(BATCH, NamedSharding(mesh, P("data")))
+    params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+
+    def loss(params, seen, batch):
+        # `seen` is carried state that becomes device-varying: a running sum.
+        return mean_loss(params, batch), (seen + batch["x"].sum(0), None)
+
+    grad_fn = ga.microbatch_value_and_grad(loss, 2, has_aux=True, batch_argnums=2, carry_argnums=1)
+
+    def local(params, batch):
+        # Varying params: no implicit all-reduce of every micro-gradient.
+        params = jax.lax.pcast(params, "data", to="varying")
+        (value, (seen, _)), grads = grad_fn(params, jnp.zeros(6), batch)
+        return jax.lax.pmean((value, grads), "data"), jax.lax.psum(seen, "data")
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())))
+    ops = _collectives(step.lower(params, batch).compile().as_text())
+    # XLA merges the final mean and sum into one all-reduce; none is left in the loop.
+    assert ops["all-reduce"] == 1 and ops["all-gather"] == 0, ops
+    out, seen = step(params, batch)
+    _tree_close(out, FULL)
+    np.testing.assert_allclose(seen, BATCH["x"].sum(0), rtol=RTOL, atol=1e-5)
+
+
+def test_batch_size_not_divisible():
+    fn = ga.microbatch_value_and_grad(mean_loss, 5)
+    with pytest.raises(ValueError, match=r"batch size 32 and num_microbatches=5"):
+        fn(PARAMS, BATCH)
+    with pytest.raises(ValueError, match="same leading"):
+        ga.microbatch_value_and_grad(mean_loss, 4)(PARAMS, {**BATCH, "y": BATCH["y"][:8]})
+    with pytest.raises(ValueError, match="scalar"):
+        ga.microbatch_value_and_grad(mean_loss, 4)(PARAMS, {**BATCH, "t": jnp.float32(1)})
+
+
+def test_accumulator_dtype_for_16_bit_gradients():
+    # Micro-gradients 256, 1, 1, ... : in bfloat16 (8 significant bits)
+    # 256 + 1 rounds back to 256, so a bfloat16 sum loses every 1.
+    x = jnp.array([256.0] + [1.0] * 7, jnp.bfloat16)
+
+    def loss(w, x):
+        return jnp.mean(w * x)
+
+    w = jnp.ones((), jnp.bfloat16)
+    value, grad = jax.jit(ga.microbatch_value_and_grad(loss, 8))(w, x)
+    assert value.dtype == grad.dtype == jnp.bfloat16
+    np.testing.assert_allclose(float(grad), 263 / 8, rtol=2**-8)
+    np.testing.assert_allclose(float(value), 263 / 8, rtol=2**-8)
+    low = ga.microbatch_value_and_grad(loss, 8, accumulator_dtype=jnp.bfloat16)
+    assert float(jax.jit(low)(w, x)[1]) == 32.0
+    with pytest.raises(TypeError, match="accumulator_dtype"):
+        ga.microbatch_value_and_grad(loss, 8, accumulator_dtype=jnp.int32)
+
+
+def test_construction_errors():
+    with pytest.raises(TypeError, match="fun must be callable"):
+        ga.microbatch_value_and_grad(3, 2)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        ga.microbatch_value_and_grad(mean_loss, 0)
+    with pytest.raises(TypeError, match="num_microbatches"):
+        ga.microbatch_value_and_grad(mean_loss, 2.0)
+    with pytest.raises(ValueError, match="both argnums and batch_argnums"):
+        ga.microbatch_value_and_grad(mean_loss, 2, batch_argnums=0)
+    with pytest.raises(TypeError, match="batch_argnums"):
+        ga.microbatch_value_and_grad(mean_loss, 2, batch_argnums="batch")
+    with pytest.raises(ValueError, match="weight_fn and sum_and_weight"):
+        ga.microbatch_value_and_grad(mean_loss, 2, weight_fn=len, sum_and_weight=True)
+    with pytest.raises(ValueError, match="batch_argnums names position 1"):
+        ga.microbatch_value_and_grad(mean_loss, 2)(PARAMS)
+    with pytest.raises(TypeError, match=r"\(loss_sum, weight_sum\)"):
+        ga.microbatch_value_and_grad(mean_loss, 2, sum_and_weight=True)(PARAMS, BATCH)
+
+
+def test_docstring_examples():
+    result = doctest.testmod(_microbatch, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0
+    assert result.failed == 0
+
+
+def test_docs_page_code_runs():
+    # Every Python block of the page, in order, in one namespace: the train
+    # steps shown there (linen TrainState, NNX, with accumulate) are the tested ones.
+    page = pathlib.Path(__file__).parents[1] / "docs" / "microbatching.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    assert len(blocks) >= 8
+    ns: dict = {}
+    for n, block in enumerate(blocks):
+        exec(compile(block, f"{page.name}[block {n}]", "exec"), ns)
+    # linen: three steps, statistics moved, metrics reduced to a scalar.
+    assert int(ns["state"].step) == 3
+    assert not np.allclose(ns["state"].batch_stats["BatchNorm_0"]["mean"], 0.0)
+    assert ns["metrics"]["accuracy"].shape == ()
+    # NNX: the dropout stream advanced once per micro-batch (3 steps x 4).
+    from flax import nnx
+
+    counts = jax.tree.leaves(nnx.state(ns["nnx_model"], nnx.RngCount))
+    assert [int(c) for c in counts] == [12]
+    assert not np.allclose(ns["nnx_model"].norm.mean[...], 0.0)
+    assert int(ns["nnx_optimizer"].step) == 3
+    assert int(ga.optimizer_step(ns["w_state"])) == 1
