@@ -1,6 +1,5 @@
 """Tests for gradaccum_jax.microbatch_value_and_grad."""
 
-import doctest
 import pathlib
 import re
 
@@ -14,7 +13,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
-from gradaccum_jax import _microbatch
 
 RTOL, ATOL = 1e-5, 1e-6
 B = 32
@@ -414,12 +412,6 @@ def test_construction_errors():
         ga.microbatch_value_and_grad(mean_loss, 2)(PARAMS)
     with pytest.raises(TypeError, match=r"\(loss_sum, weight_sum\)"):
         ga.microbatch_value_and_grad(mean_loss, 2, sum_and_weight=True)(PARAMS, BATCH)
-
-
-def test_docstring_examples():
-    result = doctest.testmod(_microbatch, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0
-    assert result.failed == 0
 
 
 def test_docs_page_code_runs():
