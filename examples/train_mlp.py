@@ -52,12 +52,12 @@ def make_step(tx):
     return step
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
     parser.add_argument("--k", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--micro-batch", type=int, default=64, help="micro-batch size")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     digits = load_digits()
     x_all = jnp.asarray(digits.data / 16.0, jnp.float32)
@@ -96,6 +96,12 @@ def main() -> None:
     print(f"optimizer steps taken (accumulated): {int(ga.optimizer_step(s_acc))}")
     print(f"final loss on all digits: accumulated {full_acc:.6f}  large-batch {full_big:.6f}")
     print(f"largest parameter difference: {max_diff:.3e}")
+    return {
+        "accumulated_loss": full_acc,
+        "large_batch_loss": full_big,
+        "max_param_diff": max_diff,
+        "optimizer_steps": int(ga.optimizer_step(s_acc)),
+    }
 
 
 if __name__ == "__main__":
