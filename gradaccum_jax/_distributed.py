@@ -100,7 +100,7 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
       >>> tx = ga.accumulate(optax.sgd(0.1), 4, axis_name="data")
       >>> specs = ga.replica_state_specs(jax.eval_shape(tx.init, jnp.zeros(3)), "data")
       >>> specs.acc_grads, specs.micro_step
-      (PartitionSpec('data',), PartitionSpec())
+      (P('data',), P())
     """
     names = _validation.check_axis_name("axis_name", axis_name)
     replica_spec = PartitionSpec(names[0] if len(names) == 1 else names)
