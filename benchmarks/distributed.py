@@ -17,7 +17,7 @@ micro-step), the megabytes they reduce, and the time per window as a median
 over repetitions in which the two candidates alternate; then the ratio
 ours / usual.
 
-    python benchmarks/distributed.py [--quick] [--reps N]
+    python benchmarks/distributed.py [--quick] [--reps N] [--per-replica B]
 """
 
 from __future__ import annotations
@@ -153,10 +153,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
     parser.add_argument("--reps", type=int, default=None, help="timed windows per candidate")
+    parser.add_argument(
+        "--per-replica", type=int, default=None, help="examples per replica and micro-step"
+    )
     args = parser.parse_args(argv)
     sizes = [64, 128, 128, 64] if args.quick else [512] + [1024] * 5 + [512]
     reps = args.reps or (3 if args.quick else 7)
-    per_replica = 4 if args.quick else 8
+    per_replica = args.per_replica or (4 if args.quick else 8)
 
     mesh = jax.make_mesh((8,), (AXIS,))
     n_dev = mesh.devices.size

@@ -14,7 +14,7 @@ device with the whole window batch per step, prints the largest parameter
 difference, and checks in the compiled step that every all-reduce sits inside
 the window-boundary branch. On CPU it forces 8 host devices.
 
-    python examples/shard_map_data_parallel.py [--steps 30] [--k 4] [--per-device-batch 8] [--quick]
+    python examples/shard_map_data_parallel.py [--steps 60] [--k 4] [--per-device-batch 8] [--quick]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def all_reduces_outside_conditionals(hlo: str) -> int:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps (windows)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (windows)")
     parser.add_argument("--k", type=int, default=4, help="micro-steps per window")
     parser.add_argument("--per-device-batch", type=int, default=8, help="examples per device")
     parser.add_argument("--quick", action="store_true", help="a few steps of a smaller model")
@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
     opt_state = init(d_params)
     ref_params, ref_state = params, inner.init(params)
     sample = [jax.device_put(a[: n_dev * b], batch) for a in (x_all, y_all)]
-    hlo = step.lower(d_params, opt_state, *sample).compile().as_text()
+    # Compile once, read the program, and train with that executable.
+    step = step.lower(d_params, opt_state, *sample).compile()
+    hlo = step.as_text()
     total = len(re.findall(r"\ball-reduce(?:-start)?\(", hlo))
     per_micro_step = all_reduces_outside_conditionals(hlo)
 

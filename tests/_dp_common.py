@@ -39,7 +39,7 @@ def grad_step(tx, params, state, x, y, grad_params):
     return optax.apply_updates(params, updates), state
 
 
-def shard_map_fns(tx, params, mesh, axis):
+def shard_map_fns(tx, params, mesh, axis, check_vma=True):
     """Jitted ``(init, step)`` of a data-parallel shard_map train step over ``axis``.
 
     Params are replicated; the batch is split along ``axis``; the accumulate
@@ -56,6 +56,10 @@ def shard_map_fns(tx, params, mesh, axis):
         lambda p: ga.add_replica_axis(tx.init(p)), mesh=mesh, in_specs=P(), out_specs=specs
     )
     step = jax.shard_map(
-        body, mesh=mesh, in_specs=(P(), specs, P(axis), P(axis)), out_specs=(P(), specs)
+        body,
+        mesh=mesh,
+        in_specs=(P(), specs, P(axis), P(axis)),
+        out_specs=(P(), specs),
+        check_vma=check_vma,
     )
     return jax.jit(init), jax.jit(step)

@@ -66,13 +66,13 @@ def _assert_params_close(actual, expected):
 
 
 @functools.cache
-def _shard_map_fns(opt: str, k: int, mesh=MESH, axis="data"):
+def _shard_map_fns(opt: str, k: int, mesh=MESH, axis="data", check_vma=True):
     tx = ga.accumulate(OPTIMIZERS[opt](), k, axis_name=axis)
-    return shard_map_fns(tx, PARAMS, mesh, axis)
+    return shard_map_fns(tx, PARAMS, mesh, axis, check_vma)
 
 
-def _run_shard_map(opt, xs, ys, mesh=MESH, axis="data"):
-    init, step = _shard_map_fns(opt, xs.shape[1], mesh, axis)
+def _run_shard_map(opt, xs, ys, mesh=MESH, axis="data", check_vma=True):
+    init, step = _shard_map_fns(opt, xs.shape[1], mesh, axis, check_vma)
     batch = NamedSharding(mesh, P(axis))
     params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
     state = init(params)
@@ -208,7 +208,14 @@ def test_weighted_mean_sums_weights_across_replicas():
     _assert_params_close(params, expected)
 
 
-def test_tuple_of_axis_names_shard_map_and_nested_pmap():
+def test_shard_map_without_type_checks():
+    """check_vma=False: no varying types to join, the same result."""
+    xs, ys = _data(windows=2, k=2, seed=7)
+    params, _ = _run_shard_map("sgd", xs, ys, check_vma=False)
+    _assert_params_close(params, _large_batch(optax.sgd(0.1), xs, ys))
+
+
+def test_tuple_of_axis_names_shard_map_and_pmap_of_vmap():
     xs, ys = _data(windows=2, k=2, seed=4)
     expected = _large_batch(optax.sgd(0.1), xs, ys)
     mesh = jax.make_mesh((2, 4), ("host", "device"))
