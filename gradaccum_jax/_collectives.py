@@ -60,7 +60,12 @@ def _pvary(x: jax.Array, axes: Any) -> jax.Array:
 
 
 def psum(tree: Any, axis_names: tuple[Any, ...], typed: bool) -> Any:
-    """Sums ``tree`` across ``axis_names``; operands equal on all replicas count once each."""
+    """Sums ``tree`` across ``axis_names``.
+
+    An operand typed invariant (the same on every replica) is cast to varying
+    first, so it adds up once per replica like any other, and so that a tuple
+    of names works when a value varies along only some of them.
+    """
     if typed:
         tree = jax.tree.map(lambda x: _pvary(x, axis_names), tree)
     return jax.lax.psum(tree, axis_names)

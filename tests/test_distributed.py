@@ -66,13 +66,13 @@ def _assert_params_close(actual, expected):
 
 
 @functools.cache
-def _shard_map_fns(opt: str, k: int, mesh=MESH, axis="data", check_vma=True):
-    tx = ga.accumulate(OPTIMIZERS[opt](), k, axis_name=axis)
+def _shard_map_fns(opt: str, k: int, mesh=MESH, axis="data", check_vma=True, mean=True):
+    tx = ga.accumulate(OPTIMIZERS[opt](), k, axis_name=axis, use_grad_mean=mean)
     return shard_map_fns(tx, PARAMS, mesh, axis, check_vma)
 
 
-def _run_shard_map(opt, xs, ys, mesh=MESH, axis="data", check_vma=True):
-    init, step = _shard_map_fns(opt, xs.shape[1], mesh, axis, check_vma)
+def _run_shard_map(opt, xs, ys, mesh=MESH, axis="data", check_vma=True, mean=True):
+    init, step = _shard_map_fns(opt, xs.shape[1], mesh, axis, check_vma, mean)
     batch = NamedSharding(mesh, P(axis))
     params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
     state = init(params)
@@ -159,14 +159,13 @@ def test_weighted_mean_sums_weights_across_replicas():
 
     def token_loss(params, x, y, m):
         err = jnp.sum((predict(params, x) - y) ** 2, axis=-1)
-        return jnp.sum(jnp.where(m, err, 0.0)), jnp.sum(m)
+        return jnp.sum(jnp.where(m, err, 0.0))
 
     def body(params, state, x, y, m):
         varying = jax.lax.pcast(params, "data", to="varying")
-        total, count = token_loss(varying, x, y, m)
-        grads = jax.grad(lambda p: token_loss(p, x, y, m)[0] / jnp.maximum(count, 1))(varying)
+        count = jnp.sum(m)
+        grads = jax.grad(lambda p: token_loss(p, x, y, m) / jnp.maximum(count, 1))(varying)
         updates, state = tx.update(grads, ga.remove_replica_axis(state), params, weight=count)
-        del total
         return optax.apply_updates(params, updates), ga.add_replica_axis(state)
 
     step = jax.jit(
@@ -198,7 +197,7 @@ def test_weighted_mean_sums_weights_across_replicas():
     inner_state = inner.init(expected)
 
     def mean_token_loss(params, x, y, m):
-        return token_loss(params, x, y, m)[0] / m.sum()
+        return token_loss(params, x, y, m) / m.sum()
 
     for w in range(windows):
         x, y, m = xs[w].reshape(-1, D_IN), ys[w].reshape(-1, D_OUT), mask[w].reshape(-1)
@@ -206,6 +205,14 @@ def test_weighted_mean_sums_weights_across_replicas():
         updates, inner_state = inner.update(g, inner_state, expected)
         expected = optax.apply_updates(expected, updates)
     _assert_params_close(params, expected)
+
+
+def test_sum_over_all_replicas_and_micro_steps():
+    xs, ys = _data(windows=2, k=2, seed=8)
+    params, _ = _run_shard_map("sgd", xs, ys, mean=False)
+    # SGD is linear in the gradient: the sum of R*K micro-batch means is R*K
+    # times the large-batch mean.
+    _assert_params_close(params, _large_batch(optax.sgd(0.1 * R * 2), xs, ys))
 
 
 def test_shard_map_without_type_checks():
