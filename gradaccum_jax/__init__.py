@@ -37,6 +37,11 @@ from gradaccum_jax._conditional import (
     conditional_set_global_step,
     conditional_take_grad,
 )
+from gradaccum_jax._distributed import (
+    add_replica_axis,
+    remove_replica_axis,
+    replica_state_specs,
+)
 from gradaccum_jax._microbatch import (
     microbatch_value_and_grad,
 )
@@ -67,6 +72,7 @@ __all__ = [
     "SplitAccumulateState",
     "accumulate",
     "adaptive_grad_clip",
+    "add_replica_axis",
     "centralize",
     "clamp_params",
     "clip_grad_norm",
@@ -91,6 +97,8 @@ __all__ = [
     "normalize_by_ema",
     "normalize_grads",
     "optimizer_step",
+    "remove_replica_axis",
+    "replica_state_specs",
     "scale_loss",
     "split_accumulate",
     "static_loss_scale",

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _validation
+from gradaccum_jax import _collectives, _validation
 
 AxisName = Hashable | Sequence[Hashable]
 _INT32_MAX = jnp.iinfo(jnp.int32).max
@@ -32,9 +32,14 @@ class AccumulateState(NamedTuple):
         window (local to the replica when ``axis_name`` is set).
       acc_weight: ``float32[]``. Sum of the weights ``Σ w`` of the accepted
         micro-gradients in the current window (their count when no ``weight``
-        is passed).
+        is passed); local to the replica when ``axis_name`` is set.
       num_skipped: ``int32[]``. Micro-gradients dropped so far because a leaf
-        or the weight was not finite. Saturates at the int32 maximum.
+        or the weight was not finite. Saturates at the int32 maximum. With
+        ``axis_name`` it counts this replica's drops only, like the two
+        fields above a per-replica partial sum: the global count is its sum
+        over replicas, read from the host without a collective in the step
+        (``state.num_skipped.sum()`` on the stacked state of ``jax.pmap`` or
+        of :func:`replica_state_specs`).
       inner_state: The inner transformation's state. It changes only when a
         window closes.
       acc_compensation: ``None`` unless ``compensated=True``; then a tree like
@@ -220,8 +225,15 @@ def accumulate(
         dropped as described above. If ``False`` they are added as they are.
       axis_name: Name (or tuple of names) of a mapped axis, for use inside
         ``jax.shard_map`` or ``jax.pmap``. Each replica accumulates its own
-        micro-gradients, and the sums and weights are reduced across replicas
-        once per window, inside the conditional.
+        micro-gradients, and the sums and weights are summed across replicas
+        once per window, inside the conditional, so the mean is over every
+        replica's accepted micro-gradients (weighted by the global weight) and
+        micro-steps run no collective. Under ``shard_map`` the gradients must
+        vary between replicas: take them with respect to
+        ``jax.lax.pcast(params, axis_name, to='varying')``, not the replicated
+        params, whose gradient is already summed; the returned updates are
+        replica-invariant. Hold the state across calls with
+        :func:`replica_state_specs`. See the distributed-training guide.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``update`` accepts
@@ -231,9 +243,12 @@ def accumulate(
     Raises:
       TypeError: If ``inner`` is not a gradient transformation,
         ``every_k_schedule`` is neither an int nor a callable, or
-        ``accumulator_dtype`` is not a floating-point dtype.
+        ``accumulator_dtype`` is not a floating-point dtype, or ``axis_name``
+        is neither a name nor a tuple of names.
       ValueError: If ``every_k_schedule`` is an int below 1, or
-        ``compensated=True`` without a 16-bit ``accumulator_dtype``.
+        ``compensated=True`` without a 16-bit ``accumulator_dtype``; at trace
+        time, if an ``axis_name`` is not bound where ``update`` runs, or
+        (under ``shard_map``) the gradients are already replica-invariant.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -258,13 +273,15 @@ def accumulate(
     if not callable(every_k_schedule):
         _validation.check_positive_int("every_k_schedule", every_k_schedule)
     _check_accumulator_dtype(accumulator_dtype, compensated)
+    axis_names = None if axis_name is None else _validation.check_axis_name("axis_name", axis_name)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> AccumulateState:
         _validation.check_float_tree("params", params)
+        # zeros_like keeps each param's sharding (explicit mesh axes, or the
+        # varying axes under shard_map), so the accumulator shards like it.
         acc = jax.tree.map(
-            lambda p: jnp.zeros(jnp.shape(p), _accumulator_dtype(p, accumulator_dtype)),
-            params,
+            lambda p: jnp.zeros_like(p, _accumulator_dtype(p, accumulator_dtype)), params
         )
         return AccumulateState(
             micro_step=jnp.zeros([], jnp.int32),
@@ -288,6 +305,10 @@ def accumulate(
         _validation.check_same_structure("updates", grads, "state.acc_grads", state.acc_grads)
         _validation.check_float_tree("updates", grads)
         w = None if weight is None else _check_weight(weight)
+        if axis_names is not None:
+            typed = _collectives.check_axes_bound("axis_name", axis_names)
+            if typed:
+                _collectives.check_grads_vary("updates", grads, axis_names)
 
         k = _window_length(every_k_schedule, state.gradient_step)
         if skip_nonfinite:
@@ -332,12 +353,14 @@ def accumulate(
             return jax.tree.map(add, acc, grads)
 
         def zero_updates():
-            return jax.tree.map(jnp.zeros_like, grads)
+            if axis_names is None:
+                return jax.tree.map(jnp.zeros_like, grads)
+            # The gradients vary between replicas but the reduced updates do
+            # not; zeros without varying axes let the updates (and the params
+            # they are applied to) stay replica-invariant under shard_map.
+            return jax.tree.map(_collectives.zeros_without_axes, grads)
 
-        def run_inner(acc, inner_state, total_weight):
-            total = window_total(acc)
-            if axis_name is not None:
-                total = jax.lax.psum(total, axis_name)
+        def run_inner(total, inner_state, total_weight):
             if use_grad_mean:
                 total = jax.tree.map(lambda t: t / total_weight.astype(t.dtype), total)
             reduced = jax.tree.map(lambda t, g: t.astype(g.dtype), total, grads)
@@ -353,11 +376,13 @@ def accumulate(
             del acc, total_weight
             return zero_updates(), inner_state, closes_, jnp.array(False)
 
-        if axis_name is None:
+        if axis_names is None:
+            cond = jax.lax.cond
 
             def apply_branch(acc, inner_state, closes_, total_weight):
                 del closes_
-                new_updates, new_inner = run_inner(acc, inner_state, total_weight)
+                total = window_total(acc)
+                new_updates, new_inner = run_inner(total, inner_state, total_weight)
                 return new_updates, new_inner, jnp.array(True), jnp.array(True)
 
             # Known before the branch: a window with no accepted micro-gradient
@@ -365,22 +390,29 @@ def accumulate(
             predicate = closes & (window_weight > 0)
         else:
 
+            def cond(pred, true_fn, false_fn, *operands):
+                return _collectives.cond(pred, true_fn, false_fn, *operands, typed=typed)
+
             def apply_branch(acc, inner_state, closes_, total_weight):
                 del closes_
-                global_weight = jax.lax.psum(total_weight, axis_name)
+                # The only collectives: one sum of the local window sums and
+                # weights, on window boundaries only. Skipped micro-gradients
+                # are out of both sums, so they leave the global mean's
+                # denominator on every replica alike.
+                total, global_weight = _collectives.psum(
+                    (window_total(acc), total_weight), axis_names, typed
+                )
 
-                def run(acc, inner_state):
-                    return run_inner(acc, inner_state, global_weight)
+                def run(total, inner_state):
+                    return run_inner(total, inner_state, global_weight)
 
-                def nothing(acc, inner_state):
-                    del acc
+                def nothing(total, inner_state):
+                    del total
                     return zero_updates(), inner_state
 
                 # Whether any replica accepted anything is known only after
                 # the reduction, and it is the same on every replica.
-                new_updates, new_inner = jax.lax.cond(
-                    global_weight > 0, run, nothing, acc, inner_state
-                )
+                new_updates, new_inner = cond(global_weight > 0, run, nothing, total, inner_state)
                 return new_updates, new_inner, jnp.array(True), global_weight > 0
 
             predicate = closes
@@ -388,7 +420,7 @@ def accumulate(
         acc_operand = state.acc_grads
         if compensated:
             acc_operand = (state.acc_grads, state.acc_compensation)
-        new_updates, new_inner, reset, applied = jax.lax.cond(
+        new_updates, new_inner, reset, applied = cond(
             predicate,
             apply_branch,
             skip_branch,

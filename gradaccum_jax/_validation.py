@@ -233,3 +233,29 @@ def check_float_dtype(name: str, value: Any) -> jnp.dtype:
             f"got {name}={value!r}."
         )
     return dtype
+
+
+def check_axis_name(name: str, value: Any) -> tuple[Any, ...]:
+    """Returns ``value`` as a tuple of mapped-axis names, or raises if it is not one.
+
+    A single hashable name becomes a 1-tuple; a tuple or list of names keeps its
+    order. Sets are refused: collectives need a fixed order of names.
+    """
+    names = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    bad = isinstance(value, (set, frozenset)) or not names
+    for axis in names:
+        try:
+            hash(axis)
+        except TypeError:
+            bad = True
+        if axis is None or isinstance(axis, (tuple, list, set, frozenset)):
+            bad = True
+    if bad:
+        raise TypeError(
+            f"{name} must be the name of a mapped axis (such as 'data') or a non-empty "
+            f"tuple of names (such as ('host', 'device')); got {name}={value!r}. Use "
+            "the names given to jax.make_mesh or jax.pmap(..., axis_name=...)."
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"{name} must not repeat an axis; got {name}={value!r}.")
+    return names

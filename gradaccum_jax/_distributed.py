@@ -1,0 +1,193 @@
+"""Holding an ``accumulate(axis_name=...)`` state across ``jax.shard_map`` calls.
+
+With ``axis_name``, three fields of :class:`AccumulateState` differ between
+replicas: ``acc_grads``, ``acc_weight`` and ``num_skipped`` are each replica's
+partial sums over its own micro-batches (their sum over replicas is the global
+value). ``jax.pmap`` keeps one copy of the whole state per device anyway.
+``jax.shard_map`` needs a global array for every value it returns, and a value
+that differs between replicas must be returned with a ``PartitionSpec`` that
+names the axis; these helpers give those three fields a leading replica axis
+for that, and leave the rest (counters, inner state) replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec
+
+from gradaccum_jax import _validation
+from gradaccum_jax._accumulation import AccumulateState, AxisName
+
+_PER_REPLICA = ("acc_grads", "acc_weight", "num_skipped")
+
+
+def _map_accumulate_states(
+    opt_state: Any, fn: Callable[[AccumulateState], AccumulateState], other: Callable
+) -> Any:
+    found = False
+
+    def visit(node: Any) -> Any:
+        nonlocal found
+        if not isinstance(node, AccumulateState):
+            return other(node)
+        found = True
+        # An accumulate nested in another one's inner transformation has its
+        # own per-replica fields.
+        node = node._replace(inner_state=_map(node.inner_state))
+        return fn(node)
+
+    def _map(tree: Any) -> Any:
+        return jax.tree.map(visit, tree, is_leaf=lambda x: isinstance(x, AccumulateState))
+
+    out = _map(opt_state)
+    if not found:
+        raise ValueError(
+            "opt_state contains no AccumulateState: pass the state (or jax.eval_shape of "
+            "the state) of an optimizer built with gradaccum_jax.accumulate(..., "
+            "axis_name=...)."
+        )
+    return out
+
+
+def _map_per_replica(state: AccumulateState, fn: Callable[[str, Any], Any]) -> AccumulateState:
+    return state._replace(
+        **{
+            field: jax.tree_util.tree_map_with_path(
+                lambda path, x, field=field: fn(field + jax.tree_util.keystr(path), x),
+                getattr(state, field),
+            )
+            for field in _PER_REPLICA
+        }
+    )
+
+
+def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
+    """Returns ``PartitionSpec`` s for an accumulate state held across ``shard_map`` calls.
+
+    The per-replica fields of every :class:`AccumulateState` in ``opt_state``
+    (``acc_grads``, ``acc_weight``, ``num_skipped``) get ``P(axis_name)``: they
+    carry a leading replica axis (see :func:`add_replica_axis`), one slot per
+    replica. Every other leaf gets ``P()``, replicated, like the params of
+    data-parallel training. Use the result as the state's entry in both
+    ``in_specs`` and ``out_specs`` of ``jax.shard_map``.
+
+    For params sharded along other mesh axes as well, build the specs by hand
+    on the same rule: per-replica fields ``P(axis_name, *param_spec)``, the
+    inner state as you shard it for the params.
+
+    Args:
+      opt_state: An optimizer state containing at least one
+        :class:`AccumulateState`, or its shape (``jax.eval_shape(tx.init,
+        params)``); only its structure is used.
+      axis_name: The mesh axis name (or tuple of names) given to
+        :func:`accumulate`.
+
+    Returns:
+      A pytree of ``jax.sharding.PartitionSpec`` shaped like ``opt_state``.
+
+    Raises:
+      TypeError: If ``axis_name`` is not a name or a tuple of names.
+      ValueError: If ``opt_state`` contains no :class:`AccumulateState`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import gradaccum_jax as ga
+      >>> tx = ga.accumulate(optax.sgd(0.1), 4, axis_name="data")
+      >>> specs = ga.replica_state_specs(jax.eval_shape(tx.init, jnp.zeros(3)), "data")
+      >>> specs.acc_grads, specs.micro_step
+      (P('data',), P())
+    """
+    names = _validation.check_axis_name("axis_name", axis_name)
+    replica_spec = PartitionSpec(names[0] if len(names) == 1 else names)
+    return _map_accumulate_states(
+        opt_state,
+        lambda state: _map_per_replica(
+            state._replace(micro_step=PartitionSpec(), gradient_step=PartitionSpec()),
+            lambda _, x: replica_spec,
+        ),
+        lambda _: PartitionSpec(),
+    )
+
+
+def add_replica_axis(opt_state: optax.OptState) -> optax.OptState:
+    """Gives the per-replica fields of every :class:`AccumulateState` a leading axis of size 1.
+
+    Call it on the state a ``jax.shard_map`` body returns (and on
+    ``tx.init(params)`` inside a ``shard_map`` that creates the state): with
+    :func:`replica_state_specs` as ``out_specs``, the global arrays stack the
+    replicas' accumulators along that axis, one slot per replica, each on its
+    own device. Other fields are returned as they are.
+
+    Args:
+      opt_state: An optimizer state containing at least one
+        :class:`AccumulateState`.
+
+    Returns:
+      ``opt_state`` with ``acc_grads``, ``acc_weight`` and ``num_skipped``
+      expanded to shape ``(1, *shape)``.
+
+    Raises:
+      ValueError: If ``opt_state`` contains no :class:`AccumulateState`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import gradaccum_jax as ga
+      >>> tx = ga.accumulate(optax.sgd(0.1), 4, axis_name="data")
+      >>> state = ga.add_replica_axis(tx.init(jnp.zeros(3)))
+      >>> state.acc_grads.shape, state.acc_weight.shape, state.micro_step.shape
+      ((1, 3), (1,), ())
+    """
+    return _map_accumulate_states(
+        opt_state,
+        lambda state: _map_per_replica(state, lambda _, x: jnp.expand_dims(x, 0)),
+        lambda x: x,
+    )
+
+
+def remove_replica_axis(opt_state: optax.OptState) -> optax.OptState:
+    """Drops the leading size-1 axis that :func:`add_replica_axis` added.
+
+    Call it first thing in a ``jax.shard_map`` body that received the state with
+    :func:`replica_state_specs` as ``in_specs``: each replica then sees its own
+    accumulator in the shape of the params, as ``update`` expects.
+
+    Args:
+      opt_state: An optimizer state whose :class:`AccumulateState` per-replica
+        fields have a leading axis of size 1.
+
+    Returns:
+      ``opt_state`` with that axis removed.
+
+    Raises:
+      ValueError: If ``opt_state`` contains no :class:`AccumulateState`, or a
+        per-replica field has no leading axis of size 1 (the state did not go
+        through ``shard_map`` with :func:`replica_state_specs`).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import gradaccum_jax as ga
+      >>> tx = ga.accumulate(optax.sgd(0.1), 4, axis_name="data")
+      >>> state = ga.remove_replica_axis(ga.add_replica_axis(tx.init(jnp.zeros(3))))
+      >>> state.acc_grads.shape
+      (3,)
+    """
+
+    def squeeze(where: str, x: Any) -> Any:
+        shape = jnp.shape(x)
+        if not shape or shape[0] != 1:
+            raise ValueError(
+                f"state.{where} has shape {shape}, but remove_replica_axis expects a "
+                "leading replica axis of size 1. Pass the state into jax.shard_map with "
+                "in_specs=replica_state_specs(state, axis_name), after creating it with "
+                "add_replica_axis (see gradaccum_jax.add_replica_axis)."
+            )
+        return jnp.squeeze(x, 0)
+
+    return _map_accumulate_states(
+        opt_state, lambda state: _map_per_replica(state, squeeze), lambda x: x
+    )
