@@ -465,24 +465,7 @@ def accumulate(
 
 
 def _find_accumulate_state(opt_state: Any) -> AccumulateState:
-    found = [
-        leaf
-        for leaf in jax.tree_util.tree_leaves(
-            opt_state, is_leaf=lambda x: isinstance(x, AccumulateState)
-        )
-        if isinstance(leaf, AccumulateState)
-    ]
-    if not found:
-        raise ValueError(
-            "opt_state contains no AccumulateState: pass the state of an optimizer "
-            "built with gradaccum_jax.accumulate (for a TrainState, state.opt_state)."
-        )
-    if len(found) > 1:
-        raise ValueError(
-            f"opt_state contains {len(found)} AccumulateState values; pass the one "
-            "you mean (e.g. opt_state[0] for the first element of a chain)."
-        )
-    return found[0]
+    return _validation.find_unique_state(opt_state, AccumulateState, "gradaccum_jax.accumulate")
 
 
 def optimizer_step(opt_state: optax.OptState) -> jax.Array:
