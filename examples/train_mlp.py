@@ -12,6 +12,7 @@ the largest parameter difference.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ import gradaccum_jax as ga
 
 def init_params(key: jax.Array, sizes: list[int]) -> list[dict[str, jax.Array]]:
     params = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True):
+    for fan_in, fan_out in itertools.pairwise(sizes):
         key, sub = jax.random.split(key)
         scale = jnp.sqrt(2.0 / fan_in)
         params.append(

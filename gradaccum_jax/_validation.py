@@ -85,7 +85,7 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
             "gradients you pass to update."
         )
     pairs = zip(
-        jax.tree_util.tree_leaves_with_path(tree), jax.tree_util.tree_leaves(reference)
+        jax.tree_util.tree_leaves_with_path(tree), jax.tree_util.tree_leaves(reference), strict=True
     )
     for (path, leaf), ref_leaf in pairs:
         if jnp.shape(leaf) != jnp.shape(ref_leaf):
