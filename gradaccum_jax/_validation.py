@@ -94,3 +94,15 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
                 f"but {reference_name} holds shape {jnp.shape(ref_leaf)} there. Call "
                 "init with the same parameter tree whose gradients you pass to update."
             )
+
+
+def check_unit_interval(name: str, value: Any) -> float:
+    """Returns ``value`` as a float, or raises unless it is a real number in ``[0, 1]``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a real number in [0, 1]; got {value!r} of type {type(value).__name__}."
+        )
+    value = float(value)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1]; got {name}={value!r}.")
+    return value
