@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -68,7 +69,10 @@ def _run_windows(module, variables, windows):
     for xs, masks in windows:
         for i, x in enumerate(xs):
             _, stats = _train_call(
-                module, {"params": params, "batch_stats": stats}, x, None if masks is None else masks[i]
+                module,
+                {"params": params, "batch_stats": stats},
+                x,
+                None if masks is None else masks[i],
             )
         stats = _commit(stats, True)
     return stats
@@ -149,9 +153,10 @@ def test_k1_matches_flax_outputs_statistics_and_gradients(fast):
     (xs, _) = _data(2, (6, 6, 6))
     variables = _init(module, xs[0])
     params = jax.tree.map(lambda p: p + jnp.arange(FEATURES) * 0.1, variables["params"])
-    stats, ref_stats = variables["batch_stats"], reference.init(
-        jax.random.key(0), xs[0], use_running_average=False
-    )["batch_stats"]
+    stats, ref_stats = (
+        variables["batch_stats"],
+        reference.init(jax.random.key(0), xs[0], use_running_average=False)["batch_stats"],
+    )
 
     def loss(module, params, stats, x):
         y, new = module.apply(
@@ -272,12 +277,17 @@ def test_pmap_with_axis_name_and_index_groups_equals_one_device():
         )
         stats = replicate(variables["batch_stats"])
         for x in xs:
-            stats = step({"params": replicate(variables["params"]), "batch_stats": stats}, x.reshape(8, -1, 4, FEATURES))
+            stats = step(
+                {"params": replicate(variables["params"]), "batch_stats": stats},
+                x.reshape(8, -1, 4, FEATURES),
+            )
         stats = _commit(stats, True)
         parts = [range(8)] if groups is None else groups
         for part in parts:
             # Each group pools exactly its own devices' examples.
-            window = [x.reshape(8, -1, 4, FEATURES)[np.array(part)].reshape(-1, 4, FEATURES) for x in xs]
+            window = [
+                x.reshape(8, -1, 4, FEATURES)[np.array(part)].reshape(-1, 4, FEATURES) for x in xs
+            ]
             expected = _run_windows(single, variables, [(window, None)])
             for device in part:
                 _assert_stats(jax.tree.map(lambda a, d=device: a[d], stats), expected)
@@ -379,17 +389,22 @@ def test_end_to_end_with_accumulate_and_with_a_scan_loop():
     # gradients are averaged, and the statistics are nn.BatchNorm's on the
     # concatenated inputs of the layer, computed with the window's parameters.
     ref_model = _Net(norm=nn.BatchNorm)
-    params, ref_stats = variables["params"], {"bn": {"mean": jnp.zeros(6), "var": jnp.ones(6)}}
-    for w in range(windows):
-        grads = [grad_fn(ref_model, params, ref_stats, xs[w, i], ys[w, i])[0] for i in range(k)]
-        hidden = [nn.Dense(6).apply({"params": params["dense"]}, xs[w, i]) for i in range(k)]
+
+    @jax.jit
+    def reference_window(params, ref_stats, x, y):
+        grads = [grad_fn(ref_model, params, ref_stats, x[i], y[i])[0] for i in range(k)]
+        hidden = [nn.Dense(6).apply({"params": params["dense"]}, x[i]) for i in range(k)]
         ref_stats = {
             "bn": _flax_windows(
                 MOMENTUM, {"params": params["bn"], "batch_stats": ref_stats["bn"]}, [(hidden, None)]
             )
         }
         mean_grad = jax.tree.map(lambda *g: sum(g) / k, *grads)
-        params = jax.tree.map(lambda p, g: p - lr * g, params, mean_grad)
+        return jax.tree.map(lambda p, g: p - lr * g, params, mean_grad), ref_stats
+
+    params, ref_stats = variables["params"], {"bn": {"mean": jnp.zeros(6), "var": jnp.ones(6)}}
+    for w in range(windows):
+        params, ref_stats = reference_window(params, ref_stats, xs[w], ys[w])
     ref_params = params
 
     # 1. One micro-batch per jitted step, optax-style, with accumulate.
@@ -400,13 +415,23 @@ def test_end_to_end_with_accumulate_and_with_a_scan_loop():
         grads, stats = grad_fn(model, params, stats, x, y)
         closes = ga.closes_window(opt_state, k)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), ga.flax.commit_batch_stats(stats, closes), opt_state
+        return (
+            optax.apply_updates(params, updates),
+            ga.flax.commit_batch_stats(stats, closes),
+            opt_state,
+        )
 
-    params, stats, opt_state = variables["params"], variables["batch_stats"], tx.init(variables["params"])
+    params, stats, opt_state = (
+        variables["params"],
+        variables["batch_stats"],
+        tx.init(variables["params"]),
+    )
     for w in range(windows):
         for i in range(k):
             params, stats, opt_state = step(params, stats, opt_state, xs[w, i], ys[w, i])
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params, ref_params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params, ref_params
+    )
     _assert_stats(stats["bn"], ref_stats["bn"])
 
     # 2. The whole window in one step: a lax.scan over micro-batches with the
@@ -426,7 +451,9 @@ def test_end_to_end_with_accumulate_and_with_a_scan_loop():
     params, stats = variables["params"], variables["batch_stats"]
     for w in range(windows):
         params, stats = window_step(params, stats, xs[w], ys[w])
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params, ref_params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params, ref_params
+    )
     _assert_stats(stats["bn"], ref_stats["bn"])
 
 
@@ -473,10 +500,12 @@ def test_stacked_layers_under_nn_scan_commit_with_their_own_momentum():
     # micro-batch statistics: rebuild each layer's inputs and compare.
     inputs = list(xs)
     for layer in range(3):
-        params = jax.tree.map(lambda a, l=layer: a[l], variables["params"]["AccumBatchNorm_0"])
+        params = jax.tree.map(lambda a, i=layer: a[i], variables["params"]["AccumBatchNorm_0"])
         start = {"mean": jnp.zeros(FEATURES), "var": jnp.ones(FEATURES)}
-        reference = _flax_windows(MOMENTUM, {"params": params, "batch_stats": start}, [(inputs, None)])
-        _assert_stats(jax.tree.map(lambda a, l=layer: a[l], stats), reference)
+        reference = _flax_windows(
+            MOMENTUM, {"params": params, "batch_stats": start}, [(inputs, None)]
+        )
+        _assert_stats(jax.tree.map(lambda a, i=layer: a[i], stats), reference)
         inputs = [
             nn.BatchNorm(use_running_average=False).apply(
                 {"params": params, "batch_stats": start}, x, mutable=["batch_stats"]
@@ -557,10 +586,12 @@ def test_bad_arguments_raise_with_the_argument_named():
         (AccumBatchNorm(axis=2), ValueError, "axis=2"),
     ]
     for module, error, text in cases:
-        with pytest.raises(error, match=text):
+        with pytest.raises(error, match=re.escape(text)):
             _init(module, x)
     with pytest.raises(ValueError, match="mask"):
-        AccumBatchNorm().init(jax.random.key(0), x, use_running_average=False, mask=jnp.ones(5, bool))
+        AccumBatchNorm().init(
+            jax.random.key(0), x, use_running_average=False, mask=jnp.ones(5, bool)
+        )
     with pytest.raises(TypeError, match="complex"):
         _init(AccumBatchNorm(), x.astype(jnp.complex64))
     stats = _init(AccumBatchNorm(), x)["batch_stats"]
@@ -570,11 +601,11 @@ def test_bad_arguments_raise_with_the_argument_named():
         ga.flax.commit_batch_stats({"mean": jnp.zeros(3), "var": jnp.ones(3)})
     with pytest.raises(ValueError, match="num_features"):
         NNXAccumBatchNorm(0, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="momentum=-0.1"):
+    with pytest.raises(ValueError, match=re.escape("momentum=-0.1")):
         NNXAccumBatchNorm(3, momentum=-0.1, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="use_running_average"):
         NNXAccumBatchNorm(3, use_running_average=None, rngs=nnx.Rngs(0))(x)
     with pytest.raises(ValueError, match="no NNXAccumBatchNorm"):
         ga.flax.commit_nnx_batch_stats(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
-    with pytest.raises(TypeError, match="nnx.BatchNorm"):
+    with pytest.raises(TypeError, match=re.escape("nnx.BatchNorm")):
         NNXAccumBatchNorm.from_batchnorm(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
