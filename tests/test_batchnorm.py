@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import functools
 import re
 
@@ -609,3 +610,10 @@ def test_bad_arguments_raise_with_the_argument_named():
         ga.flax.commit_nnx_batch_stats(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     with pytest.raises(TypeError, match=re.escape("nnx.BatchNorm")):
         NNXAccumBatchNorm.from_batchnorm(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+def test_docstring_examples_run():
+    from gradaccum_jax.flax import _batchnorm
+
+    result = doctest.testmod(_batchnorm, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
