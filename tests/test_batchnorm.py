@@ -134,6 +134,19 @@ def test_seed_style_averaging_would_fail_these_tests():
     assert np.all(micro_var < (1 - 100 * RTOL) * window_var)
 
 
+def test_broadcast_mask_and_several_feature_axes_match_flax():
+    xs, _ = _data(12, (1, 3))
+    rng = np.random.default_rng(12)
+    # Example-level masks (B, 1, 1); features on the last two axes (4 x 3).
+    masks = [rng.random((x.shape[0], 1, 1)) < 0.8 for x in xs]
+    masks[0][0] = True
+    module = AccumBatchNorm(momentum=MOMENTUM, axis=(1, 2))
+    variables = _init(module, xs[0])
+    assert variables["batch_stats"]["window_sum"].shape == (4, FEATURES)
+    stats = _run_windows(module, variables, [(xs, masks)])
+    _assert_stats(stats, _flax_windows(MOMENTUM, variables, [(xs, masks)], axis=(1, 2)))
+
+
 def test_no_running_update_before_commit_and_closes_false_is_a_no_op():
     module = AccumBatchNorm(momentum=MOMENTUM)
     (xs, _) = _data(1, (2, 3))

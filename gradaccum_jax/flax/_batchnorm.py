@@ -32,7 +32,9 @@ _ONES_INIT = nnx.initializers.ones_init()
 class _Window(NamedTuple):
     """The statistics of the current window, one entry per feature, float32."""
 
-    count: jax.Array  # examples (unmasked entries) seen
+    # float32 like the sums it divides: exact up to 2**24 entries per feature,
+    # and beyond that its rounding stays below the sums' own.
+    count: jax.Array  # unmasked entries seen
     total: jax.Array  # Σ (x - shift)
     total_sq: jax.Array  # Σ (x - shift)²
     shift: jax.Array  # constant within a window
