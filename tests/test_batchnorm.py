@@ -44,12 +44,14 @@ def _data(seed: int, sizes, *, offset=0.0, masked=False, dtype=jnp.float32):
     return [jnp.asarray(x, dtype) for x in xs], masks
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _train_call(module, variables, x, mask):
+def _train_apply(module, variables, x, mask):
     y, new = module.apply(
         variables, x, use_running_average=False, mask=mask, mutable=["batch_stats"]
     )
     return y, new["batch_stats"]
+
+
+_train_call = jax.jit(_train_apply, static_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -236,9 +238,7 @@ def test_shard_map_over_8_devices_equals_one_device_on_the_global_batch():
     mesh = _mesh()
 
     def local(stats, x, mask):
-        return _train_call.__wrapped__(
-            module, {"params": variables["params"], "batch_stats": stats}, x, mask
-        )
+        return _train_apply(module, {"params": variables["params"], "batch_stats": stats}, x, mask)
 
     sharded = jax.jit(
         jax.shard_map(
