@@ -259,3 +259,15 @@ def check_axis_name(name: str, value: Any) -> tuple[Any, ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"{name} must not repeat an axis; got {name}={value!r}.")
     return names
+
+
+def check_unit_interval(name: str, value: Any) -> float:
+    """Returns ``value`` as a float, or raises unless it is a real number in ``[0, 1]``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a real number in [0, 1]; got {value!r} of type {type(value).__name__}."
+        )
+    value = float(value)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1]; got {name}={value!r}.")
+    return value

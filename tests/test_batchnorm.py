@@ -1,0 +1,632 @@
+"""AccumBatchNorm: running statistics equal nn.BatchNorm on the concatenated window."""
+
+from __future__ import annotations
+
+import doctest
+import functools
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradaccum_jax as ga
+from gradaccum_jax.flax import AccumBatchNorm, NNXAccumBatchNorm
+
+# Statistics are float32 sums of a few hundred terms: 1e-5 relative leaves
+# ample room for rounding while a wrong pooling (e.g. averaging micro-batch
+# variances) is off by percents. Means near zero need an absolute floor.
+RTOL, ATOL = 1e-5, 1e-6
+FEATURES = 3
+MOMENTUM = 0.8
+
+
+def _data(seed: int, sizes, *, offset=0.0, masked=False, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    xs = [
+        (rng.normal(size=(b, 4, FEATURES)) * [1.0, 2.0, 0.5] + [0.3, -1.0, 2.0] + offset).astype(
+            np.float32
+        )
+        for b in sizes
+    ]
+    masks = None
+    if masked:
+        # Per-entry, per-feature masks; every feature keeps entries in every window.
+        masks = [rng.random((b, 4, FEATURES)) < 0.7 for b in sizes]
+        for m in masks:
+            m[0, 0] = True
+    return [jnp.asarray(x, dtype) for x in xs], masks
+
+
+def _train_apply(module, variables, x, mask):
+    y, new = module.apply(
+        variables, x, use_running_average=False, mask=mask, mutable=["batch_stats"]
+    )
+    return y, new["batch_stats"]
+
+
+_train_call = jax.jit(_train_apply, static_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _eval_call(module, variables, x):
+    return module.apply(variables, x, use_running_average=True)
+
+
+_commit = jax.jit(ga.flax.commit_batch_stats)
+
+
+def _init(module, x):
+    return module.init(jax.random.key(0), x, use_running_average=False)
+
+
+def _run_windows(module, variables, windows):
+    """Applies ``module`` to each micro-batch, committing after each window."""
+    params, stats = variables["params"], variables["batch_stats"]
+    for xs, masks in windows:
+        for i, x in enumerate(xs):
+            _, stats = _train_call(
+                module,
+                {"params": params, "batch_stats": stats},
+                x,
+                None if masks is None else masks[i],
+            )
+        stats = _commit(stats, True)
+    return stats
+
+
+def _flax_windows(momentum, variables, windows, **kwargs):
+    """nn.BatchNorm on each window's concatenation: one EMA step per window."""
+    bn = nn.BatchNorm(momentum=momentum, **kwargs)
+    stats = {"mean": variables["batch_stats"]["mean"], "var": variables["batch_stats"]["var"]}
+    for xs, masks in windows:
+        x = jnp.concatenate(xs)
+        mask = None if masks is None else jnp.concatenate([jnp.asarray(m) for m in masks])
+        _, new = bn.apply(
+            {"params": variables["params"], "batch_stats": stats},
+            x,
+            use_running_average=False,
+            mask=mask,
+            mutable=["batch_stats"],
+        )
+        stats = new["batch_stats"]
+    return stats
+
+
+def _assert_stats(stats, reference, rtol=RTOL, atol=ATOL):
+    np.testing.assert_allclose(stats["mean"], reference["mean"], rtol=rtol, atol=atol)
+    np.testing.assert_allclose(stats["var"], reference["var"], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize(
+    "sizes", [(5,), (1, 1), (4, 4), (1, 3, 2, 6), (1, 1, 1, 1)], ids=lambda s: "x".join(map(str, s))
+)
+def test_window_statistics_equal_flax_on_concatenated_window(sizes, masked):
+    module = AccumBatchNorm(momentum=MOMENTUM)
+    windows = [_data(seed, sizes, masked=masked) for seed in range(3)]
+    variables = _init(module, windows[0][0][0])
+    stats = _run_windows(module, variables, windows[:1])
+    _assert_stats(stats, _flax_windows(MOMENTUM, variables, windows[:1]))
+    # Several windows, then inference with the committed statistics.
+    stats = _run_windows(module, {**variables, "batch_stats": stats}, windows[1:])
+    reference = _flax_windows(MOMENTUM, variables, windows)
+    _assert_stats(stats, reference)
+    assert not np.any(stats["window_count"]), "the window is empty after a commit"
+    x = windows[0][0][0]
+    y = _eval_call(module, {"params": variables["params"], "batch_stats": stats}, x)
+    y_ref = nn.BatchNorm(use_running_average=True).apply(
+        {"params": variables["params"], "batch_stats": reference}, x
+    )
+    np.testing.assert_allclose(y, y_ref, rtol=RTOL, atol=1e-5)
+
+
+def test_seed_style_averaging_would_fail_these_tests():
+    # The check above can fail: the mean of micro-batch variances (the seed's
+    # pooling) drops the variance of the micro-batch means, far more than RTOL.
+    (xs, _) = _data(0, (1, 1, 1, 1))
+    micro_var = np.mean([np.var(np.asarray(x), axis=(0, 1)) for x in xs], axis=0)
+    window_var = np.var(np.concatenate([np.asarray(x) for x in xs]), axis=(0, 1))
+    assert np.all(micro_var < (1 - 100 * RTOL) * window_var)
+
+
+def test_broadcast_mask_and_several_feature_axes_match_flax():
+    xs, _ = _data(12, (1, 3))
+    rng = np.random.default_rng(12)
+    # Example-level masks (B, 1, 1); features on the last two axes (4 x 3).
+    masks = [rng.random((x.shape[0], 1, 1)) < 0.8 for x in xs]
+    masks[0][0] = True
+    module = AccumBatchNorm(momentum=MOMENTUM, axis=(1, 2))
+    variables = _init(module, xs[0])
+    assert variables["batch_stats"]["window_sum"].shape == (4, FEATURES)
+    stats = _run_windows(module, variables, [(xs, masks)])
+    _assert_stats(stats, _flax_windows(MOMENTUM, variables, [(xs, masks)], axis=(1, 2)))
+
+
+def test_no_running_update_before_commit_and_closes_false_is_a_no_op():
+    module = AccumBatchNorm(momentum=MOMENTUM)
+    (xs, _) = _data(1, (2, 3))
+    variables = _init(module, xs[0])
+    stats = variables["batch_stats"]
+    for x in xs:
+        _, stats = _train_call(module, {**variables, "batch_stats": stats}, x, None)
+    np.testing.assert_array_equal(stats["mean"], variables["batch_stats"]["mean"])
+    np.testing.assert_array_equal(stats["window_count"], np.full(FEATURES, 20.0))
+    kept = _commit(stats, jnp.array(False))
+    jax.tree.map(np.testing.assert_array_equal, kept, stats)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_variance", "two_pass"])
+def test_k1_matches_flax_outputs_statistics_and_gradients(fast):
+    module = AccumBatchNorm(momentum=0.9, use_fast_variance=fast)
+    reference = nn.BatchNorm(momentum=0.9, use_fast_variance=fast)
+    (xs, _) = _data(2, (6, 6, 6))
+    variables = _init(module, xs[0])
+    params = jax.tree.map(lambda p: p + jnp.arange(FEATURES) * 0.1, variables["params"])
+    stats, ref_stats = (
+        variables["batch_stats"],
+        reference.init(jax.random.key(0), xs[0], use_running_average=False)["batch_stats"],
+    )
+
+    def loss(module, params, stats, x):
+        y, new = module.apply(
+            {"params": params, "batch_stats": stats},
+            x,
+            use_running_average=False,
+            mutable=["batch_stats"],
+        )
+        return jnp.sum(y**3), (y, new["batch_stats"])
+
+    grad = jax.jit(jax.grad(loss, argnums=(1, 3), has_aux=True), static_argnums=0)
+    for x in xs:
+        g, (y, stats) = grad(module, params, stats, x)
+        g_ref, (y_ref, ref_stats) = grad(reference, params, ref_stats, x)
+        stats = _commit(stats, True)
+        # Equal up to float32 rounding: the sums are shifted, nn.BatchNorm's are
+        # not (measured differences: ~3e-7 relative).
+        np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+        _assert_stats(stats, ref_stats)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), g, g_ref)
+
+
+class _Twice(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        bn = AccumBatchNorm(momentum=MOMENTUM, use_running_average=not train)
+        return bn(x) + bn(2.0 * x + 3.0)
+
+
+def test_layer_used_twice_pools_both_calls_into_one_window():
+    model = _Twice()
+    (xs, _) = _data(3, (1, 3, 2))
+    variables = model.init(jax.random.key(0), xs[0], train=True)
+    step = jax.jit(
+        lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"])[1]["batch_stats"]
+    )
+    stats = variables["batch_stats"]
+    for x in xs:
+        stats = step({**variables, "batch_stats": stats}, x)
+    layer = stats["AccumBatchNorm_0"]
+    # Both calls of every micro-batch are in the window: no early commit.
+    np.testing.assert_array_equal(layer["window_count"], np.full(FEATURES, 2 * 6 * 4.0))
+    np.testing.assert_array_equal(layer["mean"], np.zeros(FEATURES))
+    stats = _commit(stats, True)
+    inputs = [*xs, *(2.0 * x + 3.0 for x in xs)]
+    reference = _flax_windows(
+        MOMENTUM,
+        {"params": variables["params"]["AccumBatchNorm_0"], "batch_stats": layer},
+        [(inputs, None)],
+    )
+    _assert_stats(stats["AccumBatchNorm_0"], reference)
+
+
+def _mesh():
+    return jax.make_mesh((8,), ("batch",))
+
+
+def test_shard_map_over_8_devices_equals_one_device_on_the_global_batch():
+    module = AccumBatchNorm(momentum=MOMENTUM, axis_name="batch")
+    single = AccumBatchNorm(momentum=MOMENTUM)
+    xs, masks = _data(4, (16, 24), masked=True)
+    variables = _init(single, xs[0])
+    mesh = _mesh()
+
+    def local(stats, x, mask):
+        return _train_apply(module, {"params": variables["params"], "batch_stats": stats}, x, mask)
+
+    sharded = jax.jit(
+        jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P("batch"), P("batch")), out_specs=(P("batch"), P())
+        )
+    )
+    put = functools.partial(jax.device_put, device=NamedSharding(mesh, P("batch")))
+    stats = single_stats = variables["batch_stats"]
+    for x, mask in zip(xs, masks, strict=True):
+        y, stats = sharded(stats, put(x), put(jnp.asarray(mask)))
+        y_one, single_stats = _train_call(
+            single, {**variables, "batch_stats": single_stats}, x, mask
+        )
+        # Training outputs use the global micro-batch's statistics on every device.
+        np.testing.assert_allclose(y, y_one, rtol=RTOL, atol=1e-5)
+    stats, single_stats = _commit(stats, True), _commit(single_stats, True)
+    _assert_stats(stats, single_stats)
+    _assert_stats(stats, _flax_windows(MOMENTUM, variables, [(xs, masks)]))
+
+    # One stacked collective per call (two with the two-pass variance).
+    for fast, expected in ((True, 1), (False, 2)):
+        layer = AccumBatchNorm(axis_name="batch", use_fast_variance=fast)
+
+        def call(stats, x, layer=layer):
+            return layer.apply(
+                {"params": variables["params"], "batch_stats": stats},
+                x,
+                use_running_average=False,
+                mutable=["batch_stats"],
+            )
+
+        jaxpr = jax.make_jaxpr(
+            jax.shard_map(call, mesh=mesh, in_specs=(P(), P("batch")), out_specs=(P("batch"), P()))
+        )(variables["batch_stats"], put(xs[0]))
+        assert str(jaxpr).count("psum") == expected
+
+
+def test_pmap_with_axis_name_and_index_groups_equals_one_device():
+    xs, _ = _data(5, (16, 8))
+    single = AccumBatchNorm(momentum=MOMENTUM)
+    variables = _init(single, xs[0])
+    replicate = functools.partial(jax.tree.map, lambda a: jnp.broadcast_to(a, (8, *a.shape)))
+    for groups in (None, [[0, 1, 2, 3], [4, 5, 6, 7]]):
+        module = AccumBatchNorm(momentum=MOMENTUM, axis_name="i", axis_index_groups=groups)
+        step = jax.pmap(
+            lambda v, x, module=module: module.apply(
+                v, x, use_running_average=False, mutable=["batch_stats"]
+            )[1]["batch_stats"],
+            axis_name="i",
+        )
+        stats = replicate(variables["batch_stats"])
+        for x in xs:
+            stats = step(
+                {"params": replicate(variables["params"]), "batch_stats": stats},
+                x.reshape(8, -1, 4, FEATURES),
+            )
+        stats = _commit(stats, True)
+        parts = [range(8)] if groups is None else groups
+        for part in parts:
+            # Each group pools exactly its own devices' examples.
+            window = [
+                x.reshape(8, -1, 4, FEATURES)[np.array(part)].reshape(-1, 4, FEATURES) for x in xs
+            ]
+            expected = _run_windows(single, variables, [(window, None)])
+            for device in part:
+                _assert_stats(jax.tree.map(lambda a, d=device: a[d], stats), expected)
+
+
+def test_offset_1e4_keeps_float32_accuracy():
+    windows = [_data(seed, (3, 5), offset=1e4) for seed in range(2)]
+
+    def exact(mean, var):
+        # float64 EMA of the exact window moments of the same float32 inputs.
+        mean, var = np.asarray(mean, np.float64), np.asarray(var, np.float64)
+        for xs, _ in windows:
+            x = np.concatenate([np.asarray(x, np.float64) for x in xs]).reshape(-1, FEATURES)
+            mean = MOMENTUM * mean + (1 - MOMENTUM) * x.mean(0)
+            var = MOMENTUM * var + (1 - MOMENTUM) * x.var(0)
+        return {"mean": mean, "var": var}
+
+    # Two-pass: the window is shifted by its first micro-batch's mean, accurate
+    # from the first window on, starting from the usual mean=0, var=1.
+    two_pass = AccumBatchNorm(momentum=MOMENTUM, use_fast_variance=False)
+    variables = _init(two_pass, windows[0][0][0])
+    _assert_stats(_run_windows(two_pass, variables, windows), exact(0.0, 1.0))
+
+    # One pass: shifted by the running mean, accurate once that is near the data,
+    # e.g. when fine-tuning from a converted nn.BatchNorm checkpoint.
+    fast = AccumBatchNorm(momentum=MOMENTUM)
+    start = {"mean": jnp.full(FEATURES, 1e4 - 3.0), "var": jnp.full(FEATURES, 2.0)}
+    converted = {**variables, "batch_stats": ga.flax.batch_stats_from_flax(start)}
+    expected = exact(start["mean"], start["var"])
+    _assert_stats(_run_windows(fast, converted, windows), expected)
+    # nn.BatchNorm's unshifted fast variance loses the variance at this offset.
+    flax_stats = _flax_windows(MOMENTUM, {**variables, "batch_stats": start}, windows)
+    assert np.max(np.abs(flax_stats["var"] / expected["var"] - 1)) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_inputs_keep_float32_statistics(dtype):
+    windows = [_data(seed, (2, 3), dtype=dtype) for seed in range(2)]
+    for out_dtype in (None, dtype):
+        module = AccumBatchNorm(momentum=MOMENTUM, dtype=out_dtype)
+        variables = _init(module, windows[0][0][0])
+        stats = _run_windows(module, variables, windows)
+        assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(stats))
+        # Same float32 statistics of the same 16-bit values as nn.BatchNorm.
+        _assert_stats(stats, _flax_windows(MOMENTUM, variables, windows, dtype=out_dtype))
+        x = windows[0][0][0]
+        y, _ = _train_call(module, {**variables, "batch_stats": stats}, x, None)
+        y_ref = nn.BatchNorm(dtype=out_dtype).apply(
+            variables, x, use_running_average=False, mutable=["batch_stats"]
+        )[0]
+        assert y.dtype == y_ref.dtype
+        np.testing.assert_allclose(
+            np.asarray(y, np.float32), np.asarray(y_ref, np.float32), rtol=1e-2, atol=1e-2
+        )
+
+
+def test_non_finite_micro_batch_is_left_out_and_empty_features_keep_statistics():
+    module = AccumBatchNorm(momentum=MOMENTUM)
+    xs, _ = _data(6, (2, 3))
+    variables = _init(module, xs[0])
+    bad = xs[0].at[0, 0, 0].set(jnp.nan)
+    stats = _run_windows(module, variables, [([bad, xs[1]], None)])
+    _assert_stats(stats, _flax_windows(MOMENTUM, variables, [([xs[1]], None)]))
+    # A feature with no unmasked entry in the window keeps its running statistics.
+    mask = jnp.ones(xs[1].shape, bool).at[..., 1].set(False)
+    before = stats
+    stats = _run_windows(module, {**variables, "batch_stats": stats}, [([xs[1]], [mask])])
+    assert stats["mean"][1] == before["mean"][1] and stats["var"][1] == before["var"][1]
+    assert np.all(np.isfinite(stats["mean"])) and np.all(np.isfinite(stats["var"]))
+
+
+class _Net(nn.Module):
+    norm: type = AccumBatchNorm
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(6, name="dense")(x.reshape(x.shape[0], -1))
+        x = self.norm(momentum=MOMENTUM, use_running_average=not train, name="bn")(x)
+        return nn.Dense(2, name="head")(nn.relu(x))
+
+
+def _loss(model, params, stats, x, y):
+    logits, new = model.apply(
+        {"params": params, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]
+    )
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new["batch_stats"]
+
+
+def test_end_to_end_with_accumulate_and_with_a_scan_loop():
+    k, windows, lr = 2, 3, 0.3
+    rng = np.random.default_rng(7)
+    xs = jnp.asarray(rng.normal(size=(windows, k, 4, 12)), jnp.float32)
+    ys = jnp.asarray(rng.integers(0, 2, size=(windows, k, 4)))
+    model = _Net()
+    variables = model.init(jax.random.key(0), xs[0, 0], train=True)
+    grad_fn = jax.grad(_loss, argnums=1, has_aux=True)
+
+    # Reference: flax's BatchNorm normalises each micro-batch the same way;
+    # gradients are averaged, and the statistics are nn.BatchNorm's on the
+    # concatenated inputs of the layer, computed with the window's parameters.
+    ref_model = _Net(norm=nn.BatchNorm)
+
+    @jax.jit
+    def reference_window(params, ref_stats, x, y):
+        grads = [grad_fn(ref_model, params, ref_stats, x[i], y[i])[0] for i in range(k)]
+        hidden = [nn.Dense(6).apply({"params": params["dense"]}, x[i]) for i in range(k)]
+        ref_stats = {
+            "bn": _flax_windows(
+                MOMENTUM, {"params": params["bn"], "batch_stats": ref_stats["bn"]}, [(hidden, None)]
+            )
+        }
+        mean_grad = jax.tree.map(lambda *g: sum(g) / k, *grads)
+        return jax.tree.map(lambda p, g: p - lr * g, params, mean_grad), ref_stats
+
+    params, ref_stats = variables["params"], {"bn": {"mean": jnp.zeros(6), "var": jnp.ones(6)}}
+    for w in range(windows):
+        params, ref_stats = reference_window(params, ref_stats, xs[w], ys[w])
+    ref_params = params
+
+    # 1. One micro-batch per jitted step, optax-style, with accumulate.
+    tx = ga.accumulate(optax.sgd(lr), k)
+
+    @jax.jit
+    def step(params, stats, opt_state, x, y):
+        grads, stats = grad_fn(model, params, stats, x, y)
+        closes = ga.closes_window(opt_state, k)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (
+            optax.apply_updates(params, updates),
+            ga.flax.commit_batch_stats(stats, closes),
+            opt_state,
+        )
+
+    params, stats, opt_state = (
+        variables["params"],
+        variables["batch_stats"],
+        tx.init(variables["params"]),
+    )
+    for w in range(windows):
+        for i in range(k):
+            params, stats, opt_state = step(params, stats, opt_state, xs[w, i], ys[w, i])
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params, ref_params
+    )
+    _assert_stats(stats["bn"], ref_stats["bn"])
+
+    # 2. The whole window in one step: a lax.scan over micro-batches with the
+    # statistics in the carry (and a traced commit flag, so dtypes must hold).
+    @jax.jit
+    def window_step(params, stats, x, y):
+        def body(carry, batch):
+            stats, grad_sum, i = carry
+            grads, stats = grad_fn(model, params, stats, *batch)
+            stats = ga.flax.commit_batch_stats(stats, i == k - 1)
+            return (stats, jax.tree.map(jnp.add, grad_sum, grads), i + 1), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (stats, grad_sum, _), _ = jax.lax.scan(body, (stats, zeros, 0), (x, y))
+        return jax.tree.map(lambda p, g: p - lr * g / k, params, grad_sum), stats
+
+    params, stats = variables["params"], variables["batch_stats"]
+    for w in range(windows):
+        params, stats = window_step(params, stats, xs[w], ys[w])
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params, ref_params
+    )
+    _assert_stats(stats["bn"], ref_stats["bn"])
+
+
+def test_checkpoint_conversion_from_and_to_flax_is_lossless():
+    ref_model, model = _Net(norm=nn.BatchNorm), _Net()
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(5, 12)), jnp.float32)
+    flax_vars = ref_model.init(jax.random.key(1), x, train=True)
+    _, new = ref_model.apply(flax_vars, x, train=True, mutable=["batch_stats"])
+    flax_vars = {"params": flax_vars["params"], "batch_stats": new["batch_stats"]}
+    converted = {
+        "params": flax_vars["params"],
+        "batch_stats": ga.flax.batch_stats_from_flax(flax_vars["batch_stats"]),
+    }
+    expected = model.init(jax.random.key(1), x, train=True)
+    assert jax.tree.structure(converted) == jax.tree.structure(expected)
+    np.testing.assert_array_equal(
+        model.apply(converted, x, train=False), ref_model.apply(flax_vars, x, train=False)
+    )
+    back = ga.flax.batch_stats_to_flax(converted["batch_stats"])
+    jax.tree.map(np.testing.assert_array_equal, back, flax_vars["batch_stats"])
+
+
+def test_stacked_layers_under_nn_scan_commit_with_their_own_momentum():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return AccumBatchNorm(momentum=MOMENTUM, use_running_average=False)(x) * 2.0 + 1.0, None
+
+    stack = nn.scan(
+        Block,
+        variable_axes={"params": 0, "batch_stats": 0},
+        split_rngs={"params": True},
+        length=3,
+    )()
+    (xs, _) = _data(9, (2, 4))
+    variables = stack.init(jax.random.key(0), xs[0], None)
+    stats = variables["batch_stats"]
+    assert stats["AccumBatchNorm_0"]["momentum"].shape == (3,)
+    for x in xs:
+        _, new = stack.apply({**variables, "batch_stats": stats}, x, None, mutable=["batch_stats"])
+        stats = new["batch_stats"]
+    stats = _commit(stats, True)["AccumBatchNorm_0"]
+    # Layer l sees 2·y + 1 of layer l-1, whose inputs it normalised with the
+    # micro-batch statistics: rebuild each layer's inputs and compare.
+    inputs = list(xs)
+    for layer in range(3):
+        params = jax.tree.map(lambda a, i=layer: a[i], variables["params"]["AccumBatchNorm_0"])
+        start = {"mean": jnp.zeros(FEATURES), "var": jnp.ones(FEATURES)}
+        reference = _flax_windows(
+            MOMENTUM, {"params": params, "batch_stats": start}, [(inputs, None)]
+        )
+        _assert_stats(jax.tree.map(lambda a, i=layer: a[i], stats), reference)
+        inputs = [
+            nn.BatchNorm(use_running_average=False).apply(
+                {"params": params, "batch_stats": start}, x, mutable=["batch_stats"]
+            )[0]
+            * 2.0
+            + 1.0
+            for x in inputs
+        ]
+
+
+def test_nnx_module_matches_linen_and_nnx_batchnorm():
+    xs, masks = _data(10, (1, 3, 2), masked=True)
+    linen = AccumBatchNorm(momentum=MOMENTUM)
+    variables = _init(linen, xs[0])
+    expected = _run_windows(linen, variables, [(xs, masks)])
+
+    layer = NNXAccumBatchNorm(FEATURES, momentum=MOMENTUM, rngs=nnx.Rngs(0))
+
+    @nnx.jit
+    def micro_step(layer, x, mask, closes):
+        y = layer(x, mask=mask)
+        ga.flax.commit_nnx_batch_stats(layer, closes)
+        return y
+
+    for i, (x, mask) in enumerate(zip(xs, masks, strict=True)):
+        micro_step(layer, x, jnp.asarray(mask), jnp.asarray(i == len(xs) - 1))
+    np.testing.assert_allclose(layer.mean[...], expected["mean"], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(layer.var[...], expected["var"], rtol=RTOL, atol=ATOL)
+
+    # K = 1 against nnx.BatchNorm, in training and in eval mode; and conversions.
+    bn = nnx.BatchNorm(FEATURES, momentum=0.9, rngs=nnx.Rngs(0))
+    acc = NNXAccumBatchNorm.from_batchnorm(bn)
+    for x in xs:
+        np.testing.assert_allclose(acc(x), bn(x), rtol=1e-5, atol=1e-5)
+        acc.commit()
+    np.testing.assert_allclose(acc.mean[...], bn.mean[...], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(acc.var[...], bn.var[...], rtol=RTOL, atol=ATOL)
+    acc.eval()
+    bn.eval()
+    np.testing.assert_allclose(acc(xs[0]), bn(xs[0]), rtol=RTOL, atol=1e-5)
+    assert nnx.view(acc, use_running_average=False).use_running_average is False
+    back = acc.to_batchnorm()
+    assert isinstance(back, nnx.BatchNorm) and back.momentum == 0.9
+    np.testing.assert_array_equal(back(xs[0]), acc(xs[0]))
+
+    # A state saved with nnx.BatchNorm loads into the accumulating layer.
+    fresh = NNXAccumBatchNorm(FEATURES, rngs=nnx.Rngs(1))
+    nnx.update(fresh, nnx.state(bn))
+    fresh.eval()
+    np.testing.assert_array_equal(fresh(xs[0]), bn(xs[0]))
+
+
+def test_nnx_layer_used_twice_pools_both_calls():
+    xs, _ = _data(11, (2, 3))
+    layer = NNXAccumBatchNorm(FEATURES, momentum=MOMENTUM, rngs=nnx.Rngs(0))
+    for x in xs:
+        layer(x)
+        layer(2.0 * x + 3.0)
+    layer.commit()
+    reference = _flax_windows(
+        MOMENTUM,
+        {
+            "params": {"scale": jnp.ones(FEATURES), "bias": jnp.zeros(FEATURES)},
+            "batch_stats": {"mean": jnp.zeros(FEATURES), "var": jnp.ones(FEATURES)},
+        },
+        [([*xs, *(2.0 * x + 3.0 for x in xs)], None)],
+    )
+    np.testing.assert_allclose(layer.mean[...], reference["mean"], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(layer.var[...], reference["var"], rtol=RTOL, atol=ATOL)
+
+
+def test_bad_arguments_raise_with_the_argument_named():
+    x = jnp.ones((4, FEATURES))
+    cases = [
+        (AccumBatchNorm(momentum=1.5), ValueError, "momentum=1.5"),
+        (AccumBatchNorm(epsilon=-1.0), ValueError, "epsilon=-1.0"),
+        (AccumBatchNorm(force_float32_reductions=False), ValueError, "force_float32_reductions"),
+        (AccumBatchNorm(axis=2), ValueError, "axis=2"),
+    ]
+    for module, error, text in cases:
+        with pytest.raises(error, match=re.escape(text)):
+            _init(module, x)
+    with pytest.raises(ValueError, match="mask"):
+        AccumBatchNorm().init(
+            jax.random.key(0), x, use_running_average=False, mask=jnp.ones(5, bool)
+        )
+    with pytest.raises(TypeError, match="complex"):
+        _init(AccumBatchNorm(), x.astype(jnp.complex64))
+    stats = _init(AccumBatchNorm(), x)["batch_stats"]
+    with pytest.raises(TypeError, match="closes"):
+        ga.flax.commit_batch_stats(stats, closes=1)
+    with pytest.raises(ValueError, match="no AccumBatchNorm"):
+        ga.flax.commit_batch_stats({"mean": jnp.zeros(3), "var": jnp.ones(3)})
+    with pytest.raises(ValueError, match="num_features"):
+        NNXAccumBatchNorm(0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=re.escape("momentum=-0.1")):
+        NNXAccumBatchNorm(3, momentum=-0.1, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="use_running_average"):
+        NNXAccumBatchNorm(3, use_running_average=None, rngs=nnx.Rngs(0))(x)
+    with pytest.raises(ValueError, match="no NNXAccumBatchNorm"):
+        ga.flax.commit_nnx_batch_stats(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(TypeError, match=re.escape("nnx.BatchNorm")):
+        NNXAccumBatchNorm.from_batchnorm(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+def test_docstring_examples_run():
+    from gradaccum_jax.flax import _batchnorm
+
+    result = doctest.testmod(_batchnorm, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
