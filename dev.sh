@@ -20,7 +20,7 @@ py="$VENV/bin/python"
 task="${1:-test}"
 shift || true
 case "$task" in
-  run) exec "$py" examples/train_mlp.py "$@" ;;
+  run) exec "$py" examples/digits_convnet.py "$@" ;;
   test) exec "$py" -m pytest "$@" ;;
   lint) "$py" -m ruff check . && exec "$py" -m ruff format --check . ;;
   *) echo "usage: bash dev.sh {run|test|lint} [args...]" >&2; exit 2 ;;
