@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import functools
 import re
 
@@ -390,7 +389,7 @@ def _loss(model, params, stats, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new["batch_stats"]
 
 
-def test_end_to_end_with_accumulate_and_with_a_scan_loop():
+def test_end_to_end_with_accumulate_a_scan_loop_and_microbatch_value_and_grad():
     k, windows, lr = 2, 3, 0.3
     rng = np.random.default_rng(7)
     xs = jnp.asarray(rng.normal(size=(windows, k, 4, 12)), jnp.float32)
@@ -465,6 +464,33 @@ def test_end_to_end_with_accumulate_and_with_a_scan_loop():
     params, stats = variables["params"], variables["batch_stats"]
     for w in range(windows):
         params, stats = window_step(params, stats, xs[w], ys[w])
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params, ref_params
+    )
+    _assert_stats(stats["bn"], ref_stats["bn"])
+
+    # 3. The whole window in one step with microbatch_value_and_grad: the
+    # statistics are its carried state. Micro-batch i takes examples i, i+k, ...
+    def loss_with_stats(params, x, y, stats):
+        loss, new_stats = _loss(model, params, stats, x, y)
+        return loss, (new_stats, None)
+
+    mb_value_and_grad = ga.microbatch_value_and_grad(
+        loss_with_stats, k, has_aux=True, batch_argnums=(1, 2), carry_argnums=3
+    )
+
+    @jax.jit
+    def microbatched_step(params, stats, x, y):
+        (_, (stats, _)), grads = mb_value_and_grad(params, x, y, stats)
+        stats = ga.flax.commit_batch_stats(stats)
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads), stats
+
+    def interleave(batch):  # (k, n, ...) -> (n * k, ...) with micro-batch i at i, i+k, ...
+        return jnp.swapaxes(batch, 0, 1).reshape(-1, *batch.shape[2:])
+
+    params, stats = variables["params"], variables["batch_stats"]
+    for w in range(windows):
+        params, stats = microbatched_step(params, stats, interleave(xs[w]), interleave(ys[w]))
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params, ref_params
     )
@@ -623,10 +649,3 @@ def test_bad_arguments_raise_with_the_argument_named():
         ga.flax.commit_nnx_batch_stats(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     with pytest.raises(TypeError, match=re.escape("nnx.BatchNorm")):
         NNXAccumBatchNorm.from_batchnorm(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
-
-
-def test_docstring_examples_run():
-    from gradaccum_jax.flax import _batchnorm
-
-    result = doctest.testmod(_batchnorm, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0
