@@ -3,6 +3,8 @@
 #   bash dev.sh run    the main job: the example training run
 #   bash dev.sh test   the test suite
 #   bash dev.sh lint   ruff lint and format check
+#   bash dev.sh docs   build the documentation site (mkdocs, --strict) into site/
+#   bash dev.sh bench  run every benchmark; report under benchmarks/results/
 # Needs only python3 (>= 3.11) with venv and pip; everything else is installed
 # into .venv from constraints.txt, the versions the suite was verified with.
 set -euo pipefail
@@ -23,5 +25,7 @@ case "$task" in
   run) exec "$py" examples/digits_convnet.py "$@" ;;
   test) exec "$py" -m pytest "$@" ;;
   lint) "$py" -m ruff check . && exec "$py" -m ruff format --check . ;;
-  *) echo "usage: bash dev.sh {run|test|lint} [args...]" >&2; exit 2 ;;
+  docs) NO_MKDOCS_2_WARNING=1 exec "$VENV/bin/mkdocs" build --strict --quiet "$@" ;;
+  bench) exec "$py" benchmarks/run.py "$@" ;;
+  *) echo "usage: bash dev.sh {run|test|lint|docs|bench} [args...]" >&2; exit 2 ;;
 esac
