@@ -3,7 +3,7 @@
 Each benchmark runs in its own process (the distributed one must set XLA_FLAGS
 before jax is imported) and prints its own side-by-side tables; this script
 collects the rows each one returns, writes them as one markdown report with
-the machine they were measured on, and plots the ratio columns.
+the machine they were measured on, and plots the headline ratios.
 
     python benchmarks/run.py            # full sizes (tens of minutes on 2 CPU cores)
     python benchmarks/run.py --quick    # tiny sizes: checks that everything runs
@@ -67,9 +67,50 @@ def run_one(name: str, quick: bool) -> tuple[list[dict], str, float]:
     return rows, "\n".join(printed), seconds
 
 
-def ratio_columns(rows: list[dict]) -> list[str]:
-    keys = dict.fromkeys(k for r in rows for k in r)
-    return [k for k in keys if k.startswith("x_") or "ratio" in k]
+def _pick(rows, **match):
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+def headline_panels(results: dict[str, list[dict]]) -> list[tuple[str, list[tuple[str, float]]]]:
+    """The few ratios each benchmark exists to show, as (title, [(label, value)])."""
+    panels = []
+    acc = results.get("accumulate", [])
+    if acc:
+        big = acc[0]["model"]
+        bars = [
+            (r["candidate"], r["x_floor"])
+            for r in acc
+            if r["model"] == big and "x_floor" in r and not r["candidate"].startswith("ratio")
+        ]
+        panels.append((f"accumulate, {big}: time / floor (donated add)", bars))
+        train = [r for r in acc if "x_scan" in r]
+        if train:
+            model = train[0]["model"]
+            bars = [(r["candidate"], r["x_scan"]) for r in train if r["model"] == model]
+            panels.append((f"whole train step, {model}: time / scan in one step", bars))
+    micro = results.get("microbatch", [])
+    if micro:
+        bars = [
+            (f"{r['method']} K={r['K']}", r["temp_vs_full"])
+            for r in micro
+            if r["method"] != "optax.micro_grad"
+        ]
+        panels.append(("microbatch: compiled temp bytes / full batch", bars))
+    dist = results.get("distributed", [])
+    if dist:
+        bars = [
+            (
+                f"K={r['k']}: {r['candidate']}",
+                r["ms_per_window"] / _pick(dist, k=r["k"], candidate="usual")[0]["ms_per_window"],
+            )
+            for r in dist
+        ]
+        panels.append(("distributed, 8 host devices: time per window / usual pattern", bars))
+    mixed = [r for r in results.get("mixed_precision", []) if r.get("regime") == "trained"]
+    if mixed:
+        bars = [(f"{r['accumulator']} K={r['K']}", r["rel_l2_error"]) for r in mixed]
+        panels.append(("mixed precision: relative L2 error vs float64 (log)", bars))
+    return panels
 
 
 def plot(results: dict[str, list[dict]], path: pathlib.Path) -> bool:
@@ -80,27 +121,22 @@ def plot(results: dict[str, list[dict]], path: pathlib.Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = []
-    for name, rows in results.items():
-        for column in ratio_columns(rows)[:1]:
-            picked = [r for r in rows if isinstance(r.get(column), int | float)]
-            if picked:
-                panels.append((name, column, picked))
+    panels = headline_panels(results)
     if not panels:
         return False
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels)), squeeze=False)
-    for ax, (name, column, picked) in zip(axes[:, 0], panels, strict=True):
-        labels = [
-            " / ".join(str(r[k]) for k in r if k not in (column,) and isinstance(r[k], str))
-            for r in picked
-        ]
-        ax.barh(range(len(picked)), [r[column] for r in picked], color="tab:blue")
-        ax.set_yticks(range(len(picked)), labels, fontsize=6)
-        ax.axvline(1.0, color="black", linewidth=0.8)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.4 * len(panels)), squeeze=False)
+    for ax, (title, bars) in zip(axes[:, 0], panels, strict=True):
+        labels, values = zip(*bars, strict=True)
+        ax.barh(range(len(bars)), values, color="tab:blue")
+        ax.set_yticks(range(len(bars)), labels, fontsize=7)
         ax.invert_yaxis()
-        ax.set_title(f"{name}: {column}", fontsize=9)
+        if "log" in title:
+            ax.set_xscale("log")
+        else:
+            ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 
