@@ -17,8 +17,9 @@ Tables:
   (c) compiled memory: temp, argument and output bytes, and parameter-sized
       copies in the compiled program, of every candidate;
   (d) a full train step at equal effective batch (4 micro-batches of 64 against
-      one batch of 256): accumulate, MultiSteps, a scan loop that accumulates
-      inside one jitted step, and the large batch.
+      one batch of 256): accumulate and MultiSteps called once per micro-batch,
+      the same two looped by a scan inside one jitted call, a hand-written scan
+      loop that accumulates inside one jitted step, and the large batch.
 """
 
 from __future__ import annotations
@@ -264,11 +265,35 @@ def train_step_table(label: str, sizes: list[int], repeats: int, k: int, micro: 
         u, s = adam.update(jax.tree.map(lambda t: t / k, total), s, p)
         return (optax.apply_updates(p, u), s), None
 
+    def tx_in_scan(tx):
+        # The same K micro-steps through the transformation, looped by a scan
+        # inside one jitted call: what the transformation itself costs, apart
+        # from the per-call allocation and dispatch of separate calls.
+        step = one_update(tx)
+
+        def run(carry, xs, ys):
+            carry, _ = jax.lax.scan(lambda c, b: step(c, *b), carry, (xs, ys))
+            return carry, None
+
+        return run
+
     acc_tx = ga.accumulate(adam, k)
     multi = optax.MultiSteps(adam, k)
     candidates = [
         k_micro_steps(acc_tx),
         k_micro_steps(multi),
+        Candidate(
+            f"{k} x {micro} in one call (scan): accumulate(adam)",
+            tx_in_scan(acc_tx),
+            (fresh(params), acc_tx.init(params)),
+            (xs, ys),
+        ),
+        Candidate(
+            f"{k} x {micro} in one call (scan): optax.MultiSteps(adam)",
+            tx_in_scan(multi),
+            (fresh(params), multi.init(params)),
+            (xs, ys),
+        ),
         Candidate(
             f"scan over {k} x {micro} in one step",
             scan_step,
