@@ -12,7 +12,8 @@ Tables:
   (a) micro-step: accumulate(adam) against the floor (a jitted, donated tree_map
       add of the gradients into an accumulator), against the floor plus writing
       one zero tree (the least any transform that returns explicit zero updates
-      can do), and against optax.MultiSteps(adam);
+      can do), and against optax.MultiSteps(adam) and optax.apply_every after
+      adam (which runs adam on every micro-step and is exact only for SGD);
   (b) boundary step: accumulate(adam) against adam alone plus the floor;
   (c) compiled memory: temp, argument and output bytes, and parameter-sized
       copies in the compiled program, of every candidate;
@@ -149,6 +150,7 @@ def optimizer_tables(label: str, params, repeats: int) -> list[dict]:
     tx_micro = ga.accumulate(adam, NEVER)
     tx_boundary = ga.accumulate(adam, 1)
     multisteps = optax.MultiSteps(adam, NEVER)
+    apply_every = optax.chain(adam, optax.apply_every(NEVER))
     candidates = [
         Candidate("floor (donated add)", floor_step, fresh(zeros), (grads,)),
         Candidate("floor + zero updates", floor_and_zeros_step, fresh(zeros), (grads,)),
@@ -168,6 +170,12 @@ def optimizer_tables(label: str, params, repeats: int) -> list[dict]:
             "optax.MultiSteps(adam) micro-step",
             transform_step(multisteps, params),
             multisteps.init(params),
+            (grads,),
+        ),
+        Candidate(
+            "optax.chain(adam, apply_every) micro-step",
+            transform_step(apply_every, params),
+            apply_every.init(params),
             (grads,),
         ),
         Candidate("adam alone", transform_step(adam, params), adam.init(params), (grads,)),

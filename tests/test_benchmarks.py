@@ -1,0 +1,30 @@
+"""The benchmark runner: every benchmark runs at quick sizes and the report is written."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_run_all_benchmarks_quick(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = (tmp_path / "report_quick.md").read_text()
+    rows = json.loads((tmp_path / "rows_quick.json").read_text())
+    for name in ("accumulate", "microbatch", "distributed", "mixed_precision"):
+        assert f"## {name} (" in report
+        assert rows[name], name
+    assert "Measured" in report and "cores" in report  # the machine is named
+    assert (tmp_path / "ratios_quick.png").stat().st_size > 10_000
+    # The compiled-program facts hold even at quick sizes (timings do not).
+    micro = {r["candidate"]: r for r in rows["accumulate"] if "state_copies" in r}
+    assert micro["accumulate(adam) micro-step"]["state_copies"] == 0
+    assert micro["optax.MultiSteps(adam) micro-step"]["state_copies"] > 0
