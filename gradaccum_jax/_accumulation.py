@@ -124,24 +124,17 @@ def _window_length(every_k_schedule: int | Callable[[jax.Array], Any], step: jax
 
 
 def _check_weight(weight: Any) -> jax.Array:
-    w_dtype = jnp.result_type(weight)
-    if jnp.issubdtype(w_dtype, jnp.bool_) or not (
-        jnp.issubdtype(w_dtype, jnp.integer) or jnp.issubdtype(w_dtype, jnp.floating)
-    ):
-        raise TypeError(
-            f"weight must be a real scalar such as a token count; got {weight!r} "
-            f"with dtype {w_dtype}."
-        )
-    if jnp.ndim(weight) != 0:
-        raise ValueError(
-            f"weight must be a scalar (the micro-batch's total weight); got shape "
-            f"{jnp.shape(weight)}. Sum per-example weights first, e.g. weight=mask.sum()."
-        )
+    as_float = _validation.check_real_scalar(
+        "weight",
+        weight,
+        hint=" It is the micro-batch's total weight: sum per-example weights first, "
+        "e.g. weight=mask.sum().",
+    )
     if not isinstance(weight, jax.core.Tracer):
         value = float(weight)
         if not (value >= 0 and value != float("inf")):
             raise ValueError(f"weight must be finite and >= 0; got weight={value!r}.")
-    return jnp.asarray(weight, jnp.float32)
+    return as_float
 
 
 def _all_finite(tree: Any) -> jax.Array:

@@ -88,20 +88,7 @@ def _check_staleness_weight(staleness_weight: Any) -> None:
 
 
 def _evaluate_weight(staleness_weight: StalenessWeight, staleness: jax.Array) -> jax.Array:
-    weight = staleness_weight(staleness)
-    dtype = jnp.result_type(weight)
-    if jnp.issubdtype(dtype, jnp.bool_) or not (
-        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
-    ):
-        raise TypeError(
-            f"staleness_weight must return a real scalar; it returned {weight!r} with "
-            f"dtype {dtype}."
-        )
-    if jnp.ndim(weight) != 0:
-        raise ValueError(
-            f"staleness_weight must return a scalar; it returned shape {jnp.shape(weight)}."
-        )
-    return jnp.asarray(weight, jnp.float32)
+    return _validation.check_real_scalar("staleness_weight's result", staleness_weight(staleness))
 
 
 class _Verdict(NamedTuple):

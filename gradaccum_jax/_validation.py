@@ -271,3 +271,20 @@ def check_unit_interval(name: str, value: Any) -> float:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1]; got {name}={value!r}.")
     return value
+
+
+def check_real_scalar(subject: str, value: Any, *, hint: str = "") -> jax.Array:
+    """Returns a real (integer or floating) scalar as ``float32``, or raises.
+
+    ``subject`` starts the message, e.g. ``"weight"`` or ``"staleness_weight's
+    result"``; ``hint`` is appended to the shape error to say how to fix it.
+    Works on traced values (only dtype and shape are checked).
+    """
+    dtype = jnp.result_type(value)
+    if jnp.issubdtype(dtype, jnp.bool_) or not (
+        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    ):
+        raise TypeError(f"{subject} must be a real scalar; got {value!r} with dtype {dtype}.")
+    if jnp.ndim(value) != 0:
+        raise ValueError(f"{subject} must be a scalar; got shape {jnp.shape(value)}.{hint}")
+    return jnp.asarray(value, jnp.float32)

@@ -189,6 +189,14 @@ def test_num_required_below_one_is_a_clear_value_error():
         ga.conditional_accumulate(optax.sgd(1.0), 2, reduction="median")
     with pytest.raises(TypeError, match="staleness_weight"):
         ga.conditional_accumulate(optax.sgd(1.0), 2, staleness_weight=0.5)
+    # A callable whose result is not a real scalar fails at trace time.
+    for result, error, pattern in [
+        (lambda tau: jnp.ones(2), ValueError, r"staleness_weight's result must be a scalar"),
+        (lambda tau: tau > 0, TypeError, r"staleness_weight's result must be a real scalar"),
+    ]:
+        tx = ga.conditional_accumulate(optax.sgd(1.0), 2, max_staleness=1, staleness_weight=result)
+        with pytest.raises(error, match=pattern):
+            tx.update(PARAMS, tx.init(PARAMS), PARAMS, local_step=0)
 
 
 def test_wrong_shaped_gradient_names_the_leaf():
