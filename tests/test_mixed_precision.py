@@ -1,5 +1,8 @@
 """Tests for loss scaling and the 16-bit accumulators (gradaccum_jax._mixed_precision)."""
 
+import pathlib
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -355,7 +358,7 @@ def test_flax_bfloat16_compute_with_float32_params_matches_large_batch():
 
         return step
 
-    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    inner = optax.chain(ga.adaptive_grad_clip(0.05), optax.adam(1e-2))
     acc_tx = ga.accumulate(inner, K)
     acc_step, big_step = make_step(acc_tx), make_step(inner)
     p_acc, s_acc, p_big, s_big = params, acc_tx.init(params), params, inner.init(params)
@@ -371,6 +374,30 @@ def test_flax_bfloat16_compute_with_float32_params_matches_large_batch():
     for a, b in zip(p_acc, p_big, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)
     assert max(np.max(np.abs(a - b)) for a, b in zip(p_acc, p_0, strict=True)) > 1e-2
+
+
+def test_docs_flax_pattern_with_agc_and_accum_batchnorm_runs_in_bfloat16():
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "mixed_precision.md"
+    section = page.read_text().split("## Flax: bfloat16 compute")[1].split("## API")[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    ns: dict = {}
+    exec(compile(block, "mixed_precision.md[flax]", "exec"), ns)
+    k = ns["K"]
+    assert int(ga.optimizer_step(ns["opt_state"])) == 2
+    leaves = jax.tree.leaves((ns["params"], ns["batch_stats"], ns["opt_state"]))
+    assert all(x.dtype in (jnp.float32, jnp.int32) for x in leaves)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(ns["params"]))
+    stats = ns["batch_stats"]["AccumBatchNorm_0"]
+    assert float(jnp.max(stats["window_count"])) == 0.0  # committed at the window's end
+    assert float(jnp.max(jnp.abs(stats["mean"]))) > 0.0  # and the running mean moved
+    # One more micro-step opens a new window without touching the running mean.
+    before = stats["mean"]
+    _, new_stats, _, _ = ns["micro_step"](
+        ns["params"], ns["batch_stats"], ns["opt_state"], ns["x"][0], ns["y"][0]
+    )
+    np.testing.assert_array_equal(new_stats["AccumBatchNorm_0"]["mean"], before)
+    assert float(jnp.max(new_stats["AccumBatchNorm_0"]["window_count"])) == 16.0
+    assert k == 4
 
 
 # --- bad input -----------------------------------------------------------------------------
