@@ -22,7 +22,7 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -32,8 +32,8 @@ COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "coll
 
 
 def interleaved_medians(
-    fns: Mapping[str, Callable[[], Any]], repeats: int, *, warmup: int = 1
-) -> dict[str, float]:
+    fns: Mapping[Hashable, Callable[[], Any]], repeats: int, *, warmup: int = 1
+) -> dict[Hashable, float]:
     """Median wall-clock seconds per call of each callable, measured side by side.
 
     Every round calls each callable once and waits for its result
