@@ -502,6 +502,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_single_process_large_batch(tmp_path):
     """2 processes x 2 host devices, gloo collectives, a 4-replica global mesh."""
     windows, k, replicas = 3, 2, 4

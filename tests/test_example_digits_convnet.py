@@ -3,9 +3,13 @@
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
 import digits_convnet
+
+pytestmark = pytest.mark.slow  # runs an example end to end
 
 
 def test_digits_convnet_quick(tmp_path, capsys):

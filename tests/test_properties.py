@@ -28,24 +28,29 @@ from hypothesis import strategies as st
 import gradaccum_jax as ga
 
 QUICK = settings(
-    max_examples=6,
+    max_examples=4,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 SLOW = settings(QUICK, max_examples=150)
 
 
-def quick_and_slow(*strategies: st.SearchStrategy, examples=()):
-    """The property as two tests: a few examples, and (marked slow) many more."""
+def quick_and_slow(*strategies: st.SearchStrategy, quick=None, examples=()):
+    """The property as two tests: a few examples, and (marked slow) many more.
 
-    def make(body, profile):
+    `quick` replaces the strategies of the quick test (e.g. jit only: eager
+    calls of a `lax.cond` compile on every call).
+    """
+
+    def make(body, profile, strategies):
         test = given(*strategies)(body)
         for args in examples:
             test = example(*args)(test)
         return profile(test)
 
     def decorate(body):
-        return make(body, QUICK), pytest.mark.slow(make(body, SLOW))
+        fast = make(body, QUICK, quick or strategies)
+        return fast, pytest.mark.slow(make(body, SLOW, strategies))
 
     return decorate
 
@@ -98,9 +103,9 @@ class Case:
 
 
 @st.composite
-def cases(draw, max_steps=7, nonfinite=True):
+def cases(draw, max_steps=7, dtypes=DTYPES):
     layout = draw(st.sampled_from(range(len(LAYOUTS))))
-    dtype = draw(st.sampled_from(DTYPES))
+    dtype = draw(st.sampled_from(dtypes))
     n = draw(st.integers(1, max_steps))
     top = MAX_EXPONENT[dtype]
     magnitude = st.floats(-min(top, 30), top).map(lambda e: 10.0**e)
@@ -120,7 +125,7 @@ def cases(draw, max_steps=7, nonfinite=True):
             if dtype == "complex64":
                 value = value + 1j * value[::-1] if value.ndim else value * (1 + 0.5j)
             tree[name] = value
-        if nonfinite and draw(st.booleans()) and draw(st.booleans()):
+        if draw(st.booleans()) and draw(st.booleans()):  # a quarter of the calls
             sized = [k for k, v in tree.items() if v is not None and v.size]
             if sized:
                 name = draw(st.sampled_from(sized))
@@ -280,4 +285,227 @@ def _accumulate_matches_the_reference(case, schedule_name, weights, use_mean, mo
     weights_st,
     st.booleans(),
     st.sampled_from(["eager", "jit", "scan"]),
+    quick=(cases(), st.sampled_from(sorted(SCHEDULES)), weights_st, st.booleans(), st.just("jit")),
 )(_accumulate_matches_the_reference)
+
+
+# --- conditional_accumulate ---------------------------------------------------------------
+
+
+def conditional_reference(case: Case, lags, num_required: int, max_staleness: int, mean: bool):
+    """float64 updates of conditional_accumulate(sgd(1, momentum)), per call; the counters."""
+    first = case.exact(0)
+    acc, bound_acc = _zeros_like(first), _zeros_like(first)
+    trace, bound_trace = _zeros_like(first), _zeros_like(first)
+    global_step = count = stale = skipped = 0
+    out = []
+    for t in range(len(case.grads)):
+        g = case.exact(t)
+        update, bound = _zeros_like(first), _zeros_like(first)
+        if global_step - lags[t] < global_step - max_staleness:
+            stale += 1
+        elif not _finite(g):
+            skipped += 1
+        else:
+            acc, bound_acc, count = (
+                _axpy(1.0, g, acc),
+                _axpy(1.0, _map(np.abs, g), bound_acc),
+                count + 1,
+            )
+        if count >= num_required:
+            scale = functools.partial(np.multiply, 1.0 / count if mean else 1.0)
+            trace = _axpy(MOMENTUM, trace, _map(scale, acc))
+            bound_trace = _axpy(MOMENTUM, bound_trace, _map(scale, bound_acc))
+            update, bound = _map(np.negative, trace), bound_trace
+            acc, bound_acc, count, global_step = (
+                _zeros_like(first),
+                _zeros_like(first),
+                0,
+                global_step + 1,
+            )
+        out.append((update, bound))
+    return out, global_step, stale, skipped
+
+
+@functools.cache
+def _conditional(num_required: int, max_staleness: int, reduction: str):
+    tx = ga.conditional_accumulate(
+        optax.sgd(1.0, momentum=MOMENTUM),
+        num_required,
+        max_staleness=max_staleness,
+        reduction=reduction,
+    )
+    return tx, jax.jit(tx.update)
+
+
+def _conditional_matches_the_reference(case, lags, num_required, max_staleness, reduction, jit):
+    tx, jitted = _conditional(num_required, max_staleness, reduction)
+    with _x64(case.dtype):
+        expected, global_step, stale, skipped = conditional_reference(
+            case, lags, num_required, max_staleness, reduction == "mean"
+        )
+        params = case.params()
+        state = tx.init(params)
+        n = len(case.grads)
+        for t, (want, bound) in enumerate(expected):
+            local_step = int(state.accumulator.global_step) - lags[t]
+            u, state = (jitted if jit else tx.update)(
+                case.tree(t), state, params, local_step=local_step
+            )
+            assert _finite(u) and _finite(state), t
+            _assert_close(u, want, bound, EPS[case.dtype] * (n + 4), where=t)
+        acc = state.accumulator
+        assert (int(acc.global_step), int(acc.num_stale), int(acc.num_skipped)) == (
+            global_step,
+            stale,
+            skipped,
+        )
+
+
+(
+    test_conditional_accumulate_matches_the_reference,
+    test_conditional_accumulate_matches_the_reference_slow,
+) = quick_and_slow(
+    cases(),
+    st.lists(st.integers(0, 2), min_size=7, max_size=7),
+    st.integers(1, 3),
+    st.integers(0, 1),
+    st.sampled_from(["mean", "sum"]),
+    st.booleans(),
+    quick=(
+        cases(),
+        st.lists(st.integers(0, 2), min_size=7, max_size=7),
+        st.integers(1, 3),
+        st.integers(0, 1),
+        st.sampled_from(["mean", "sum"]),
+        st.just(True),
+    ),
+)(_conditional_matches_the_reference)
+
+
+# --- split_accumulate ---------------------------------------------------------------------
+
+
+def split_reference(case: Case, schedule, mean: bool):
+    """float64 updates of split_accumulate(K) without a bound: P - N per window."""
+    first = case.exact(0)
+    pos, neg, bound_acc = _zeros_like(first), _zeros_like(first), _zeros_like(first)
+    micro = count = applied = skipped = 0
+    out = []
+    for t in range(len(case.grads)):
+        g = case.exact(t)
+        k = schedule(applied)
+        if _finite(g):
+            pos = _axpy(1.0, _map(lambda v: np.maximum(v, 0.0), g), pos)
+            neg = _axpy(1.0, _map(lambda v: np.maximum(-v, 0.0), g), neg)
+            bound_acc, count = _axpy(1.0, _map(np.abs, g), bound_acc), count + 1
+        else:
+            skipped += 1
+        micro += 1
+        update, bound = _zeros_like(first), _zeros_like(first)
+        if micro >= k:
+            if count:
+                scale = 1.0 / count if mean else 1.0
+                update = _axpy(-scale, neg, _map(functools.partial(np.multiply, scale), pos))
+                bound = _map(functools.partial(np.multiply, scale), bound_acc)
+                applied += 1
+            pos, neg, bound_acc = _zeros_like(first), _zeros_like(first), _zeros_like(first)
+            micro = count = 0
+        out.append((update, bound))
+    return out, applied, skipped
+
+
+@functools.cache
+def _split(schedule_name: str, reduction: str):
+    tx = ga.split_accumulate(SCHEDULES[schedule_name][0], reduction=reduction)
+    return tx, jax.jit(tx.update)
+
+
+def _split_matches_the_reference(case, schedule_name, reduction, jit):
+    tx, jitted = _split(schedule_name, reduction)
+    with _x64(case.dtype):
+        expected, applied, skipped = split_reference(
+            case, SCHEDULES[schedule_name][1], reduction == "mean"
+        )
+        params = case.params()
+        state = tx.init(params)
+        n = len(case.grads)
+        for t, (want, bound) in enumerate(expected):
+            u, state = (jitted if jit else tx.update)(case.tree(t), state, params)
+            assert _finite(u) and _finite(state), t
+            _assert_close(u, want, bound, EPS[case.dtype] * (n + 4), where=t)
+        assert (int(state.update_step), int(state.num_skipped)) == (applied, skipped)
+
+
+(
+    test_split_accumulate_matches_the_reference,
+    test_split_accumulate_matches_the_reference_slow,
+) = quick_and_slow(
+    cases(dtypes=("float32", "float64", "bfloat16", "float16")),
+    st.sampled_from(sorted(SCHEDULES)),
+    st.sampled_from(["mean", "sum"]),
+    st.booleans(),
+    quick=(
+        cases(dtypes=("float32", "float64", "bfloat16", "float16")),
+        st.sampled_from(sorted(SCHEDULES)),
+        st.sampled_from(["mean", "sum"]),
+        st.just(True),
+    ),
+)(_split_matches_the_reference)
+
+
+# --- microbatch_value_and_grad ------------------------------------------------------------
+
+
+def _linear_loss(params, batch):
+    residual = batch["x"] @ params["w"] + params["b"] - batch["y"]
+    return jnp.mean(residual**2)
+
+
+@functools.cache
+def _microbatched(k: int):
+    return jax.jit(ga.microbatch_value_and_grad(_linear_loss, k)), jax.jit(
+        jax.value_and_grad(_linear_loss)
+    )
+
+
+def _microbatch_equals_the_full_batch(k, per_micro, features, dtype, seed):
+    rng = np.random.default_rng(seed)
+    n = k * per_micro
+    x = rng.normal(size=(n, features)) * 10.0 ** rng.uniform(-3, 3, size=(n, 1))
+    y = rng.normal(size=(n, 2))
+    w, b = rng.normal(size=(features, 2)), rng.normal(size=2)
+    # float64 reference: the mean squared residual and its gradient.
+    residual = x @ w + b - y
+    loss = np.mean(residual**2)
+    grad_w = 2.0 * x.T @ residual / residual.size
+    grad_b = 2.0 * residual.sum(0) / residual.size
+    ours, full = _microbatched(k)
+    with _x64(dtype):
+        params = {"w": jnp.asarray(w, dtype), "b": jnp.asarray(b, dtype)}
+        batch = {"x": jnp.asarray(x, dtype), "y": jnp.asarray(y, dtype)}
+        value, grads = ours(params, batch)
+        full_value, full_grads = full(params, batch)
+    eps = EPS[dtype] * 64
+    scale = np.mean(np.abs(residual)) * np.abs(x).max()
+    np.testing.assert_allclose(float(value), loss, rtol=eps)
+    np.testing.assert_allclose(float(value), float(full_value), rtol=eps)
+    for got, want in ((grads, full_grads), (grads, {"w": grad_w, "b": grad_b})):
+        for name in ("w", "b"):
+            np.testing.assert_allclose(
+                np.asarray(got[name], np.float64),
+                np.asarray(want[name], np.float64),
+                atol=eps * scale,
+            )
+
+
+(
+    test_microbatch_value_and_grad_equals_the_full_batch,
+    test_microbatch_value_and_grad_equals_the_full_batch_slow,
+) = quick_and_slow(
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.sampled_from(["float32", "float64"]),
+    st.integers(0, 2**32 - 1),
+)(_microbatch_equals_the_full_batch)
