@@ -103,6 +103,11 @@ dtype_ids = pytest.mark.parametrize(
 )
 
 
+# LLVM's optimisation level changes neither the HLO (copies, aliasing) nor what these
+# tests compare (every side is compiled alike); level 0 compiles about a quarter faster.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
 def _kinds(tree: Any) -> Any:
     return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
 
@@ -122,7 +127,7 @@ def _step(tx, extra):
 
 def _trajectory(tx, extra, *, donate=()):
     """Updates of `STEPS` calls of a jitted step (params applied), and the final carry."""
-    step = jax.jit(_step(tx, extra), donate_argnums=donate)
+    step = jax.jit(_step(tx, extra), donate_argnums=donate, compiler_options=FAST_COMPILE)
     carry, updates = (jax.tree.map(jnp.copy, PARAMS), tx.init(PARAMS)), []
     for g in GRADS:
         carry, u = step(carry, g)
