@@ -9,12 +9,14 @@ until it has a row. Every check runs under `jax.jit`:
 * `jax.eval_shape(init)` equals `init`;
 * the state keeps each leaf's shape and dtype through `lax.scan` and `lax.cond`,
   for params in float32, bfloat16 and float16 and gradients in the params'
-  dtype or float32 (accumulating rows wrap adam, a stateful optimizer): traced
-  in the quick loop, run (and checked finite) under the `slow` marker;
+  dtype or float32 (accumulating rows wrap adam, a stateful optimizer); the
+  quick loop traces the float32-gradient cases, the `slow` marker adds 16-bit
+  gradients and runs every case (results finite);
 * inside `optax.chain`, `optax.masked` and `optax.inject_hyperparams` (float
   arguments injected unless the row lists them as static, and then injecting
   them is refused with an error that names `static_args`) it gives the same
-  updates as alone;
+  updates as alone: nested in one program in the quick loop, one wrapper at a
+  time under `slow`;
 * a donated `(params, opt_state)` carry, the state from an eager `init`, gives
   the undonated result bit for bit;
 * accumulating rows: the donated train step (gradient, update, `apply_updates`)
@@ -97,10 +99,14 @@ STACKED_GRADS = jax.tree.map(lambda *g: jnp.stack(g), *GRADS)
 MASK = {"b": False, "w": True}
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
-DTYPES = [(F32, F32), (BF16, F32), (F16, F32), (BF16, BF16), (F16, F16)]
-dtype_ids = pytest.mark.parametrize(
-    ("params_dtype", "grads_dtype"), DTYPES, ids=lambda d: jnp.dtype(d).name
-)
+QUICK_DTYPES = [(F32, F32), (BF16, F32), (F16, F32)]  # 16-bit params meet float32 grads
+DTYPES = [*QUICK_DTYPES, (BF16, BF16), (F16, F16)]
+
+
+def dtype_ids(dtypes):
+    return pytest.mark.parametrize(
+        ("params_dtype", "grads_dtype"), dtypes, ids=lambda d: jnp.dtype(d).name
+    )
 
 
 # LLVM's optimisation level changes neither the HLO (copies, aliasing) nor what these
@@ -183,9 +189,7 @@ def test_eval_shape_of_init_equals_init(row):
     assert _kinds(abstract) == _kinds(concrete) == _kinds(tx.init(PARAMS))
 
 
-@dtype_ids
-@row_ids
-def test_state_kinds_stable_under_scan_and_cond(row, params_dtype, grads_dtype):
+def _check_kinds_under_scan_and_cond(row, params_dtype, grads_dtype):
     # Traced only: lax.scan and lax.cond refuse a state whose dtypes change.
     params, grads = _cast(PARAMS, params_dtype), _cast(STACKED_GRADS, grads_dtype)
     init, after_scan, after_cond, new_params, updates = jax.eval_shape(
@@ -196,8 +200,21 @@ def test_state_kinds_stable_under_scan_and_cond(row, params_dtype, grads_dtype):
     assert jax.tree.structure(updates) == jax.tree.structure(params)
 
 
+@dtype_ids(QUICK_DTYPES)
+@row_ids
+def test_state_kinds_stable_under_scan_and_cond(row, params_dtype, grads_dtype):
+    _check_kinds_under_scan_and_cond(row, params_dtype, grads_dtype)
+
+
 @pytest.mark.slow
-@dtype_ids
+@dtype_ids(DTYPES[len(QUICK_DTYPES) :])
+@row_ids
+def test_state_kinds_stable_under_scan_and_cond_16_bit_grads(row, params_dtype, grads_dtype):
+    _check_kinds_under_scan_and_cond(row, params_dtype, grads_dtype)
+
+
+@pytest.mark.slow
+@dtype_ids(DTYPES)
 @row_ids
 def test_scan_and_cond_run_finite_in_every_dtype(row, params_dtype, grads_dtype):
     params, grads = _cast(PARAMS, params_dtype), _cast(STACKED_GRADS, grads_dtype)
@@ -218,20 +235,11 @@ def test_reference_trajectory_is_finite(row):
         assert jnp.all(jnp.isfinite(leaf))
 
 
-@row_ids
-def test_inside_chain(row):
-    updates, _ = _trajectory(optax.chain(optax.identity(), row.make()), row.extra)
-    _assert_same_updates(updates, _reference(row.name)[0])
-
-
-@row_ids
-def test_inside_masked(row):
-    updates, _ = _trajectory(optax.masked(row.make(), MASK), row.extra)
-    expected = [
+def _masked_expectation(row):
+    return [
         {k: alone[k] if MASK[k] else g[k] for k in PARAMS}
         for alone, g in zip(_reference(row.name)[0], GRADS, strict=True)
     ]
-    _assert_same_updates(updates, expected)
 
 
 def _injectable(row: Row) -> tuple[list[str], list[str]]:
@@ -243,12 +251,38 @@ def _injectable(row: Row) -> tuple[list[str], list[str]]:
     return [k for k in bound.arguments if k not in injected], injected
 
 
+def _injected(row: Row) -> optax.GradientTransformation:
+    static, _ = _injectable(row)
+    return optax.inject_hyperparams(getattr(ga, row.name), static_args=static)(**row.kwargs)
+
+
+@row_ids
+def test_inside_chain_of_masked_inject_hyperparams(row):
+    # The three wrappers at once (one compilation); the slow tests take them one by one.
+    tx = optax.chain(optax.identity(), optax.masked(_injected(row), MASK))
+    updates, _ = _trajectory(tx, row.extra)
+    _assert_same_updates(updates, _masked_expectation(row))
+
+
+@pytest.mark.slow
+@row_ids
+def test_inside_chain(row):
+    updates, _ = _trajectory(optax.chain(optax.identity(), row.make()), row.extra)
+    _assert_same_updates(updates, _reference(row.name)[0])
+
+
+@pytest.mark.slow
+@row_ids
+def test_inside_masked(row):
+    updates, _ = _trajectory(optax.masked(row.make(), MASK), row.extra)
+    _assert_same_updates(updates, _masked_expectation(row))
+
+
+@pytest.mark.slow
 @row_ids
 def test_inside_inject_hyperparams(row):
-    static, injected = _injectable(row)
-    tx = optax.inject_hyperparams(getattr(ga, row.name), static_args=static)(**row.kwargs)
-    updates, (_, state) = _trajectory(tx, row.extra)
-    assert sorted(state.hyperparams) == sorted(injected)
+    updates, (_, state) = _trajectory(_injected(row), row.extra)
+    assert sorted(state.hyperparams) == sorted(_injectable(row)[1])
     _assert_same_updates(updates, _reference(row.name)[0])
 
 
@@ -305,5 +339,9 @@ def test_donated_train_step_copies_no_parameter(row):
     )
     hlo = harness.Hlo(compiled)
     shapes = {p.shape for p in jax.tree.leaves(params)}
-    copies = [c.line for c in hlo.copies(1) if any(dims in shapes for _, dims in c.types)]
+    copies = [
+        f"{c.computation}: {c.line} (of a {hlo.source(c)})"
+        for c in hlo.copies(1)
+        if any(dims in shapes for _, dims in c.types)
+    ]
     assert copies == []
