@@ -1,0 +1,197 @@
+"""Norms that neither overflow nor underflow, shared by the clipping family and AGC.
+
+A float32 sum of squares overflows once an element exceeds about `1.8e19` and
+loses everything below about `1e-19`; the ratio of a bound to a norm flushes to
+zero below `1.2e-38`. Both happen in exactly the steps clipping exists for.
+
+The measures here are computed the fast way first (one reduction per unit, as
+`optax.global_norm` does). Only when some unit's fast result is out of the
+range where it is exact do they run again on inputs divided by a power of two
+near each unit's largest magnitude, inside one `jax.lax.cond` per call, so
+ordinary inputs pay nothing. Results are kept as `Size(mant, exp)`, the value
+`mant * 2**exp`, so a norm above the largest float is still ordered and divided
+correctly, and scaling a unit to a target is applied as two factors that are
+both representable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Measure:
+    """A parsed `ord`: a p-norm of order `p` (`kind="norm"`) or a statistic.
+
+    Kinds: `"norm"`, `"mad"` (mean magnitude), `"sum"` (magnitude of the sum),
+    `"std"` and `"var"` (Bessel-corrected; both measured as the standard
+    deviation, which scales linearly).
+    """
+
+    kind: str
+    p: float = 0.0
+
+
+L2 = Measure("norm", 2.0)
+
+
+class Size(NamedTuple):
+    """A non-negative size `mant * 2**exp` per unit (`mant` in `[0.5, 1)` or 0)."""
+
+    mant: jax.Array
+    exp: jax.Array
+
+    def value(self) -> jax.Array:
+        """The size as a float, `finfo.max` where it is larger."""
+        big = jnp.finfo(self.mant.dtype).max
+        return jnp.minimum(jnp.ldexp(self.mant, self.exp), big)
+
+
+# A part is a leaf (in its compute dtype) and the axes one unit spans; several
+# parts with all their axes form one unit together (the global norm).
+Part = tuple[jax.Array, tuple[int, ...]]
+
+
+def compute_dtype(*dtypes: jnp.dtype) -> jnp.dtype:
+    """float32, or the inputs' wider or complex type: 16-bit sums keep ~2 digits."""
+    return jnp.promote_types(jnp.result_type(*dtypes), jnp.float32)
+
+
+def real_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    return jnp.finfo(dtype).dtype
+
+
+def _squares(x: jax.Array) -> jax.Array:
+    if jnp.iscomplexobj(x):
+        return jnp.square(x.real) + jnp.square(x.imag)
+    return jnp.square(x)
+
+
+def _reduce(parts: Sequence[Part], fn, op=jnp.sum) -> jax.Array:
+    """`op` of `fn(x)` over each unit; summed (or maxed) across parts."""
+    if len(parts) == 1:
+        x, axes = parts[0]
+        return op(fn(x), axis=axes, keepdims=True)
+    results = [op(fn(x)) for x, _ in parts]
+    combine = jnp.max if op is jnp.max else jnp.sum
+    return combine(jnp.stack(results))
+
+
+def _plain(parts: Sequence[Part], m: Measure, count: int) -> jax.Array:
+    """The measure the direct way (exact unless squares or sums leave the range)."""
+    if m.kind == "mad":
+        return _reduce(parts, jnp.abs) / count
+    if m.kind == "sum":
+        return jnp.abs(_reduce(parts, lambda x: x))
+    if m.kind in ("std", "var"):
+        mean = _reduce(parts, lambda x: x) / count
+        if len(parts) == 1:
+            centred = [(parts[0][0] - mean, parts[0][1])]
+        else:
+            centred = [(x - mean, axes) for x, axes in parts]
+        return jnp.sqrt(_reduce(centred, _squares) / max(count - 1, 1))
+    p = m.p
+    if p == 0:
+        return _reduce(parts, lambda x: (x != 0).astype(real_dtype(x.dtype)))
+    if p == 1:
+        return _reduce(parts, jnp.abs)
+    if p == 2:
+        return jnp.sqrt(_reduce(parts, _squares))
+    biggest = _reduce(parts, jnp.abs, jnp.max)
+    if p == math.inf:
+        return biggest
+    # Other orders always divide by the largest magnitude: |x|**p leaves the
+    # range far sooner than a square does.
+    safe = jnp.where(biggest > 0, biggest, 1)
+    if len(parts) == 1:
+        scaled = [(parts[0][0] / safe, parts[0][1])]
+    else:
+        scaled = [(x / safe, axes) for x, axes in parts]
+    return biggest * _reduce(scaled, lambda x: jnp.abs(x) ** p) ** (1 / p)
+
+
+def _fast_is_exact(value: jax.Array, m: Measure) -> jax.Array:
+    """Where the direct result can be trusted."""
+    if m.kind == "norm" and m.p not in (1, 2):
+        return jnp.ones(value.shape, bool)
+    finite = jnp.isfinite(value)
+    if m.kind in ("std", "var") or m.p == 2:
+        # Below 2**(minexp/4) (2.3e-10 in float32) squares of the unit's
+        # smaller elements may have flushed to zero; a zero may be an
+        # underflow. Both are measured again, scaled.
+        floor = 2.0 ** (jnp.finfo(value.dtype).minexp // 4)
+        return finite & (value >= floor)
+    return finite
+
+
+def _scaled(parts: Sequence[Part], m: Measure, count: int) -> Size:
+    """The measure of inputs divided by a power of two near each unit's maximum."""
+    biggest = _reduce(parts, jnp.abs, jnp.max)
+    finfo = jnp.finfo(biggest.dtype)
+    _, k = jnp.frexp(biggest)
+    # |x| * 2**-k is at most 1; k is kept where 2**-k is a normal number.
+    k = jnp.clip(k, finfo.minexp + 2, finfo.maxexp - 2)
+    down = jnp.ldexp(jnp.ones_like(biggest), -k)
+    if len(parts) == 1:
+        scaled = [(parts[0][0] * down.astype(parts[0][0].dtype), parts[0][1])]
+    else:
+        scaled = [(x * down.astype(x.dtype), axes) for x, axes in parts]
+    mant, exp = jnp.frexp(_plain(scaled, m, count))
+    return Size(mant, exp + k)
+
+
+def measure(units: Sequence[Sequence[Part]], m: Measure) -> list[Size]:
+    """The size of every unit of every entry of `units`, exact over the whole float range.
+
+    Each entry is a list of parts forming units together (one part for the
+    units of one leaf; all leaves for a global measure). Parts must be non-empty
+    and in their compute dtype. One `lax.cond` chooses, for the whole call,
+    between the direct results and the scaled recomputation.
+    """
+    counts = [
+        math.prod(parts[0][0].shape[a] for a in parts[0][1])
+        if len(parts) == 1
+        else sum(x.size for x, _ in parts)
+        for parts in units
+    ]
+    fast = [_plain(parts, m, n) for parts, n in zip(units, counts, strict=True)]
+    as_sizes = [Size(*jnp.frexp(v)) for v in fast]
+    if not units or (m.kind == "norm" and m.p not in (1, 2)):
+        return as_sizes
+    exact = jnp.all(jnp.stack([jnp.all(_fast_is_exact(v, m)) for v in fast]))
+    return jax.lax.cond(
+        exact,
+        lambda: as_sizes,
+        lambda: [_scaled(parts, m, n) for parts, n in zip(units, counts, strict=True)],
+    )
+
+
+def ratio_factors(target: jax.Array, size: Size) -> tuple[jax.Array, jax.Array]:
+    """Factors `(a, b)` with `x * a * b == x * target / size`, neither flushing nor overflowing.
+
+    `a` is a power of two near `1 / size`, so `x * a` stays in range for every
+    element of the unit; `b` is close to `target`. Zero sizes give `(1, 1)`.
+    """
+    finfo = jnp.finfo(size.mant.dtype)
+    k = jnp.clip(size.exp, finfo.minexp + 2, finfo.maxexp - 2)
+    one = jnp.ones_like(size.mant)
+    nonzero = size.mant > 0
+    a = jnp.where(nonzero, jnp.ldexp(one, -k), 1)
+    b = jnp.where(
+        nonzero,
+        target / jnp.where(nonzero, size.mant, 1) * jnp.ldexp(one, k - size.exp),
+        1,
+    )
+    return a, b
+
+
+def apply_factors(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`x * a * b` in `x`'s dtype (real factors keep a complex `x` complex)."""
+    dtype = real_dtype(x.dtype)
+    return x * a.astype(dtype) * b.astype(dtype)
