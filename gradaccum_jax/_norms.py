@@ -41,6 +41,42 @@ class Measure:
 L2 = Measure("norm", 2.0)
 
 
+def _int_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    return jnp.dtype(f"int{jnp.finfo(dtype).bits}")
+
+
+def pow2(k: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`2.0**k` for integer `k` in `[minexp, maxexp - 1]` (normal numbers), built from bits.
+
+    Much cheaper to compile than `jnp.ldexp`, which also handles subnormals.
+    """
+    finfo = jnp.finfo(dtype)
+    itype = _int_dtype(dtype)
+    biased = (k.astype(itype) + (finfo.maxexp - 1)) << finfo.nmant
+    return jax.lax.bitcast_convert_type(biased, finfo.dtype)
+
+
+def split_exponent(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(m, e)` with `x = m * 2**e` and `m` in `[0.5, 1)` for positive normal `x`.
+
+    Zero and subnormal `x` (which XLA may flush to zero anyway) give `(0, 0)`;
+    infinity and NaN give an `m` that is not finite.
+    """
+    finfo = jnp.finfo(x.dtype)
+    itype = _int_dtype(x.dtype)
+    bits = jax.lax.bitcast_convert_type(x, itype)
+    ones = (1 << finfo.nexp) - 1
+    field = (bits >> finfo.nmant) & ones
+    normal = field > 0
+    e = jnp.where(normal, field - (finfo.maxexp - 2), 0).astype(jnp.int32)
+    # Two exact power-of-two factors (one may not be normal); multiplying
+    # keeps the derivative with respect to x.
+    half = -e // 2
+    m = jnp.where(normal, x * pow2(half, x.dtype) * pow2(-e - half, x.dtype), 0)
+    # A field of all ones is infinity or NaN: keep it visible.
+    return jnp.where(field == ones, x, m), e
+
+
 class Size(NamedTuple):
     """A non-negative size `mant * 2**exp` per unit (`mant` in `[0.5, 1)` or 0)."""
 
@@ -49,8 +85,11 @@ class Size(NamedTuple):
 
     def value(self) -> jax.Array:
         """The size as a float, `finfo.max` where it is larger."""
-        big = jnp.finfo(self.mant.dtype).max
-        return jnp.minimum(jnp.ldexp(self.mant, self.exp), big)
+        dtype = self.mant.dtype
+        finfo = jnp.finfo(dtype)
+        first = jnp.clip(self.exp, finfo.minexp, finfo.maxexp - 1)
+        rest = jnp.clip(self.exp - first, finfo.minexp, finfo.maxexp - 1)
+        return jnp.minimum(self.mant * pow2(first, dtype) * pow2(rest, dtype), finfo.max)
 
 
 # A part is a leaf (in its compute dtype) and the axes one unit spans; several
@@ -71,6 +110,12 @@ def _squares(x: jax.Array) -> jax.Array:
     if jnp.iscomplexobj(x):
         return jnp.square(x.real) + jnp.square(x.imag)
     return jnp.square(x)
+
+
+def _sqrt(x: jax.Array) -> jax.Array:
+    # sqrt has an infinite slope at 0; guarding it keeps derivatives finite.
+    positive = x > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, x, 1)), 0)
 
 
 def _reduce(parts: Sequence[Part], fn, op=jnp.sum) -> jax.Array:
@@ -95,14 +140,14 @@ def _plain(parts: Sequence[Part], m: Measure, count: int) -> jax.Array:
             centred = [(parts[0][0] - mean, parts[0][1])]
         else:
             centred = [(x - mean, axes) for x, axes in parts]
-        return jnp.sqrt(_reduce(centred, _squares) / max(count - 1, 1))
+        return _sqrt(_reduce(centred, _squares) / max(count - 1, 1))
     p = m.p
     if p == 0:
         return _reduce(parts, lambda x: (x != 0).astype(real_dtype(x.dtype)))
     if p == 1:
         return _reduce(parts, jnp.abs)
     if p == 2:
-        return jnp.sqrt(_reduce(parts, _squares))
+        return _sqrt(_reduce(parts, _squares))
     biggest = _reduce(parts, jnp.abs, jnp.max)
     if p == math.inf:
         return biggest
@@ -134,15 +179,15 @@ def _scaled(parts: Sequence[Part], m: Measure, count: int) -> Size:
     """The measure of inputs divided by a power of two near each unit's maximum."""
     biggest = _reduce(parts, jnp.abs, jnp.max)
     finfo = jnp.finfo(biggest.dtype)
-    _, k = jnp.frexp(biggest)
+    _, k = split_exponent(biggest)
     # |x| * 2**-k is at most 1; k is kept where 2**-k is a normal number.
     k = jnp.clip(k, finfo.minexp + 2, finfo.maxexp - 2)
-    down = jnp.ldexp(jnp.ones_like(biggest), -k)
+    down = pow2(-k, biggest.dtype)
     if len(parts) == 1:
         scaled = [(parts[0][0] * down.astype(parts[0][0].dtype), parts[0][1])]
     else:
         scaled = [(x * down.astype(x.dtype), axes) for x, axes in parts]
-    mant, exp = jnp.frexp(_plain(scaled, m, count))
+    mant, exp = split_exponent(_plain(scaled, m, count))
     return Size(mant, exp + k)
 
 
@@ -161,7 +206,7 @@ def measure(units: Sequence[Sequence[Part]], m: Measure) -> list[Size]:
         for parts in units
     ]
     fast = [_plain(parts, m, n) for parts, n in zip(units, counts, strict=True)]
-    as_sizes = [Size(*jnp.frexp(v)) for v in fast]
+    as_sizes = [Size(*split_exponent(v)) for v in fast]
     if not units or (m.kind == "norm" and m.p not in (1, 2)):
         return as_sizes
     exact = jnp.all(jnp.stack([jnp.all(_fast_is_exact(v, m)) for v in fast]))
@@ -180,14 +225,11 @@ def ratio_factors(target: jax.Array, size: Size) -> tuple[jax.Array, jax.Array]:
     """
     finfo = jnp.finfo(size.mant.dtype)
     k = jnp.clip(size.exp, finfo.minexp + 2, finfo.maxexp - 2)
-    one = jnp.ones_like(size.mant)
+    dtype = size.mant.dtype
     nonzero = size.mant > 0
-    a = jnp.where(nonzero, jnp.ldexp(one, -k), 1)
-    b = jnp.where(
-        nonzero,
-        target / jnp.where(nonzero, size.mant, 1) * jnp.ldexp(one, k - size.exp),
-        1,
-    )
+    a = jnp.where(nonzero, pow2(-k, dtype), 1)
+    rest = jnp.clip(k - size.exp, finfo.minexp, finfo.maxexp - 1)
+    b = jnp.where(nonzero, target / jnp.where(nonzero, size.mant, 1) * pow2(rest, dtype), 1)
     return a, b
 
 
