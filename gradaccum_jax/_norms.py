@@ -210,10 +210,17 @@ def measure(units: Sequence[Sequence[Part]], m: Measure) -> list[Size]:
     if not units or (m.kind == "norm" and m.p not in (1, 2)):
         return as_sizes
     exact = jnp.all(jnp.stack([jnp.all(_fast_is_exact(v, m)) for v in fast]))
+
+    def rescaled() -> list[Size]:
+        return [_scaled(parts, m, n) for parts, n in zip(units, counts, strict=True)]
+
+    if not isinstance(exact, jax.core.Tracer):
+        # Eagerly, a cond would be traced and compiled again on every call.
+        return as_sizes if bool(exact) else rescaled()
     return jax.lax.cond(
         exact,
         lambda: as_sizes,
-        lambda: [_scaled(parts, m, n) for parts, n in zip(units, counts, strict=True)],
+        rescaled,
     )
 
 
