@@ -622,8 +622,8 @@ def clamp_params(lower: float | None, upper: float | None) -> optax.GradientTran
         hi = _inner_limit(upper, dtype, -1)
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(
-                f"the box [{lower!r}, {upper!r}] holds no normal value of dtype {dtype} "
-                "(subnormal numbers may be flushed to zero); widen it."
+                f"the box [{lower!r}, {upper!r}] holds no value of dtype {dtype} (subnormal "
+                "values do not count: XLA may flush them to zero); widen it."
             )
 
         def inside(x):
