@@ -419,7 +419,7 @@ def test_clamp_params_keeps_the_box_for_subnormal_limits(lower, upper, p, u):
 def test_clamp_params_refuses_boxes_and_params_it_cannot_keep():
     params = {"w": jnp.array([0.5])}
     tx = ga.clamp_params(1e-40, 2e-40)
-    with pytest.raises(ValueError, match=r"holds no value of dtype float32 \(subnormal values do not count"):
+    with pytest.raises(ValueError, match=r"no value of dtype float32 \(subnormal values do not"):
         tx.update(params, tx.init(params), params)
     tx = ga.clamp_params(0.0, 1.0)
     complex_params = {"w": jnp.array([0.5 + 0.5j])}
