@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import functools
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-import harness
 
 import gradaccum_jax as ga
 
