@@ -46,6 +46,7 @@ from gradaccum_jax._distributed import (
 )
 from gradaccum_jax._microbatch import (
     microbatch_value_and_grad,
+    plan_microbatches,
 )
 from gradaccum_jax._mixed_precision import (
     LossScaleState,
@@ -53,6 +54,9 @@ from gradaccum_jax._mixed_precision import (
     dynamic_loss_scale,
     scale_loss,
     static_loss_scale,
+)
+from gradaccum_jax._planning import (
+    MicrobatchPlan,
 )
 from gradaccum_jax._split import (
     SplitAccumulateState,
@@ -71,6 +75,7 @@ __all__ = [
     "ConditionalAccumulateState",
     "ConditionalAccumulatorState",
     "LossScaleState",
+    "MicrobatchPlan",
     "SplitAccumulateState",
     "accumulate",
     "adaptive_grad_clip",
@@ -99,6 +104,7 @@ __all__ = [
     "normalize_by_ema",
     "normalize_grads",
     "optimizer_step",
+    "plan_microbatches",
     "remove_replica_axis",
     "replica_state_specs",
     "scale_loss",

@@ -288,3 +288,32 @@ def check_real_scalar(subject: str, value: Any, *, hint: str = "") -> jax.Array:
     if jnp.ndim(value) != 0:
         raise ValueError(f"{subject} must be a scalar; got shape {jnp.shape(value)}.{hint}")
     return jnp.asarray(value, jnp.float32)
+
+
+def check_index_tuple(name: str, value: Any, *, allow_empty: bool) -> tuple[int, ...]:
+    """Returns ``value`` as a tuple of argument positions, or raises.
+
+    Accepts one non-negative int or a sequence of them, without repeats, like
+    the ``argnums`` of ``jax.value_and_grad``.
+    """
+
+    def is_index(x: Any) -> bool:
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
+
+    indices = (value,) if is_index(value) else value
+    try:
+        indices = tuple(indices)
+    except TypeError:
+        indices = None
+    if indices is None or not all(is_index(i) for i in indices):
+        raise TypeError(
+            f"{name} must be a non-negative int or a sequence of them (positions of "
+            f"positional arguments); got {name}={value!r}."
+        )
+    if not indices and not allow_empty:
+        raise ValueError(
+            f"{name} must name at least one positional argument; got {name}={value!r}."
+        )
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"{name} must not repeat a position; got {name}={value!r}.")
+    return tuple(int(i) for i in indices)
