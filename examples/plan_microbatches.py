@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     full_peak = ga.plan_microbatches(loss_fn, params, batch, memory_budget=2**62).table[1]
     print(
-        f"the full batch (K=1) needs {full_peak / 2**20:.2f} MiB, {full_peak / budget:.1f}x the budget"
+        f"the full batch (K=1) needs {full_peak / 2**20:.2f} MiB, "
+        f"{full_peak / budget:.1f}x the budget"
     )
 
     # The same plan at trace time, then the step runs with the chosen K.
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(full_grads), strict=True)
     )
     print(
-        f"loss {float(loss):.6f} (full batch {float(full_loss):.6f}); max |grad diff| {max_diff:.1e}"
+        f"loss {float(loss):.6f} (full batch {float(full_loss):.6f}); "
+        f"max |grad diff| {max_diff:.1e}"
     )
     np.testing.assert_allclose(loss, full_loss, rtol=1e-5)
     return {
