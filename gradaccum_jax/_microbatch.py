@@ -978,11 +978,12 @@ def plan_microbatches(
       fun: The loss function, as for `microbatch_value_and_grad`.
       *args: Its positional arguments, as arrays or `jax.ShapeDtypeStruct`
         (other values, such as Python flags, are passed as constants).
-      memory_budget: Bytes the program may use. `None` takes
-        `DEVICE_MEMORY_FRACTION` (0.9) of the free memory the device reports
-        (`device.memory_stats()`: `bytes_limit - bytes_in_use`), the device
-        being that of the first array argument; on a device that reports no
-        limit (CPU) it raises a `ValueError` asking for `memory_budget=`.
+      memory_budget: Bytes the program may use. `None` takes 90 % of the
+        free memory the device reports (`device.memory_stats()`:
+        `bytes_limit - bytes_in_use`), the device being that of the first
+        array argument, leaving the runtime room beyond the compiled buffers;
+        on a device that reports no limit (CPU) it raises a `ValueError`
+        asking for `memory_budget=`.
       argnums: As in `microbatch_value_and_grad`.
       batch_argnums: As in `microbatch_value_and_grad`.
       has_aux: As in `microbatch_value_and_grad`.
@@ -1006,11 +1007,11 @@ def plan_microbatches(
       >>> import gradaccum_jax as ga
       >>> def loss(w, x):
       ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
-      >>> w = jax.ShapeDtypeStruct((64, 256), jnp.float32)
-      >>> x = jax.ShapeDtypeStruct((512, 64), jnp.float32)
-      >>> plan = ga.plan_microbatches(loss, w, x, memory_budget=1.5 * 2**20)
-      >>> plan.peak_bytes <= plan.memory_budget < plan.table[plan.num_microbatches // 2]
-      True
+      >>> w = jax.ShapeDtypeStruct((64, 512), jnp.float32)
+      >>> x = jax.ShapeDtypeStruct((2048, 64), jnp.float32)  # 4 MiB of activations
+      >>> plan = ga.plan_microbatches(loss, w, x, memory_budget=2 * 2**20)
+      >>> plan.num_microbatches > 1, plan.peak_bytes <= 2 * 2**20
+      (True, True)
     """
     unknown = sorted(set(options) - set(_PLAN_OPTIONS))
     if unknown:

@@ -92,8 +92,11 @@ def _abstract(x: Any) -> Any:
         return x
     if isinstance(x, jax.Array):
         aval = jax.typeof(x)
-        # A tracer's sharding is not known until the outer program is compiled.
-        sharding = None if isinstance(x, jax.core.Tracer) else x.sharding
+        # A tracer's sharding is not known until the outer program is compiled;
+        # one device needs none, so arrays, tracers and shapes share cache entries.
+        sharding = None
+        if not isinstance(x, jax.core.Tracer) and len(x.sharding.device_set) > 1:
+            sharding = x.sharding
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=aval.weak_type)
     if isinstance(x, np.ndarray | np.generic):
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype)

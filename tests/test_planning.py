@@ -159,6 +159,17 @@ def test_errors():
         ga.plan_microbatches(loss_fn, PARAMS, {**BATCH, "y": BATCH["y"][:60]}, memory_budget=2**30)
 
 
+def test_docs_page_code_runs():
+    # Every Python block of docs/choosing_k.md, in order, in one namespace.
+    page = pathlib.Path(__file__).parents[1] / "docs" / "choosing_k.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    assert len(blocks) == 2
+    ns: dict = {}
+    for n, block in enumerate(blocks):
+        exec(compile(block, f"{page.name}[block {n}]", "exec"), ns)
+    assert ns["plan"].num_microbatches > 1
+
+
 @pytest.mark.slow
 def test_example_plan_microbatches(capsys):
     path = pathlib.Path(__file__).parents[1] / "examples" / "plan_microbatches.py"
