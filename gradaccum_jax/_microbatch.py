@@ -598,11 +598,18 @@ def _micro_loss(fun: Callable[..., Any], options: _Options) -> Callable[..., Any
     return micro_loss
 
 
+def _fold_in(key: jax.Array, i: jax.Array) -> jax.Array:
+    """`jax.random.fold_in` for a key or an array of keys (raw ones: key data last)."""
+    single = () if _is_typed_key(key) else _raw_key_shape()
+    if key.ndim == len(single):
+        return jax.random.fold_in(key, i)
+    flat = key.reshape((-1, *single))
+    return jax.vmap(lambda one: jax.random.fold_in(one, i))(flat).reshape(key.shape)
+
+
 def _fold_keys(tree: Any, i: jax.Array, *, typed_only: bool) -> Any:
     def fold(x: Any) -> Any:
-        if _is_typed_key(x) or not typed_only:
-            return jax.random.fold_in(x, i)
-        return x
+        return _fold_in(x, i) if _is_typed_key(x) or not typed_only else x
 
     return jax.tree.map(fold, tree)
 
@@ -989,7 +996,8 @@ def plan_microbatches(
       has_aux: As in `microbatch_value_and_grad`.
       **options: Other keyword options of `microbatch_value_and_grad`
         (`weight_fn`, `sum_and_weight`, `aux_reduction`, `key_argnums`,
-        `carry_argnums`, `accumulator_dtype`).
+        `carry_argnums`, `accumulator_dtype`). Keyword arguments of `fun`
+        itself cannot be passed here: bind them with `functools.partial`.
 
     Returns:
       A `MicrobatchPlan`: `num_microbatches`, `microbatch_size`,

@@ -199,9 +199,10 @@ def _dropout_loss(params, batch, key):
     return loss, jax.random.uniform(key)
 
 
-@pytest.mark.parametrize("key", [jax.random.key(3), jax.random.PRNGKey(3)])
-def test_key_argnums_gives_each_microbatch_its_own_key(key):
+def test_key_argnums_folds_a_raw_key():
+    # Typed keys need no key_argnums (see the test below); raw keys are listed.
     k = 4
+    key = jax.random.PRNGKey(3)
     fn = ga.microbatch_value_and_grad(
         _dropout_loss, k, has_aux=True, key_argnums=2, aux_reduction=lambda draws: draws
     )
@@ -491,6 +492,16 @@ def test_typed_key_gets_a_distinct_key_per_microbatch_without_key_argnums():
         (value, grads),
         jax.tree.map(lambda *xs: sum(xs) / k, *[(r[0][0], r[1]) for r in results]),
     )
+    # An array of typed keys is folded key by key.
+    keys = jax.random.split(key, 2)
+
+    def two_keys(params, batch, keys):
+        return loss(params, batch, keys[1], scale=2.0)
+
+    two_fn = ga.microbatch_value_and_grad(two_keys, k, has_aux=True, aux_reduction=lambda d: d)
+    (_, two_draws), _ = jax.jit(two_fn)(PARAMS, BATCH, keys)
+    expected = [jax.random.uniform(jax.random.fold_in(keys[1], i)) for i in range(k)]
+    np.testing.assert_allclose(two_draws, expected, rtol=RTOL)
     # A typed key inside a keyword argument is folded the same way.
     kw_fn = ga.microbatch_value_and_grad(kw_loss, k, has_aux=True, aux_reduction=lambda d: d)
     (kw_value, kw_draws), _ = jax.jit(kw_fn)(PARAMS, BATCH, rngs={"dropout": key}, scale=2.0)

@@ -159,6 +159,7 @@ def test_errors():
         ga.plan_microbatches(loss_fn, PARAMS, {**BATCH, "y": BATCH["y"][:60]}, memory_budget=2**30)
 
 
+@pytest.mark.slow
 def test_docs_page_code_runs():
     # Every Python block of docs/choosing_k.md, in order, in one namespace.
     page = pathlib.Path(__file__).parents[1] / "docs" / "choosing_k.md"
