@@ -974,10 +974,10 @@ def plan_microbatches(
     The candidates are the divisors of the batch size (with a batch sharded
     over devices with explicit sharding, those that leave a micro-batch size
     divisible by the number of shards). Peak memory falls as `K` grows, so a
-    binary search over them finds the smallest `K` that fits while compiling
-    about $\log_2(\text{number of divisors} + 1)$ programs; the next smaller
+    binary search over the $d$ candidates finds the smallest `K` that fits
+    with at most $\lceil \log_2(d + 1) \rceil$ compilations; the next smaller
     candidate is always among them, and does not fit. For a batch of 1024
-    (11 divisors) that is 4 compilations. Peaks are cached per function,
+    (11 divisors) that is 3 or 4 compilations. Peaks are cached per function,
     options, argument shapes and `K`, so a second plan (another budget, or
     `num_microbatches="auto"` tracing again) compiles only what is new.
 

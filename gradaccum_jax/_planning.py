@@ -126,7 +126,7 @@ def plan(
     `build(K)` returns the function to compile, called as `f(*args, **kwargs)`.
     Arrays among the arguments are replaced by their shapes; other leaves are
     passed as Python constants. The peak is assumed roughly non-increasing in
-    `K`: a binary search compiles about `log2(len(candidates) + 1)` programs,
+    `K`: a binary search compiles at most `ceil(log2(len(candidates) + 1))` programs,
     and the candidate below the chosen one is always among them (it does not
     fit). Peaks are cached by `cache_key`, the abstract arguments and `K`.
     """
@@ -136,8 +136,9 @@ def plan(
         budget = device_memory_budget(_device_of(leaves))
     else:
         budget = int(memory_budget)
+    # Constants by type too: True == 1 == 1.0, but they may trace differently.
     signature = tuple(
-        ("constant", leaf) if a is None else a for a, leaf in zip(abstract, leaves, strict=True)
+        (type(leaf), leaf) if a is None else a for a, leaf in zip(abstract, leaves, strict=True)
     )
     table: dict[int, int] = {}
 
