@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradaccum_jax import _planning, _validation
-from gradaccum_jax._accumulation import _accumulator_dtype
+from gradaccum_jax import _planning, _validation, _window
 
 _AUX_REDUCTIONS = ("auto", "mean", "sum", "concat")
 
@@ -126,8 +125,7 @@ def _check_options(
             f"aux_reduction={aux_reduction!r} is given but has_aux=False; set "
             "has_aux=True or drop aux_reduction."
         )
-    if accumulator_dtype is not None:
-        _validation.check_float_dtype("accumulator_dtype", accumulator_dtype)
+    _validation.check_accumulator_dtype(accumulator_dtype)
     return options
 
 
@@ -135,7 +133,7 @@ def _check_num_microbatches(num_microbatches: Any, memory_budget: Any) -> int | 
     """Returns K, or ``"auto"``; raises naming the fix otherwise."""
     if isinstance(num_microbatches, str) and num_microbatches == "auto":
         if memory_budget is not None:
-            _validation.check_nonnegative_float("memory_budget", memory_budget, allow_zero=False)
+            _validation.check_real("memory_budget", memory_budget, minimum=0, exclusive=True)
         return "auto"
     if memory_budget is not None:
         raise ValueError(
@@ -512,7 +510,7 @@ def _output_spec(value: Any, grads: Any, aux: Any, micro_size: int, options: _Op
         jax.tree.map(
             lambda g: _mean_accumulator(
                 g,
-                _accumulator_dtype(g, options.accumulator_dtype),
+                _window.accumulator_dtype(g, options.accumulator_dtype),
                 scaled=scaled,
                 masked=masked,
             ),
@@ -1028,7 +1026,7 @@ def plan_microbatches(
             f"options of microbatch_value_and_grad: {sorted(_PLAN_OPTIONS)}."
         )
     if memory_budget is not None:
-        _validation.check_nonnegative_float("memory_budget", memory_budget, allow_zero=False)
+        _validation.check_real("memory_budget", memory_budget, minimum=0, exclusive=True)
     checked = _check_options(
         fun,
         **{
