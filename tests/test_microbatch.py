@@ -396,6 +396,16 @@ def test_accumulator_dtype_for_16_bit_gradients():
         ga.microbatch_value_and_grad(loss, 8, accumulator_dtype=jnp.int32)
 
 
+def test_complex_gradients_keep_their_imaginary_part_with_a_real_accumulator_dtype():
+    def loss(w, x):
+        return jnp.mean(jnp.abs(x @ w) ** 2)
+
+    w = jnp.array([1.0 + 2.0j, -0.5j])
+    x = BATCH["x"][:, :2].astype(jnp.complex64) * (1 - 1j)
+    fn = ga.microbatch_value_and_grad(loss, 4, accumulator_dtype=jnp.float32)
+    _tree_close(jax.jit(fn)(w, x), jax.value_and_grad(loss)(w, x))
+
+
 def test_construction_errors():
     with pytest.raises(TypeError, match="fun must be callable"):
         ga.microbatch_value_and_grad(3, 2)
