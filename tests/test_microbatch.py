@@ -531,6 +531,7 @@ def test_raw_key_outside_key_argnums_is_refused_with_the_fix():
         )
 
 
+@pytest.mark.slow
 def test_docs_page_code_runs():
     # Every Python block of the page, in order, in one namespace: the train
     # steps shown there (linen TrainState, NNX, with accumulate) are the tested ones.
