@@ -47,6 +47,7 @@ from gradaccum_jax._distributed import (
 )
 from gradaccum_jax._microbatch import (
     microbatch_value_and_grad,
+    plan_microbatches,
 )
 from gradaccum_jax._mixed_precision import (
     LossScaleState,
@@ -54,6 +55,9 @@ from gradaccum_jax._mixed_precision import (
     dynamic_loss_scale,
     scale_loss,
     static_loss_scale,
+)
+from gradaccum_jax._planning import (
+    MicrobatchPlan,
 )
 from gradaccum_jax._split import (
     SplitAccumulateState,
@@ -72,6 +76,7 @@ __all__ = [
     "ConditionalAccumulateState",
     "ConditionalAccumulatorState",
     "LossScaleState",
+    "MicrobatchPlan",
     "SplitAccumulateState",
     "accumulate",
     "adaptive_grad_clip",
@@ -101,6 +106,7 @@ __all__ = [
     "normalize_by_ema",
     "normalize_grads",
     "optimizer_step",
+    "plan_microbatches",
     "remove_replica_axis",
     "replica_state_specs",
     "scale_loss",

@@ -304,3 +304,32 @@ def check_compensable(name: str, accumulator: Any) -> None:
                 f"{jax.tree_util.keystr(path)} is {leaf.dtype}. Drop compensated=True "
                 "(complex leaves are then summed in complex64 or complex128)."
             )
+
+
+def check_index_tuple(name: str, value: Any, *, allow_empty: bool) -> tuple[int, ...]:
+    """Returns `value` as a tuple of argument positions, or raises.
+
+    Accepts one non-negative int or a sequence of them, without repeats, like
+    the `argnums` of `jax.value_and_grad`.
+    """
+
+    def is_index(x: Any) -> bool:
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
+
+    indices = (value,) if is_index(value) else value
+    try:
+        indices = tuple(indices)
+    except TypeError:
+        indices = None
+    if indices is None or not all(is_index(i) for i in indices):
+        raise TypeError(
+            f"{name} must be a non-negative int or a sequence of them (positions of "
+            f"positional arguments); got {name}={value!r}."
+        )
+    if not indices and not allow_empty:
+        raise ValueError(
+            f"{name} must name at least one positional argument; got {name}={value!r}."
+        )
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"{name} must not repeat a position; got {name}={value!r}.")
+    return tuple(int(i) for i in indices)
