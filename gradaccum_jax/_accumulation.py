@@ -383,7 +383,7 @@ def accumulate(
             predicate = closes & (window_weight > 0)
         else:
 
-            def cond(pred, true_fn, false_fn, *operands):
+            def cond(pred, true_fn, false_fn, *operands):  # type: ignore[misc]
                 return _collectives.cond(pred, true_fn, false_fn, *operands, typed=typed)
 
             def apply_branch(acc, inner_state, closes_, total_weight):

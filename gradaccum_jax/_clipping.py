@@ -259,7 +259,7 @@ def _map_units(
     for leaf in leaves:
         # 0-d leaves are handled as shape (1,), as torchzero does.
         x = jnp.reshape(leaf, jnp.shape(leaf) or (1,))
-        axes = _unit_axes(x.shape, dim, inverse_dims)
+        axes = _unit_axes(x.shape, dim, inverse_dims)  # type: ignore[arg-type]
         measured = _measure_leaf(x, axes, m)
         if axes and x.size and math.prod(x.shape[a] for a in axes) >= min_size:
             new = transform(x.astype(measured.dtype), measured).astype(leaf.dtype)
@@ -427,7 +427,7 @@ def clip_grad_value(grads: optax.Updates, value: jax.typing.ArrayLike) -> optax.
       Array([-1. ,  0.5,  1. ], dtype=float32)
     """
     _validation.check_hyperparameter("value", value)
-    return jax.tree.map(lambda g: jnp.clip(g, -value, value).astype(g.dtype), grads)
+    return jax.tree.map(lambda g: jnp.clip(g, -value, value).astype(g.dtype), grads)  # type: ignore[operator]
 
 
 def normalize_grads(
@@ -744,7 +744,7 @@ class ClipNormByEMAState(NamedTuple):
         float32 (or wider). Variances are kept as standard deviations.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count
     ema: optax.Updates
     prev_ema_norm: Any
 
@@ -940,7 +940,7 @@ class ClipValueByEMAState(NamedTuple):
         wider): the exponential moving average of past updates' magnitudes.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count
     ema: optax.Updates
 
 
@@ -1031,7 +1031,7 @@ class ClipNormGrowthState(NamedTuple):
         Variances are kept as standard deviations.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count
     prev_norm: Any
 
 
@@ -1157,7 +1157,7 @@ class ClipValueGrowthState(NamedTuple):
         wider): the tracked values that bound the next update.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count
     prev: optax.Updates
 
 

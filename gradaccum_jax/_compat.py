@@ -21,7 +21,7 @@ def pcast_to_varying(x: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
     """Marks `x` as varying along the mesh `axes` inside `jax.shard_map` (no data moves)."""
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, axes, to="varying")
-    return jax.lax.pvary(x, axes)
+    return jax.lax.pvary(x, axes)  # type: ignore[attr-defined]  # JAX < 0.8.2 only
 
 
 def varying_axes(x: Any) -> frozenset:

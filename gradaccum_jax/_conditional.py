@@ -377,7 +377,7 @@ def conditional_take_grad(
     if isinstance(num_required, jax.core.Tracer):
         required = jnp.maximum(_validation.check_int_scalar("num_required", num_required), 1)
     else:
-        required = _validation.check_int("num_required", num_required, minimum=1)
+        required = _validation.check_int("num_required", num_required, minimum=1)  # type: ignore[assignment]
     acc, rewrap = _unwrap(state)
     ready = acc.num_accumulated >= required
     count = jnp.maximum(acc.num_accumulated, 1)

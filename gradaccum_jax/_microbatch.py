@@ -18,7 +18,7 @@ _AUX_REDUCTIONS = ("mean", "sum", "concat")
 
 
 def _is_index(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
 
 
 def _as_index_tuple(name: str, value: Any, *, allow_empty: bool) -> tuple[int, ...]:
@@ -97,7 +97,7 @@ def _check_shards(args: tuple[Any, ...], batch_argnums: tuple[int, ...], micro: 
             if not spec or spec[0] is None:
                 continue
             names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-            shards = int(np.prod([sharding.mesh.shape[name] for name in names]))
+            shards = int(np.prod([sharding.mesh.shape[name] for name in names]))  # type: ignore[union-attr]
             if micro % shards:
                 raise ValueError(
                     f"the batch axis of argument {j}{jax.tree_util.keystr(path)} is split "
@@ -120,7 +120,7 @@ def _zeros(like: jax.ShapeDtypeStruct, dtype: Any) -> jax.Array:
 
 def _check_carry(new: Any, old: Any, carry_argnums: Any) -> None:
     new_def, old_def = jax.tree_util.tree_structure(new), jax.tree_util.tree_structure(old)
-    if new_def != old_def:
+    if new_def != old_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub
         raise ValueError(
             "with carry_argnums, fun must return (loss, (new_carry, aux)) where new_carry "
             f"has the structure of the argument(s) at {carry_argnums=}; got {new_def}, "
@@ -404,12 +404,12 @@ def microbatch_value_and_grad(
 
     def carried(args: Sequence[Any]) -> Any:
         if _is_index(carry_argnums):
-            return args[carry_argnums]
+            return args[carry_argnums]  # type: ignore[index]
         return tuple(args[i] for i in carry_nums)
 
     def with_carry(args: list[Any], carry: Any) -> list[Any]:
         if _is_index(carry_argnums):
-            args[carry_argnums] = carry
+            args[carry_argnums] = carry  # type: ignore[index]
         else:
             for i, c in zip(carry_nums, carry, strict=True):
                 args[i] = c

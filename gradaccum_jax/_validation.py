@@ -78,7 +78,7 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
     """Raises ``ValueError`` unless ``tree`` matches ``reference`` in structure and shapes."""
     tree_def = jax.tree_util.tree_structure(tree)
     ref_def = jax.tree_util.tree_structure(reference)
-    if tree_def != ref_def:
+    if tree_def != ref_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub
         raise ValueError(
             f"{name} does not have the structure of {reference_name}: got {tree_def}, "
             f"expected {ref_def}. Call init with the same parameter tree whose "
