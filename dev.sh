@@ -22,7 +22,6 @@ ensure_venv() {
   shift 2
   local stamp="$venv/.installed"
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$constraints" -nt "$stamp" ]; then
-    rm -rf "$venv"
     "$PYTHON" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
     "$venv/bin/python" -m pip install --quiet -c "$constraints" "$@"
@@ -57,7 +56,7 @@ case "$task" in
     old=.venv-oldest
     build_dist
     wheel="$(echo dist/*.whl)"
-    ensure_venv "$old" constraints-oldest.txt "$wheel[test]"
+    ensure_venv "$old" constraints-oldest.txt "$wheel[test,examples]"
     "$old/bin/python" -m pip install --quiet --no-deps --force-reinstall "$wheel"
     # The tests run from a copy of the repository without the package's source, so that
     # `import gradaccum_jax` finds the installed wheel, as a user's code would.
