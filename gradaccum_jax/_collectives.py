@@ -48,7 +48,8 @@ def check_grads_vary(name: str, tree: Any, axis_names: tuple[Any, ...]) -> None:
                 "on every micro-step) and accumulate would sum it again. Differentiating "
                 "with respect to replicated params inside shard_map does that; mark them "
                 "varying first: "
-                f"jax.grad(loss)(jax.lax.pcast(params, {axes!r}, to='varying'), batch)."
+                f"jax.grad(loss)(jax.lax.pcast(params, {axes!r}, to='varying'), batch) "
+                "(jax.lax.pvary(params, axes) before JAX 0.8.2)."
             )
 
 

@@ -17,8 +17,11 @@ from typing import Any
 import jax
 
 
-def pcast_to_varying(x: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
-    """Marks `x` as varying along the mesh `axes` inside `jax.shard_map` (no data moves)."""
+def pcast_to_varying(x: Any, axes: Any) -> Any:
+    """Marks the pytree `x` as varying along the mesh `axes` (a name or a tuple of names).
+
+    Inside `jax.shard_map` only: the values stay as they are, their types change.
+    """
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, axes, to="varying")
     return jax.lax.pvary(x, axes)  # type: ignore[attr-defined]  # JAX < 0.8.2 only
