@@ -51,7 +51,7 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
     """Raises ``ValueError`` unless ``tree`` matches ``reference`` in structure and shapes."""
     tree_def = jax.tree_util.tree_structure(tree)
     ref_def = jax.tree_util.tree_structure(reference)
-    if tree_def != ref_def:
+    if tree_def != ref_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub
         raise ValueError(
             f"{name} does not have the structure of {reference_name}: got {tree_def}, "
             f"expected {ref_def}. Call init with the same parameter tree whose "
@@ -242,23 +242,23 @@ def check_scalar(
         jnp.issubdtype(value_dtype, k) for k in allowed
     ):
         raise TypeError(f"{name} must be {kind}; got {value!r} with dtype {value_dtype}.")
-    if jnp.ndim(value) != 0:
-        raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.{hint}")
+    if jnp.ndim(value) != 0:  # type: ignore[arg-type]
+        raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.{hint}")  # type: ignore[arg-type]
     target = jnp.dtype(jnp.int32 if integer else (dtype or jnp.float32))
     if not isinstance(value, jax.core.Tracer):
-        number = int(value) if integer else float(value)
+        number = int(value) if integer else float(value)  # type: ignore[arg-type]
         check_real(name, number, minimum=minimum, exclusive=exclusive)
         if integer:
             info = jnp.iinfo(target)
             if not info.min <= number <= info.max:
                 raise ValueError(f"{name} must fit in {target}; got {name}={number!r}.")
         else:
-            info = jnp.finfo(target)
-            if abs(number) > float(info.max) or 0 < abs(number) < float(info.tiny):
+            finfo = jnp.finfo(target)
+            if abs(number) > float(finfo.max) or 0 < abs(number) < float(finfo.tiny):
                 raise ValueError(
                     f"{name}={number!r} is not representable in {target}, in which it is "
                     f"used: it would become {'inf' if abs(number) > 1 else '0'} (the normal "
-                    f"range is {float(info.tiny):.3g} to {float(info.max):.3g}). Rescale "
+                    f"range is {float(finfo.tiny):.3g} to {float(finfo.max):.3g}). Rescale "
                     f"it, e.g. divide all values of {name} by a common constant."
                 )
     return jnp.asarray(value, target)
