@@ -168,13 +168,17 @@ def write(
 # --- the window length ---------------------------------------------------------
 
 
-def window_length(schedule: int | Callable[[jax.Array], Any], step: jax.Array) -> jax.Array:
-    """The window length `K` as an `int32` scalar: `schedule`, or `schedule(step)`.
+def window_length(
+    schedule: int | Callable[[jax.Array], Any], step: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The window length `K` at `step` as an `int32` scalar, and whether it was clamped.
 
-    A traced length below 1 cannot raise inside `jit`; it is treated as 1.
+    `schedule` is an int or a callable of the optimizer step. A concrete value
+    below 1 raises; a traced one cannot raise inside `jit`, so it is taken as 1
+    and the second output (a boolean scalar) says so, for the caller to count.
     """
     if not callable(schedule):
-        return jnp.int32(schedule)
+        return jnp.int32(schedule), jnp.array(False)
     k = schedule(step)
     k_dtype = jnp.result_type(k)
     if jnp.issubdtype(k_dtype, jnp.bool_) or not jnp.issubdtype(k_dtype, jnp.integer):
@@ -192,7 +196,8 @@ def window_length(schedule: int | Callable[[jax.Array], Any], step: jax.Array) -
             f"every_k_schedule must return a window length >= 1; it returned {int(k)} "
             f"at gradient_step={step!r}."
         )
-    return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
+    k = jnp.asarray(k, jnp.int32)
+    return jnp.maximum(k, 1), k < 1
 
 
 # --- the gate ------------------------------------------------------------------
