@@ -252,7 +252,16 @@ def split_accumulate(
 
     This transform acts on the final increment and reads the current params:
     it must be the last transform in an ``optax.chain`` (only
-    `clamp_params` may follow), and ``update`` needs ``params``.
+    `clamp_params` may follow), and ``update`` needs ``params``. A transform
+    placed after it cannot be detected (``optax.chain`` tells no transform
+    what follows it); one that rescales the increment breaks its relation
+    to the limits.
+
+    The two strategies are accumulators with the same ``init`` / ``add`` /
+    ``finalize`` operations: running reductions (one params-sized array per
+    component, written after the window's conditional) and buffered ones
+    (``"median"`` and custom functions: a ``K``-slot buffer written before
+    it). A traced ``every_k_schedule`` value below 1 is taken as 1.
 
     Args:
       every_k_schedule: The window length ``K``: an int ``>= 1`` or a callable

@@ -41,9 +41,12 @@ def check_float_tree(name: str, tree: Any) -> None:
         if not jnp.issubdtype(dtype, jnp.inexact):
             raise TypeError(
                 f"{name} must contain floating-point arrays; the leaf at "
-                f"{jax.tree_util.keystr(path)} has dtype {dtype}. Gradients of "
-                "integer inputs are not accumulated: cast to a float dtype, or mask "
-                "those leaves out with optax.masked."
+                f"{jax.tree_util.keystr(path)} has dtype {dtype}. An integer or boolean "
+                "leaf has no gradient to accumulate (jax.grad refuses it, or returns "
+                "float0 zeros with allow_int=True), so it is refused rather than given a "
+                "float buffer that only ever holds zeros. Keep such leaves out of the "
+                "optimized tree, cast them to a float dtype, or wrap the transformation "
+                "in optax.masked with a mask that is False for them."
             )
 
 

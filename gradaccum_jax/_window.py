@@ -264,7 +264,8 @@ def replica_gate(axis_names: tuple[Any, ...], typed: bool) -> Gate:
             (jax.tree.map(in_units, window.total), window.weight * window.unit), axis_names, typed
         )
         total = jax.tree.map(lambda t, old: t.astype(old.dtype), total, window.total)
-        return Window(total=total, weight=weight, unit=jnp.ones_like(window.unit))
+        # Fresh ones, not ones_like: they must not vary between replicas.
+        return Window(total=total, weight=weight, unit=jnp.ones([], jnp.float32))
 
     def cond(pred, true_fn, false_fn, *operands):
         return _collectives.cond(pred, true_fn, false_fn, *operands, typed=typed)
