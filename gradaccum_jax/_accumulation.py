@@ -310,21 +310,21 @@ def accumulate(
         acc = _window.zeros(params, accumulator_dtype)
         if compensated:
             _validation.check_compensable("params", acc)
-        step0 = jnp.zeros([], jnp.int32)
         skip_state = ()
         if should_skip_update_fn is not None:
-            _, skip_state = skip_decision(jax.tree.map(jnp.zeros_like, params), step0, params)
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            _, skip_state = skip_decision(zeros, _window.counter(), params)
         return AccumulateState(
-            micro_step=step0,
-            gradient_step=step0,
-            window_length=length(step0)[0],
+            micro_step=_window.counter(),
+            gradient_step=_window.counter(),
+            window_length=length(_window.counter())[0],
             updated=jnp.array(False),
             acc_grads=acc,
             acc_weight=jnp.zeros([], jnp.float32),
             weight_unit=jnp.ones([], jnp.float32),
-            num_skipped=jnp.zeros([], jnp.int32),
+            num_skipped=_window.counter(),
             inner_state=inner.init(params),
-            num_short_windows=step0,
+            num_short_windows=_window.counter(),
             acc_compensation=jax.tree.map(jnp.zeros_like, acc) if compensated else None,
             skip_state=skip_state,
         )

@@ -175,14 +175,13 @@ def conditional_accumulator_init(
     _validation.check_accumulator_dtype(accumulator_dtype)
     params = _window.as_arrays(params)
     _validation.check_float_tree("params", params)
-    zero = jnp.zeros([], jnp.int32)
     return ConditionalAccumulator(
-        global_step=zero,
-        num_accumulated=zero,
+        global_step=_window.counter(),
+        num_accumulated=_window.counter(),
         acc_grads=_window.zeros(params, accumulator_dtype),
-        num_stale=zero,
-        num_skipped=zero,
-        num_ignored_steps=zero,
+        num_stale=_window.counter(),
+        num_skipped=_window.counter(),
+        num_ignored_steps=_window.counter(),
     )
 
 

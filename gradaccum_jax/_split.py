@@ -346,15 +346,14 @@ def split_accumulate(
     def init_fn(params: optax.Params) -> SplitAccumulateState:
         params = _window.as_arrays(params)
         _validation.check_float_tree("params", params)
-        zero = jnp.zeros([], jnp.int32)
         return SplitAccumulateState(
-            micro_step=zero,
-            gradient_step=zero,
+            micro_step=_window.counter(),
+            gradient_step=_window.counter(),
             positive=jax.tree.map(empty_component, params),
             negative=jax.tree.map(empty_component, params),
-            positive_count=zero,
-            negative_count=zero,
-            num_skipped=zero,
+            positive_count=_window.counter(),
+            negative_count=_window.counter(),
+            num_skipped=_window.counter(),
         )
 
     def added(acc: Any, c: _Component) -> Any:

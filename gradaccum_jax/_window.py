@@ -42,6 +42,15 @@ from gradaccum_jax import _collectives
 # --- counters and acceptance ------------------------------------------------
 
 
+def counter() -> jax.Array:
+    """A fresh `int32` zero for a counter field.
+
+    Fresh for each field: fields that share one buffer cannot all be donated
+    ("donate the same buffer twice").
+    """
+    return jnp.zeros([], jnp.int32)
+
+
 def increment_if(counter: jax.Array, predicate: jax.Array) -> jax.Array:
     """`counter + 1` where `predicate` holds, saturating at the dtype's maximum."""
     return jnp.where(predicate, optax.safe_increment(counter), counter)

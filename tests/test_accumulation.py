@@ -992,3 +992,61 @@ def test_optimizer_step_on_a_state_restored_without_target_names_the_fix():
     as_dicts = {k: v for k, v in state._asdict().items() if k not in empty}
     with pytest.raises(ValueError, match=r"restored from a checkpoint without a target.*eval_sha"):
         ga.optimizer_step(as_dicts)
+
+
+WRAPPERS = {
+    "accumulate": lambda inner: (ga.accumulate(inner, 2), {}),
+    "conditional_accumulate": lambda inner: (
+        ga.conditional_accumulate(inner, 2),
+        {"local_step": jnp.int32(0)},
+    ),
+}
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+@pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"sgd"}))
+def test_every_stateful_optimizer_on_bf16_params_with_f32_gradients(name, wrapper):
+    """jit + scan + donation keep the state's dtypes; the result matches the inner optimizer."""
+    params = {"w": jnp.linspace(-1, 1, 12, dtype=jnp.bfloat16).reshape(3, 4)}
+    tx, extra = WRAPPERS[wrapper](OPTIMIZERS[name]())
+    state0 = tx.init(params)
+    grads = jnp.stack([jnp.full((3, 4), 0.5 * (i + 1), jnp.float32) for i in range(4)])
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def run(carry, gs):
+        def body(carry, g):
+            p, s = carry
+            local = {"local_step": s.accumulator.global_step} if extra else {}
+            u, s = tx.update({"w": g}, s, p, **local)
+            return (optax.apply_updates(p, u), s), None
+
+        return jax.lax.scan(body, carry, gs)[0]
+
+    p_acc, state = run((jax.tree.map(jnp.copy, params), state0), grads)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state, tx.init(params))
+    inner = OPTIMIZERS[name]()
+    p_ref, s_ref = params, inner.init(params)
+    for i in (0, 2):
+        u, s_ref = inner.update({"w": (grads[i] + grads[i + 1]) / 2}, s_ref, p_ref)
+        s_ref = jax.tree.map(lambda new, old: new.astype(old.dtype), s_ref, inner.init(params))
+        p_ref = optax.apply_updates(p_ref, u)
+    chex.assert_trees_all_close(
+        p_acc["w"].astype(jnp.float32), p_ref["w"].astype(jnp.float32), rtol=1e-2, atol=1e-3
+    )
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        ga.accumulate(optax.sgd(0.1), 2, should_skip_update_fn=optax.skip_not_finite),
+        ga.conditional_accumulate(optax.sgd(0.1), 2),
+        ga.split_accumulate(2),
+    ],
+    ids=["accumulate", "conditional_accumulate", "split_accumulate"],
+)
+def test_eagerly_initialised_state_can_be_donated(tx):
+    # Counter fields must not share one buffer: donation would reject it.
+    state = tx.init({"w": jnp.zeros(2)})
+    buffers = [id(x) for x in jax.tree.leaves(state)]
+    assert len(buffers) == len(set(buffers))
+    jax.jit(lambda s: s, donate_argnums=0)(state)
