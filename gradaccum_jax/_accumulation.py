@@ -455,7 +455,7 @@ def optimizer_step(opt_state: optax.OptState) -> jax.Array:
     return _find_accumulate_state(opt_state).gradient_step
 
 
-def closes_window(opt_state: optax.OptState) -> jax.Array:
+def closes_window(opt_state: optax.OptState, *removed: Any) -> jax.Array:
     """Returns whether the next `update` call closes the current window.
 
     Useful for work that must happen once per window beside the optimizer,
@@ -466,12 +466,15 @@ def closes_window(opt_state: optax.OptState) -> jax.Array:
     Args:
       opt_state: An optimizer state that contains exactly one
         `AccumulateState`.
+      *removed: Nothing: the window length argument of earlier versions,
+        refused with a `TypeError` that says to drop it.
 
     Returns:
       A boolean scalar.
 
     Raises:
       ValueError: If `opt_state` contains no or several `AccumulateState`.
+      TypeError: If a window length is passed as well.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -484,6 +487,13 @@ def closes_window(opt_state: optax.OptState) -> jax.Array:
       >>> bool(ga.closes_window(state))
       True
     """
+    if removed:
+        raise TypeError(
+            f"closes_window takes only the optimizer state; got a window length {removed[0]!r} "
+            "as well. The state carries its window's length (AccumulateState.window_length, "
+            "which follows a schedule), so a repeated one could only disagree: call "
+            "closes_window(opt_state)."
+        )
     state = _find_accumulate_state(opt_state)
     return state.micro_step + 1 >= state.window_length
 

@@ -388,6 +388,12 @@ def test_closes_window_has_updated_and_optimizer_step():
     assert int(ga.optimizer_step(state)) == 2
 
 
+def test_closes_window_refuses_a_repeated_window_length():
+    state = ga.accumulate(optax.sgd(0.1), 4).init({"w": jnp.zeros(2)})
+    with pytest.raises(TypeError, match=r"window length 3 as well.*closes_window\(opt_state\)"):
+        ga.closes_window(state, 3)
+
+
 def test_closes_window_follows_a_schedule_from_the_state():
     params = {"w": jnp.zeros(2)}
     tx = ga.accumulate(optax.sgd(0.1), lambda step: jnp.where(step < 1, 1, 3))
