@@ -406,7 +406,9 @@ def test_complex_gradients_keep_their_imaginary_part_with_a_real_accumulator_dty
     w = jnp.array([1.0 + 2.0j, -0.5j])
     x = BATCH["x"][:, :2].astype(jnp.complex64) * (1 - 1j)
     fn = ga.microbatch_value_and_grad(loss, 4, accumulator_dtype=jnp.float32)
-    _tree_close(jax.jit(fn)(w, x), jax.value_and_grad(loss)(w, x))
+    chex.assert_trees_all_close(
+        jax.jit(fn)(w, x), jax.value_and_grad(loss)(w, x), rtol=RTOL, atol=ATOL, strict=True
+    )
 
 
 def test_construction_errors():
@@ -455,7 +457,7 @@ def test_default_aux_is_what_value_and_grad_gives_on_the_full_batch():
     expected = jax.jit(jax.value_and_grad(loss, has_aux=True))(PARAMS, BATCH)
     for k in (1, 2, 8):
         out = jax.jit(ga.microbatch_value_and_grad(loss, k, has_aux=True))(PARAMS, BATCH)
-        _tree_close(out, expected)
+        chex.assert_trees_all_close(out, expected, rtol=RTOL, atol=ATOL, strict=True)
         assert out[0][1]["losses"].shape == (B,) and out[0][1]["logits"].shape == (B, 3)
 
 
@@ -501,9 +503,12 @@ def test_typed_key_gets_a_distinct_key_per_microbatch_without_key_argnums():
         for i, fold in enumerate(jax.random.fold_in(key, i) for i in range(k))
     ]
     np.testing.assert_allclose(draws, [r[0][1] for r in results], rtol=RTOL)
-    _tree_close(
+    chex.assert_trees_all_close(
         (value, grads),
         jax.tree.map(lambda *xs: sum(xs) / k, *[(r[0][0], r[1]) for r in results]),
+        rtol=RTOL,
+        atol=ATOL,
+        strict=True,
     )
     # An array of typed keys is folded key by key.
     keys = jax.random.split(key, 2)
