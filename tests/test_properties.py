@@ -73,7 +73,13 @@ EPS["complex64"] = EPS["float32"]
 
 
 def _x64(dtype: str):
-    return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
+    if dtype != "float64":
+        return contextlib.nullcontext()
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64  # older jax releases of the supported range
+
+    return enable_x64()
 
 
 @dataclasses.dataclass(frozen=True)
