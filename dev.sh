@@ -26,6 +26,6 @@ case "$task" in
   test) exec "$py" -m pytest "$@" ;;
   lint) "$py" -m ruff check . && exec "$py" -m ruff format --check . ;;
   docs) NO_MKDOCS_2_WARNING=1 exec "$VENV/bin/mkdocs" build --strict --quiet "$@" ;;
-  bench) exec "$py" benchmarks/run.py "$@" ;;
+  bench) "$py" benchmarks/run.py "$@" && exec "$py" tools/figures.py ;;
   *) echo "usage: bash dev.sh {run|test|lint|docs|bench} [args...]" >&2; exit 2 ;;
 esac

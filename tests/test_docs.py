@@ -15,6 +15,8 @@ import dataclasses
 import importlib.util
 import pathlib
 import re
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -92,12 +94,17 @@ def _page_param(page: pathlib.Path):
 
 
 def run_page(page: pathlib.Path) -> dict:
-    namespace: dict = {"__name__": f"docs_{page.stem}"}
-    for block in python_blocks(page):
-        if block.no_run is None:
-            code = compile(block.code, f"{page}:{block.line}", "exec")
-            exec(code, namespace)
-    return namespace
+    """Runs a page's blocks in order in one module namespace; returns the namespace."""
+    # A registered module, so that dataclasses and pickling can look the blocks' classes up.
+    module = types.ModuleType("docs_page_" + re.sub(r"\W", "_", page.stem))
+    sys.modules[module.__name__] = module
+    try:
+        for block in python_blocks(page):
+            if block.no_run is None:
+                exec(compile(block.code, f"{page}:{block.line}", "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+    return module.__dict__
 
 
 @pytest.mark.parametrize("page", [_page_param(p) for p in PAGES if python_blocks(p)])

@@ -21,7 +21,8 @@ def test_digits_convnet_quick(tmp_path, capsys):
     # Fact 1: without batch statistics, accumulated training is large-batch training.
     assert result["param_diff"] <= digits_convnet.PARAM_BOUND
     assert result["grad_gap_exact"] < 1e-5
-    assert result["accumulated_accuracy"] == result["large_batch_accuracy"]
+    # Round-off may flip the argmax of at most a borderline image of the 297 test images.
+    assert abs(result["accumulated_accuracy"] - result["large_batch_accuracy"]) <= 1 / 297
     # Fact 2: AccumBatchNorm's running statistics are nn.BatchNorm's on the window, where
     # averaging micro-batch statistics is off by orders of magnitude more ...
     assert result["stats_diff"] <= digits_convnet.STATS_BOUND
