@@ -42,8 +42,11 @@ def micro(rows: Rows, candidate: str, model: str = BIG) -> dict[str, Any]:
     return row(rows, "accumulate", model=model, candidate=candidate)
 
 
+TIMES = "\u00d7"  # the multiplication sign the pages print after a ratio
+
+
 def times(x: float, digits: int = 2) -> str:
-    return f"{x:.{digits}f}×"
+    return f"{x:.{digits}f}{TIMES}"
 
 
 def megabytes(mb: float) -> str:
@@ -79,7 +82,9 @@ FIGURES: dict[str, Callable[[Rows], str]] = {
         micro(r, "ratio: micro-step / (floor + zero updates)")["x_floor"]
     ),
     "micro_no_check.x_zeros": lambda r: times(micro(r, ACC_NO_CHECK)["ms"] / micro(r, ZEROS)["ms"]),
-    "micro.speedup_multisteps": lambda r: times(micro(r, MULTISTEPS)["ms"] / micro(r, ACC)["ms"], 1),
+    "micro.speedup_multisteps": lambda r: times(
+        micro(r, MULTISTEPS)["ms"] / micro(r, ACC)["ms"], 1
+    ),
     "micro.speedup_apply_every": lambda r: times(
         micro(r, APPLY_EVERY)["ms"] / micro(r, ACC)["ms"], 1
     ),
