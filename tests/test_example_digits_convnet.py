@@ -8,7 +8,6 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
 import digits_convnet
-import pytest
 
 pytestmark = pytest.mark.slow  # runs an example end to end
 
