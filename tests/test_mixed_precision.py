@@ -387,7 +387,7 @@ def test_docs_flax_pattern_with_agc_and_accum_batchnorm_runs_in_bfloat16():
     leaves = jax.tree.leaves((ns["params"], ns["batch_stats"], ns["opt_state"]))
     assert all(x.dtype in (jnp.float32, jnp.int32) for x in leaves)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(ns["params"]))
-    stats = ns["batch_stats"]["AccumBatchNorm_0"]
+    stats = ns["batch_stats"]["BatchNorm_0"]
     assert float(jnp.max(stats["window_count"])) == 0.0  # committed at the window's end
     assert float(jnp.max(jnp.abs(stats["mean"]))) > 0.0  # and the running mean moved
     # One more micro-step opens a new window without touching the running mean.
@@ -395,8 +395,8 @@ def test_docs_flax_pattern_with_agc_and_accum_batchnorm_runs_in_bfloat16():
     _, new_stats, _, _ = ns["micro_step"](
         ns["params"], ns["batch_stats"], ns["opt_state"], ns["x"][0], ns["y"][0]
     )
-    np.testing.assert_array_equal(new_stats["AccumBatchNorm_0"]["mean"], before)
-    assert float(jnp.max(new_stats["AccumBatchNorm_0"]["window_count"])) == 16.0
+    np.testing.assert_array_equal(new_stats["BatchNorm_0"]["mean"], before)
+    assert float(jnp.max(new_stats["BatchNorm_0"]["window_count"])) == 16.0
     assert k == 4
 
 

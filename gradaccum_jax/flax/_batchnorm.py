@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.linen import dtypes as linen_dtypes
 from flax.nnx.nn import dtypes as nnx_dtypes
@@ -21,7 +22,7 @@ from gradaccum_jax import _validation
 
 _WINDOW_KEYS = ("window_count", "window_sum", "window_sum_sq", "window_shift")
 _FLAX_KEYS = frozenset(("mean", "var"))
-_ACCUM_KEYS = frozenset(("mean", "var", "momentum", *_WINDOW_KEYS))
+_ACCUM_KEYS = frozenset(("mean", "var", "momentum", "window_params", *_WINDOW_KEYS))
 # nn.BatchNorm's default; only a placeholder in converted statistics, because a
 # layer records its own momentum before its window can hold anything.
 _DEFAULT_MOMENTUM = 0.99
@@ -85,9 +86,67 @@ def _check_closes(closes: Any) -> jax.Array:
     if value.dtype != jnp.bool_ or value.ndim != 0:
         raise TypeError(
             "closes must be a boolean scalar (True, or a traced flag such as "
-            f"gradaccum_jax.closes_window(opt_state, k)); got {closes=!r}."
+            f"gradaccum_jax.closes_window(opt_state)); got {closes=!r}."
         )
     return value
+
+
+def _fingerprint(
+    scale: jax.Array | None, bias: jax.Array | None, feature_shape: tuple[int, ...]
+) -> jax.Array:
+    """The layer's `scale` and `bias` stacked as `float32[*F, 2]`, zeros where absent."""
+    rows = [
+        jnp.zeros(feature_shape, jnp.float32)
+        if p is None
+        else lax.stop_gradient(p).reshape(feature_shape).astype(jnp.float32)
+        for p in (scale, bias)
+    ]
+    return jnp.stack(rows, axis=-1)
+
+
+def _open_window_params(window: _Window, recorded: jax.Array, fingerprint: jax.Array) -> jax.Array:
+    # The parameters are recorded when a window opens; under accumulate they
+    # stay put until the optimizer step that should close the window.
+    return jnp.where(jnp.any(window.count > 0), recorded, fingerprint)
+
+
+def _uncommitted_message(where: str) -> str:
+    return (
+        f"{where} holds batch statistics of training calls from before the last optimizer "
+        "step: its scale or bias changed since its window opened, but the window was never "
+        "folded into the running mean and var, which are still what they were at the "
+        "previous commit (their initial values if there was none). Evaluating with them "
+        "would be wrong. Commit once per optimizer step in the train step, after the "
+        "forward pass: batch_stats = gradaccum_jax.flax.commit_batch_stats(batch_stats, "
+        "closes=gradaccum_jax.closes_window(opt_state)) for flax.linen, or "
+        "gradaccum_jax.flax.commit_nnx_batch_stats(model, "
+        "closes=gradaccum_jax.closes_window(optimizer.opt_state)) for flax.nnx."
+    )
+
+
+def _check_committed(
+    window_count: jax.Array, recorded: jax.Array, fingerprint: jax.Array, where: str
+) -> None:
+    """Raises if the window is not empty and the parameters moved since it opened.
+
+    Runs on the first evaluation call after a missed commit: directly for
+    concrete values, through a host callback under `jit`/`pmap`, where the
+    error surfaces as a `jax.errors.JaxRuntimeError` carrying this message.
+    """
+    stale = jnp.any(window_count > 0) & ~jnp.array_equal(recorded, fingerprint, equal_nan=True)
+    message = _uncommitted_message(where)
+
+    def raise_if_stale(flag):
+        # Re-checked on the host: under vmap the conditional runs both branches.
+        if np.any(flag):
+            raise ValueError(message)
+
+    if isinstance(stale, jax.core.Tracer):
+        # The callback runs only on the (rare) stale path; the predicate is the
+        # only value that leaves the device on every evaluation call.
+        lax.cond(stale, lambda f: jax.debug.callback(raise_if_stale, f), lambda f: None, stale)
+    else:
+        raise_if_stale(stale)
 
 
 def _stats_dtype(dtype: Dtype | None, x: jax.Array) -> jnp.dtype:
@@ -391,9 +450,23 @@ class AccumBatchNorm(nn.Module):
         momentum = self.variable(
             "batch_stats", "momentum", lambda: jnp.asarray(self.momentum, jnp.float32)
         )
+        window_params = self.variable(
+            "batch_stats",
+            "window_params",
+            lambda: jnp.zeros((*feature_shape, 2), jnp.float32),
+        )
+        scale = bias = None
+        if self.use_scale:
+            scale = self.param("scale", self.scale_init, feature_shape, self.param_dtype)
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, feature_shape, self.param_dtype)
+        fingerprint = _fingerprint(scale, bias, feature_shape)
 
         if use_running_average:
             mean, var = ra_mean.value, ra_var.value
+            if not self.is_initializing():
+                where = "AccumBatchNorm " + ("/".join(self.path) or "(top level)")
+                _check_committed(window_vars.count.value, window_params.value, fingerprint, where)
         else:
             window = _Window(*(v.value for v in window_vars))
             sums = _micro_batch_sums(
@@ -410,18 +483,20 @@ class AccumBatchNorm(nn.Module):
             )
             mean, var = _moments(*sums)
             if not self.is_initializing():
+                window_params.value = _open_window_params(window, window_params.value, fingerprint)
                 for variable, value in zip(window_vars, _add_to_window(window, *sums), strict=True):
                     variable.value = value
                 momentum.value = jnp.asarray(self.momentum, jnp.float32)
 
-        scale = bias = None
-        if self.use_scale:
-            scale = self.param("scale", self.scale_init, feature_shape, self.param_dtype)
-        if self.use_bias:
-            bias = self.param("bias", self.bias_init, feature_shape, self.param_dtype)
         return _normalize(
             x, mean, var, scale, bias, feature_axes, reduction_axes, self.epsilon, self.dtype
         )
+
+
+# flax names an unnamed submodule after its class's `__name__`: with this one,
+# auto-named layers get nn.BatchNorm's paths (`BatchNorm_0`, ...) so that the
+# parameter trees and checkpoints of a model keep their paths after the swap.
+AccumBatchNorm.__name__ = "BatchNorm"
 
 
 def _is_mapping_with(keys: frozenset[str]):
@@ -537,6 +612,7 @@ def batch_stats_from_flax(batch_stats: Any) -> Any:
         empty = jnp.zeros(mean.shape, jnp.float32)
         entries = dict(node)
         entries.update({key: empty for key in _WINDOW_KEYS})
+        entries["window_params"] = jnp.zeros((*mean.shape, 2), jnp.float32)
         entries["momentum"] = jnp.asarray(_DEFAULT_MOMENTUM, jnp.float32)
         return type(node)(entries)
 
@@ -660,6 +736,7 @@ class NNXAccumBatchNorm(nnx.Module):
         self.window_sum = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
         self.window_sum_sq = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
         self.window_shift = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
+        self.window_params = nnx.BatchStat(jnp.zeros((*shape, 2), jnp.float32))
         self.scale: nnx.Param[jax.Array] | None
         if use_scale:
             self.scale = nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)
@@ -732,11 +809,19 @@ class NNXAccumBatchNorm(nnx.Module):
         feature_axes, reduction_axes = _split_axes(x.ndim, self.axis)
         scale = None if self.scale is None else self.scale[...]
         bias = None if self.bias is None else self.bias[...]
+        fingerprint = _fingerprint(scale, bias, (self.num_features,))
         x, mean, var, scale, bias = self.promote_dtype(
             (x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype
         )
-        if not use_running_average:
+        if use_running_average:
+            _check_committed(
+                self.window_count[...], self.window_params[...], fingerprint, "NNXAccumBatchNorm"
+            )
+        else:
             window = self._window()
+            self.window_params[...] = _open_window_params(
+                window, self.window_params[...], fingerprint
+            )
             sums = _micro_batch_sums(
                 x,
                 reduction_axes,
