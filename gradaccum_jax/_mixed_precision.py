@@ -15,15 +15,15 @@ from gradaccum_jax._accumulation import AxisName, _all_finite, _saturating_incre
 
 
 class LossScaleState(NamedTuple):
-    """State of :func:`dynamic_loss_scale` and :func:`static_loss_scale`.
+    """State of `dynamic_loss_scale` and `static_loss_scale`.
 
     Attributes:
-      loss_scale: ``float32[]``. The factor to multiply the next loss by
-        (read it with :func:`current_loss_scale`); ``update`` divides the
+      loss_scale: `float32[]`. The factor to multiply the next loss by
+        (read it with `current_loss_scale`); `update` divides the
         gradients it receives by this value.
-      growth_count: ``int32[]``. Finite ``update`` calls since the scale last
-        changed, in ``[0, growth_interval)``; always ``0`` for a static scale.
-      num_overflows: ``int32[]``. ``update`` calls whose gradients had a
+      growth_count: `int32[]`. Finite `update` calls since the scale last
+        changed, in `[0, growth_interval)`; always `0` for a static scale.
+      num_overflows: `int32[]`. `update` calls whose gradients had a
         non-finite value. Saturates at the int32 maximum.
     """
 
@@ -38,7 +38,7 @@ _Adjust = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array
 def _loss_scaling(
     initial_scale: float, adjust: _Adjust, axis_name: AxisName | None
 ) -> optax.GradientTransformationExtraArgs:
-    """The transformation shared by both scales; ``adjust(scale, count, finite)``."""
+    """The transformation shared by both scales; `adjust(scale, count, finite)`."""
 
     def init_fn(params: optax.Params) -> LossScaleState:
         del params
@@ -88,55 +88,55 @@ def dynamic_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
     r"""Unscales loss-scaled gradients and adapts the scale, one micro-step at a time.
 
-    float16 has 5 exponent bits: gradients below about ``6e-8`` flush to zero
-    and values above ``65504`` overflow. Multiplying the loss by a scale ``s``
+    float16 has 5 exponent bits: gradients below about `6e-8` flush to zero
+    and values above `65504` overflow. Multiplying the loss by a scale `s`
     moves the backward pass into the representable range; this transformation
-    divides each gradient by the ``s`` it was computed with (into float32, or
-    wider) and then adapts ``s`` for the next call:
+    divides each gradient by the `s` it was computed with (into float32, or
+    wider) and then adapts `s` for the next call:
 
-    .. math::
+    $$
+    s_{t+1} =
+    \begin{cases}
+      \max(\beta s_t,\ s_{\min}) & \text{if } g_t \text{ has a non-finite value,}\\
+      \gamma s_t & \text{if the last } N \text{ calls were finite,}\\
+      s_t & \text{otherwise,}
+    \end{cases}
+    $$
 
-        s_{t+1} =
-        \begin{cases}
-          \max(\beta s_t,\ s_{\min}) & \text{if } g_t \text{ has a non-finite value,}\\
-          \gamma s_t & \text{if the last } N \text{ calls were finite,}\\
-          s_t & \text{otherwise,}
-        \end{cases}
-
-    with ``β = backoff_factor``, ``γ = growth_factor`` and
-    ``N = growth_interval``; growth is skipped if ``γ s_t`` would not be
+    with `β = backoff_factor`, `γ = growth_factor` and
+    `N = growth_interval`; growth is skipped if `γ s_t` would not be
     finite.
 
-    Put it first in an ``optax.chain`` before :func:`accumulate`, and scale
-    each micro-batch's loss by :func:`current_loss_scale` of the state you
-    pass to ``update`` (:func:`scale_loss` does that for any loss function).
-    Every ``update`` call is a micro-step: the scale may change inside a
+    Put it first in an `optax.chain` before `accumulate`, and scale
+    each micro-batch's loss by `current_loss_scale` of the state you
+    pass to `update` (`scale_loss` does that for any loss function).
+    Every `update` call is a micro-step: the scale may change inside a
     window, and each micro-gradient is unscaled by its own scale before it is
     added. An overflowing micro-gradient stays non-finite after unscaling, so
-    :func:`accumulate` drops it from the window's mean (and counts it in
-    ``num_skipped``) while the other micro-gradients still make an update.
-    ``growth_interval`` therefore counts micro-steps.
+    `accumulate` drops it from the window's mean (and counts it in
+    `num_skipped`) while the other micro-gradients still make an update.
+    `growth_interval` therefore counts micro-steps.
 
-    Without :func:`accumulate` downstream, non-finite gradients reach the
-    optimizer; use ``accumulate(inner, 1)`` as a guard that skips them.
+    Without `accumulate` downstream, non-finite gradients reach the
+    optimizer; use `accumulate(inner, 1)` as a guard that skips them.
 
     Args:
-      initial_scale: The first loss scale, finite and ``> 0``. Powers of two
+      initial_scale: The first loss scale, finite and `> 0`. Powers of two
         make unscaling exact.
-      growth_interval: Number ``N >= 1`` of consecutive finite micro-steps
+      growth_interval: Number `N >= 1` of consecutive finite micro-steps
         after which the scale grows.
-      growth_factor: Factor ``γ >= 1`` applied on growth.
-      backoff_factor: Factor ``β`` in ``(0, 1]`` applied on overflow.
-      min_scale: Floor of the scale, finite, ``> 0`` and at most
-        ``initial_scale``.
+      growth_factor: Factor `γ >= 1` applied on growth.
+      backoff_factor: Factor `β` in `(0, 1]` applied on overflow.
+      min_scale: Floor of the scale, finite, `> 0` and at most
+        `initial_scale`.
       axis_name: Name (or tuple of names) of a mapped axis, for use inside
-        ``jax.shard_map`` or ``jax.pmap``: an overflow on any replica then
-        counts on all of them (one scalar ``pmin`` per micro-step), so the
+        `jax.shard_map` or `jax.pmap`: an overflow on any replica then
+        counts on all of them (one scalar `pmin` per micro-step), so the
         replicas keep one scale. Without it each replica adapts its own.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` with state
-      :class:`LossScaleState`. Its ``update`` returns the unscaled gradients,
+      An `optax.GradientTransformationExtraArgs` with state
+      `LossScaleState`. Its `update` returns the unscaled gradients,
       in float32 for 16-bit inputs, and ignores extra arguments.
 
     Raises:
@@ -204,24 +204,24 @@ def static_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
     """Unscales gradients computed with a fixed loss scale.
 
-    The fixed-scale counterpart of :func:`dynamic_loss_scale`, with the same
-    state (:class:`LossScaleState`), so that switching between them keeps
+    The fixed-scale counterpart of `dynamic_loss_scale`, with the same
+    state (`LossScaleState`), so that switching between them keeps
     checkpoints and train steps unchanged. Overflows are counted in
-    ``num_overflows`` but do not change the scale; :func:`accumulate` after it
+    `num_overflows` but do not change the scale; `accumulate` after it
     still drops the overflowing micro-gradients.
 
     Args:
-      loss_scale: The scale, finite and ``> 0``.
-      axis_name: As in :func:`dynamic_loss_scale`: a mapped axis over which
+      loss_scale: The scale, finite and `> 0`.
+      axis_name: As in `dynamic_loss_scale`: a mapped axis over which
         overflows are counted alike.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose ``update`` returns the
-      gradients divided by ``loss_scale``, in float32 for 16-bit inputs.
+      An `optax.GradientTransformationExtraArgs` whose `update` returns the
+      gradients divided by `loss_scale`, in float32 for 16-bit inputs.
 
     Raises:
-      TypeError: If ``loss_scale`` is not a real number.
-      ValueError: If ``loss_scale`` is not finite and ``> 0``.
+      TypeError: If `loss_scale` is not a real number.
+      ValueError: If `loss_scale` is not finite and `> 0`.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -239,19 +239,19 @@ def static_loss_scale(
 def current_loss_scale(opt_state: optax.OptState) -> jax.Array:
     """Returns the loss scale to multiply the next loss by.
 
-    Reads the :class:`LossScaleState` found anywhere inside ``opt_state``
-    (directly, or in a chain, ``optax.masked`` or ``inject_hyperparams``
+    Reads the `LossScaleState` found anywhere inside `opt_state`
+    (directly, or in a chain, `optax.masked` or `inject_hyperparams`
     state).
 
     Args:
       opt_state: An optimizer state that contains exactly one
-        :class:`LossScaleState`.
+        `LossScaleState`.
 
     Returns:
-      A ``float32`` scalar.
+      A `float32` scalar.
 
     Raises:
-      ValueError: If ``opt_state`` contains no or several ``LossScaleState``.
+      ValueError: If `opt_state` contains no or several `LossScaleState`.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -285,34 +285,34 @@ _scale_cotangent.defvjp(_scale_cotangent_fwd, _scale_cotangent_bwd)
 def scale_loss(
     fun: Callable[..., Any], loss_scale: jax.typing.ArrayLike, *, has_aux: bool = False
 ) -> Callable[..., Any]:
-    """Wraps a loss function so that its gradients come out multiplied by ``loss_scale``.
+    """Wraps a loss function so that its gradients come out multiplied by `loss_scale`.
 
-    The wrapped function has ``fun``'s signature and returns ``fun``'s value
-    (and ``aux``) unchanged; only the cotangent entering the backward pass is
+    The wrapped function has `fun`'s signature and returns `fun`'s value
+    (and `aux`) unchanged; only the cotangent entering the backward pass is
     multiplied by the scale, which is what multiplying the loss by it would
-    do. Any gradient maker can take it: ``jax.grad``, ``jax.value_and_grad``,
-    ``nnx.grad``, or a micro-batching loop such as
-    ``gradaccum_jax.microbatch_value_and_grad``.
+    do. Any gradient maker can take it: `jax.grad`, `jax.value_and_grad`,
+    `nnx.grad`, or a micro-batching loop such as
+    `gradaccum_jax.microbatch_value_and_grad`.
 
     The product is formed in the loss's dtype: compute the loss in float32
     (cast the logits up) so that scales above float16's maximum, 65504, stay
     usable.
 
     Args:
-      fun: The loss function. It returns a scalar, or ``(scalar, aux)`` when
-        ``has_aux`` is true.
-      loss_scale: The scale, usually :func:`current_loss_scale` of the
-        optimizer state; a finite scalar ``> 0`` (traced values are checked
+      fun: The loss function. It returns a scalar, or `(scalar, aux)` when
+        `has_aux` is true.
+      loss_scale: The scale, usually `current_loss_scale` of the
+        optimizer state; a finite scalar `> 0` (traced values are checked
         for shape and dtype only).
-      has_aux: Whether ``fun`` returns ``(loss, aux)``.
+      has_aux: Whether `fun` returns `(loss, aux)`.
 
     Returns:
-      A function with ``fun``'s signature and outputs.
+      A function with `fun`'s signature and outputs.
 
     Raises:
-      TypeError: If ``fun`` is not callable or ``loss_scale`` is not a real
+      TypeError: If `fun` is not callable or `loss_scale` is not a real
         scalar.
-      ValueError: If a concrete ``loss_scale`` is not finite and ``> 0``.
+      ValueError: If a concrete `loss_scale` is not finite and `> 0`.
 
     Examples:
       >>> import jax, jax.numpy as jnp
