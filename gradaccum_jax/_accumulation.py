@@ -276,13 +276,18 @@ def accumulate(
         acc = jax.tree.map(
             lambda p: jnp.zeros_like(p, _accumulator_dtype(p, accumulator_dtype)), params
         )
+        inner_state = inner.init(params)
+        # Imported here: _mixed_precision builds on this module.
+        from gradaccum_jax._mixed_precision import refuse_inside_accumulate
+
+        refuse_inside_accumulate(inner_state)
         return AccumulateState(
             micro_step=jnp.zeros([], jnp.int32),
             gradient_step=jnp.zeros([], jnp.int32),
             acc_grads=acc,
             acc_weight=jnp.zeros([], jnp.float32),
             num_skipped=jnp.zeros([], jnp.int32),
-            inner_state=inner.init(params),
+            inner_state=inner_state,
             acc_compensation=jax.tree.map(jnp.zeros_like, acc) if compensated else None,
         )
 

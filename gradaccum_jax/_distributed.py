@@ -66,6 +66,16 @@ def _map_per_replica(state: AccumulateState, fn: Callable[[str, Any], Any]) -> A
     )
 
 
+def _type_checked_manual_axes() -> tuple[Any, ...]:
+    """The `shard_map` axes bound here whose varying types are checked.
+
+    Empty outside `jax.shard_map`, under `jax.pmap` and with `check_vma=False`:
+    an axis index varies along its axis exactly when types are checked.
+    """
+    axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    return tuple(a for a in axes if a in jax.typeof(jax.lax.axis_index(a)).mat.varying)
+
+
 def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
     """Returns `PartitionSpec` s for an accumulate state held across `shard_map` calls.
 
@@ -165,8 +175,10 @@ def remove_replica_axis(opt_state: optax.OptState) -> optax.OptState:
 
     Raises:
       ValueError: If `opt_state` contains no `AccumulateState`, or a
-        per-replica field has no leading axis of size 1 (the state did not go
-        through `shard_map` with `replica_state_specs`).
+        per-replica field has no leading axis of size 1, or (inside
+        `jax.shard_map` with its default `check_vma=True`) does not vary
+        along any mesh axis: the state did not go through `shard_map` with
+        `replica_state_specs`.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -177,7 +189,19 @@ def remove_replica_axis(opt_state: optax.OptState) -> optax.OptState:
       (3,)
     """
 
+    checked_axes = _type_checked_manual_axes()
+
     def squeeze(where: str, x: Any) -> Any:
+        if checked_axes and not jax.typeof(x).mat.varying & set(checked_axes):
+            raise ValueError(
+                f"state.{where} entered jax.shard_map replicated: it does not vary along the "
+                f"mesh axes {checked_axes}, so the state's in_specs entry was P() (and its "
+                "out_specs entry would fail JAX's replication check). The per-replica fields "
+                "need a replica axis: pass in_specs and out_specs entries "
+                "specs = gradaccum_jax.replica_state_specs(jax.eval_shape(tx.init, params), "
+                "axis_name) for the state, here and in the shard_map that creates it with "
+                "add_replica_axis(tx.init(params))."
+            )
         shape = jnp.shape(x)
         if not shape or shape[0] != 1:
             raise ValueError(

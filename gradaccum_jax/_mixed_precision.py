@@ -3,15 +3,76 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from gradaccum_jax import _validation
-from gradaccum_jax._accumulation import AxisName, _all_finite, _saturating_increment
+from gradaccum_jax._accumulation import (
+    AccumulateState,
+    AxisName,
+    _all_finite,
+    _saturating_increment,
+)
+
+_F32 = np.finfo(np.float32)
+_RIGHT_ORDER = (
+    "optax.chain(ga.dynamic_loss_scale(), ga.accumulate(inner, every_k_schedule)) "
+    "(or static_loss_scale in the same place)"
+)
+
+
+def _check_float32_factor(name: str, value: Any, *, at_most_one: bool = False) -> float:
+    """Returns `value` if it is a normal, finite float32 `> 0`, else raises `ValueError`.
+
+    Scales live in a `float32[]` state, so a Python float that passes as
+    finite and positive can still overflow to `inf` (`1e39`) or flush to `0`
+    (`1e-50`, or a subnormal that XLA:CPU flushes) once it is used.
+    """
+    value = _validation.check_nonnegative_float(name, value, allow_zero=False)
+    largest, smallest = float(_F32.max), float(_F32.tiny)
+    if not smallest <= value <= largest:
+        becomes = "inf" if value > largest else "0 (or a subnormal that XLA may flush to 0)"
+        raise ValueError(
+            f"{name} must be a normal float32 number, in [{smallest:.4g}, {largest:.4g}], "
+            f"because the loss scale is stored and applied in float32; got {name}={value!r}, "
+            f"which is {becomes} in float32. Use a power of two such as 2.0**15."
+        )
+    if at_most_one and value > 1:
+        raise ValueError(f"{name} must be in (0, 1] (0.5 halves the scale); got {name}={value!r}.")
+    return value
+
+
+def refuse_inside_accumulate(inner_state: Any) -> None:
+    """Raises `ValueError` if `inner_state` (an `accumulate`'s inner state) holds a loss scale.
+
+    Inside `accumulate` a loss scale would see one mean gradient per window
+    instead of every micro-gradient: overflowing micro-gradients are dropped
+    by `accumulate` before it sees them, so a dynamic scale never backs off,
+    and training stalls with the scale stuck.
+    """
+    found = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, LossScaleState))
+    if any(isinstance(x, LossScaleState) for x in found):
+        raise ValueError(
+            "A dynamic_loss_scale or static_loss_scale is inside gradaccum_jax.accumulate "
+            "(in its inner transformation). There it would see one mean gradient per window, "
+            "not each micro-gradient: overflowing micro-gradients are dropped before it sees "
+            "them, so the scale never backs off and no update is applied. Put the loss scale "
+            f"first, before accumulate: {_RIGHT_ORDER}."
+        )
+
+
+def _find_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AccumulateState)):
+        if isinstance(node, AccumulateState):
+            refuse_inside_accumulate(node.inner_state)
+    return _validation.find_unique_state(
+        opt_state, LossScaleState, "gradaccum_jax.dynamic_loss_scale or static_loss_scale"
+    )
 
 
 class LossScaleState(NamedTuple):
@@ -165,23 +226,15 @@ def dynamic_loss_scale(
       Micikevicius et al., *Mixed Precision Training*, 2017,
       https://arxiv.org/abs/1710.03740
     """
-    initial_scale = _validation.check_nonnegative_float(
-        "initial_scale", initial_scale, allow_zero=False
-    )
+    initial_scale = _check_float32_factor("initial_scale", initial_scale)
     growth_interval = _validation.check_positive_int("growth_interval", growth_interval)
-    growth_factor = _validation.check_nonnegative_float("growth_factor", growth_factor)
+    growth_factor = _check_float32_factor("growth_factor", growth_factor)
     if growth_factor < 1:
         raise ValueError(
             f"growth_factor must be >= 1 (1 never grows the scale); got {growth_factor=}."
         )
-    backoff_factor = _validation.check_nonnegative_float(
-        "backoff_factor", backoff_factor, allow_zero=False
-    )
-    if backoff_factor > 1:
-        raise ValueError(
-            f"backoff_factor must be in (0, 1] (0.5 halves the scale); got {backoff_factor=}."
-        )
-    min_scale = _validation.check_nonnegative_float("min_scale", min_scale, allow_zero=False)
+    backoff_factor = _check_float32_factor("backoff_factor", backoff_factor, at_most_one=True)
+    min_scale = _check_float32_factor("min_scale", min_scale)
     if min_scale > initial_scale:
         raise ValueError(
             f"min_scale must be <= initial_scale; got {min_scale=} and {initial_scale=}."
@@ -232,7 +285,7 @@ def static_loss_scale(
       >>> g["w"]
       Array([0.5, 2. ], dtype=float32)
     """
-    loss_scale = _validation.check_nonnegative_float("loss_scale", loss_scale, allow_zero=False)
+    loss_scale = _check_float32_factor("loss_scale", loss_scale)
     return _loss_scaling(loss_scale, lambda scale, count, finite: (scale, count), axis_name)
 
 
@@ -251,7 +304,8 @@ def current_loss_scale(opt_state: optax.OptState) -> jax.Array:
       A `float32` scalar.
 
     Raises:
-      ValueError: If `opt_state` contains no or several `LossScaleState`.
+      ValueError: If `opt_state` contains no or several `LossScaleState`, or
+        the loss scale is inside `accumulate` (it must come before it).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -260,10 +314,7 @@ def current_loss_scale(opt_state: optax.OptState) -> jax.Array:
       >>> float(ga.current_loss_scale(tx.init({"w": jnp.zeros(3)})))
       256.0
     """
-    state = _validation.find_unique_state(
-        opt_state, LossScaleState, "gradaccum_jax.dynamic_loss_scale or static_loss_scale"
-    )
-    return state.loss_scale
+    return _find_loss_scale_state(opt_state).loss_scale
 
 
 @jax.custom_vjp
@@ -302,8 +353,8 @@ def scale_loss(
       fun: The loss function. It returns a scalar, or `(scalar, aux)` when
         `has_aux` is true.
       loss_scale: The scale, usually `current_loss_scale` of the
-        optimizer state; a finite scalar `> 0` (traced values are checked
-        for shape and dtype only).
+        optimizer state; a normal float32 scalar `> 0` (traced values are
+        checked for shape and dtype only).
       has_aux: Whether `fun` returns `(loss, aux)`.
 
     Returns:
@@ -312,7 +363,8 @@ def scale_loss(
     Raises:
       TypeError: If `fun` is not callable or `loss_scale` is not a real
         scalar.
-      ValueError: If a concrete `loss_scale` is not finite and `> 0`.
+      ValueError: If a concrete `loss_scale` is not a finite, normal float32
+        number `> 0`.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -324,6 +376,11 @@ def scale_loss(
     """
     if not callable(fun):
         raise TypeError(f"fun must be a callable loss function; got {fun!r}.")
+    dtype = jnp.result_type(loss_scale)
+    real = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    if real and np.ndim(loss_scale) == 0 and not isinstance(loss_scale, jax.core.Tracer):
+        # Before the float32 cast below turns 1e39 into inf.
+        _check_float32_factor("loss_scale", float(loss_scale))
     scale = _validation.check_positive_scalar("loss_scale", loss_scale)
 
     @functools.wraps(fun)
@@ -339,3 +396,73 @@ def scale_loss(
         return _scale_cotangent(out[0], scale), out[1]
 
     return scaled
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
+    """`jax.value_and_grad` with the loss scaled by the scale in the optimizer state.
+
+    With a loss scale in the optimizer, the loss of every micro-batch must be
+    multiplied by the scale the state holds at that micro-step, or every
+    update is silently divided by it. This wrapper takes the optimizer state
+    as its first argument and reads the scale from it, so the scale the
+    gradients were computed with and the scale `update` divides by are the
+    same by construction:
+
+    ```python
+    grad_fn = ga.scaled_value_and_grad(loss_fn)
+    loss, grads = grad_fn(opt_state, params, batch)  # grads are scaled
+    updates, opt_state = tx.update(grads, opt_state, params)  # unscaled here
+    ```
+
+    The value (and `aux`) come back unscaled; the gradients come back
+    multiplied by the scale, for the loss-scale transformation at the head of
+    the chain to divide. What is checked: the optimizer state holds exactly
+    one loss scale, and it is not inside `accumulate`. What cannot be
+    checked: gradients computed some other way without the scale (for
+    example with plain `jax.value_and_grad`) are indistinguishable from
+    small gradients, so nothing detects them; use this wrapper, or
+    `scale_loss` with `current_loss_scale(opt_state)` for another gradient
+    maker (`nnx.value_and_grad`, `gradaccum_jax.microbatch_value_and_grad`).
+
+    Args:
+      fun: The loss function; a scalar, or `(scalar, aux)` with `has_aux`.
+      argnums: Which of `fun`'s positional arguments to differentiate (the
+        optimizer state is not counted), as in `jax.value_and_grad`.
+      has_aux: Whether `fun` returns `(loss, aux)`.
+
+    Returns:
+      A function `(opt_state, *args, **kwargs) -> (value, grads)`, or
+      `((value, aux), grads)` with `has_aux`, where `args` and `kwargs` are
+      `fun`'s.
+
+    Raises:
+      TypeError: If `fun` is not callable.
+      ValueError: When called, if `opt_state` holds no or several loss
+        scales, or one inside `accumulate`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import gradaccum_jax as ga
+      >>> tx = optax.chain(ga.static_loss_scale(1024.0), ga.accumulate(optax.sgd(1.0), 1))
+      >>> params = jnp.array([1.0, 2.0])
+      >>> opt_state = tx.init(params)
+      >>> loss, grads = ga.scaled_value_and_grad(lambda w: jnp.sum(w**2))(opt_state, params)
+      >>> float(loss), grads  # the gradient 2w, times the scale
+      (5.0, Array([2048., 4096.], dtype=float32))
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
+      >>> updates  # unscaled before the optimizer: -1.0 * 2w
+      Array([-2., -4.], dtype=float32)
+    """
+    if not callable(fun):
+        raise TypeError(f"fun must be a callable loss function; got {fun!r}.")
+
+    @functools.wraps(fun)
+    def value_and_scaled_grad(opt_state: optax.OptState, *args: Any, **kwargs: Any) -> Any:
+        scaled = scale_loss(fun, current_loss_scale(opt_state), has_aux=has_aux)
+        return jax.value_and_grad(scaled, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
+
+    return value_and_scaled_grad
