@@ -379,7 +379,7 @@ def test_flax_bfloat16_compute_with_float32_params_matches_large_batch():
 def test_docs_flax_pattern_with_agc_and_accum_batchnorm_runs_in_bfloat16():
     page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "mixed_precision.md"
     section = page.read_text().split("## Flax: bfloat16 compute")[1].split("## API")[0]
-    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    block, _ = re.findall(r"```python\n(.*?)```", section, re.S)
     ns: dict = {}
     exec(compile(block, "mixed_precision.md[flax]", "exec"), ns)
     k = ns["K"]
@@ -398,6 +398,22 @@ def test_docs_flax_pattern_with_agc_and_accum_batchnorm_runs_in_bfloat16():
     np.testing.assert_array_equal(new_stats["BatchNorm_0"]["mean"], before)
     assert float(jnp.max(new_stats["BatchNorm_0"]["window_count"])) == 16.0
     assert k == 4
+
+
+def test_docs_float16_flax_pattern_with_loss_scale_runs():
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "mixed_precision.md"
+    section = page.read_text().split("## Flax: bfloat16 compute")[1].split("## API")[0]
+    _, block = re.findall(r"```python\n(.*?)```", section, re.S)
+    ns: dict = {}
+    exec(compile(block, "mixed_precision.md[float16]", "exec"), ns)
+    params, stats, opt_state = ns["params16"], ns["stats16"], ns["opt16"]
+    assert int(ga.optimizer_step(opt_state)) == 2  # no micro-batch overflowed
+    assert float(ga.current_loss_scale(opt_state)) == 2.0**15
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+    assert all(x.dtype in (jnp.float32, jnp.int32) for x in jax.tree.leaves((params, opt_state)))
+    layer = stats["BatchNorm_0"]
+    assert float(jnp.max(layer["window_count"])) == 0.0
+    assert float(jnp.max(jnp.abs(layer["mean"]))) > 0.0
 
 
 # --- bad input -----------------------------------------------------------------------------
