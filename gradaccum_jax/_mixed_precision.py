@@ -11,13 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _validation
-from gradaccum_jax._accumulation import (
-    AccumulateState,
-    AxisName,
-    _all_finite,
-    _saturating_increment,
-)
+from gradaccum_jax import _validation, _window
+from gradaccum_jax._accumulation import AccumulateState, AxisName
 
 _F32 = np.finfo(np.float32)
 _RIGHT_ORDER = (
@@ -33,7 +28,7 @@ def _check_float32_factor(name: str, value: Any, *, at_most_one: bool = False) -
     finite and positive can still overflow to `inf` (`1e39`) or flush to `0`
     (`1e-50`, or a subnormal that XLA:CPU flushes) once it is used.
     """
-    value = _validation.check_nonnegative_float(name, value, allow_zero=False)
+    value = _validation.check_real(name, value, minimum=0.0, exclusive=True)
     largest, smallest = float(_F32.max), float(_F32.tiny)
     if not smallest <= value <= largest:
         becomes = "inf" if value > largest else "0 (or a subnormal that XLA may flush to 0)"
@@ -123,7 +118,7 @@ def _loss_scaling(
             lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)) / state.loss_scale,
             updates,
         )
-        finite = _all_finite(grads)
+        finite = _window.all_finite(grads)
         if axis_name is not None:
             # One scalar per micro-step keeps every replica's scale identical.
             finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
@@ -131,7 +126,7 @@ def _loss_scaling(
         new_state = LossScaleState(
             loss_scale=scale.astype(jnp.float32),
             growth_count=count.astype(jnp.int32),
-            num_overflows=_saturating_increment(state.num_overflows, ~finite),
+            num_overflows=_window.increment_if(state.num_overflows, ~finite),
         )
         return grads, new_state
 
@@ -227,7 +222,7 @@ def dynamic_loss_scale(
       https://arxiv.org/abs/1710.03740
     """
     initial_scale = _check_float32_factor("initial_scale", initial_scale)
-    growth_interval = _validation.check_positive_int("growth_interval", growth_interval)
+    growth_interval = _validation.check_int("growth_interval", growth_interval)
     growth_factor = _check_float32_factor("growth_factor", growth_factor)
     if growth_factor < 1:
         raise ValueError(
@@ -376,12 +371,7 @@ def scale_loss(
     """
     if not callable(fun):
         raise TypeError(f"fun must be a callable loss function; got {fun!r}.")
-    dtype = jnp.result_type(loss_scale)
-    real = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
-    if real and np.ndim(loss_scale) == 0 and not isinstance(loss_scale, jax.core.Tracer):
-        # Before the float32 cast below turns 1e39 into inf.
-        _check_float32_factor("loss_scale", float(loss_scale))
-    scale = _validation.check_positive_scalar("loss_scale", loss_scale)
+    scale = _validation.check_scalar("loss_scale", loss_scale, minimum=0.0, exclusive=True)
 
     @functools.wraps(fun)
     def scaled(*args: Any, **kwargs: Any) -> Any:

@@ -427,7 +427,7 @@ def test_end_to_end_with_accumulate_a_scan_loop_and_microbatch_value_and_grad():
     @jax.jit
     def step(params, stats, opt_state, x, y):
         grads, stats = grad_fn(model, params, stats, x, y)
-        closes = ga.closes_window(opt_state, k)
+        closes = ga.closes_window(opt_state)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (
             optax.apply_updates(params, updates),
@@ -793,7 +793,7 @@ def test_resnet_with_commit_running_statistics_equal_the_large_batch():
     def train_step(params, stats, opt_state, x, y):
         grad_fn = jax.grad(functools.partial(_resnet_loss, model), has_aux=True)
         grads, stats = grad_fn(params, stats, x, y)
-        stats = ga.flax.commit_batch_stats(stats, closes=ga.closes_window(opt_state, _K))
+        stats = ga.flax.commit_batch_stats(stats, closes=ga.closes_window(opt_state))
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), stats, opt_state
 

@@ -55,8 +55,8 @@ def _split_axes(ndim: int, axis: Any) -> tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def _check_attributes(momentum: Any, epsilon: Any) -> None:
-    _validation.check_unit_interval("momentum", momentum)
-    _validation.check_nonnegative_float("epsilon", epsilon)
+    _validation.check_real("momentum", momentum, minimum=0.0, maximum=1.0)
+    _validation.check_real("epsilon", epsilon, minimum=0.0)
 
 
 def _check_input(x: Any, mask: Any) -> tuple[jax.Array, jax.Array | None]:
@@ -753,7 +753,7 @@ class NNXAccumBatchNorm(nnx.Module):
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
         scale_metadata: Mapping[str, Any] = MappingProxyType({}),
     ):
-        _validation.check_positive_int("num_features", num_features)
+        _validation.check_int("num_features", num_features)
         _check_attributes(momentum, epsilon)
         shape = (num_features,)
         self.mean = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
