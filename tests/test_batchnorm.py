@@ -715,6 +715,7 @@ def test_resnet_variable_paths_are_those_of_nn_batchnorm():
     flax_vars = jax.jit(_ResNet(nn.BatchNorm).init)(jax.random.key(0), x)
     accum_vars = jax.jit(_ResNet(AccumBatchNorm).init)(jax.random.key(0), x)
     assert "BatchNorm_0" in flax_vars["params"]["_ResNetBlock_0"]
+    assert repr(AccumBatchNorm(momentum=0.9)).startswith("AccumBatchNorm(\n")  # still its name
     # Same parameter tree (values too: same initialisers, same paths, same keys).
     assert jax.tree.structure(accum_vars["params"]) == jax.tree.structure(flax_vars["params"])
     jax.tree.map(np.testing.assert_array_equal, accum_vars["params"], flax_vars["params"])

@@ -423,6 +423,10 @@ class AccumBatchNorm(nn.Module):
     use_fast_variance: bool = True
     force_float32_reductions: bool = True
 
+    def __repr__(self) -> str:
+        # flax prints `__name__`, which is "BatchNorm" for the auto-names below.
+        return type(self).__qualname__ + super().__repr__().removeprefix(type(self).__name__)
+
     @nn.compact
     def __call__(
         self,
