@@ -1,13 +1,14 @@
 """Holding an `accumulate(axis_name=...)` state across `jax.shard_map` calls.
 
-With `axis_name`, three fields of `AccumulateState` differ between
-replicas: `acc_grads`, `acc_weight` and `num_skipped` are each replica's
-partial sums over its own micro-batches (their sum over replicas is the global
-value). `jax.pmap` keeps one copy of the whole state per device anyway.
-`jax.shard_map` needs a global array for every value it returns, and a value
-that differs between replicas must be returned with a `PartitionSpec` that
-names the axis; these helpers give those three fields a leading replica axis
-for that, and leave the rest (counters, inner state) replicated.
+With `axis_name`, some fields of `AccumulateState` differ between
+replicas: `acc_grads`, `acc_weight`, `weight_unit`, `num_skipped` (and
+`acc_compensation` with `compensated=True`) describe each replica's own
+micro-batches (the sums over replicas are the global values). `jax.pmap`
+keeps one copy of the whole state per device anyway. `jax.shard_map` needs a
+global array for every value it returns, and a value that differs between
+replicas must be returned with a `PartitionSpec` that names the axis; these
+helpers give those fields a leading replica axis for that, and leave the rest
+(counters, inner state) replicated.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from jax.sharding import PartitionSpec
 from gradaccum_jax import _validation
 from gradaccum_jax._accumulation import AccumulateState, AxisName
 
-_PER_REPLICA = ("acc_grads", "acc_weight", "weight_unit", "num_skipped")
+# The rounding error of a replica's `acc_grads` is its own, like `acc_grads`.
+_PER_REPLICA = ("acc_grads", "acc_weight", "weight_unit", "num_skipped", "acc_compensation")
 
 
 def _map_accumulate_states(
@@ -80,7 +82,8 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
     """Returns `PartitionSpec` s for an accumulate state held across `shard_map` calls.
 
     The per-replica fields of every `AccumulateState` in `opt_state`
-    (`acc_grads`, `acc_weight`, `num_skipped`) get `P(axis_name)`: they
+    (`acc_grads`, `acc_weight`, `weight_unit`, `num_skipped` and
+    `acc_compensation`) get `P(axis_name)`: they
     carry a leading replica axis (see `add_replica_axis`), one slot per
     replica. Every other leaf gets `P()`, replicated, like the params of
     data-parallel training. Use the result as the state's entry in both
@@ -117,7 +120,15 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
     return _map_accumulate_states(
         opt_state,
         lambda state: _map_per_replica(
-            state._replace(micro_step=PartitionSpec(), gradient_step=PartitionSpec()),
+            # Every other field (counters, flags, the window length) is the
+            # same on all replicas; the inner state was mapped already.
+            state._replace(
+                **{
+                    field: jax.tree.map(lambda _: PartitionSpec(), getattr(state, field))
+                    for field in state._fields
+                    if field not in (*_PER_REPLICA, "inner_state")
+                }
+            ),
             lambda _, x: replica_spec,
         ),
         lambda _: PartitionSpec(),
@@ -138,7 +149,8 @@ def add_replica_axis(opt_state: optax.OptState) -> optax.OptState:
         `AccumulateState`.
 
     Returns:
-      `opt_state` with `acc_grads`, `acc_weight` and `num_skipped`
+      `opt_state` with its per-replica fields (`acc_grads`, `acc_weight`,
+      `weight_unit`, `num_skipped`, `acc_compensation`)
       expanded to shape `(1, *shape)`.
 
     Raises:
