@@ -710,6 +710,7 @@ def _resnet_loss(model, params, stats, x, y):
     return loss, new["batch_stats"]
 
 
+@pytest.mark.slow
 def test_resnet_variable_paths_are_those_of_nn_batchnorm():
     x = jnp.zeros((1, 6, 6, 2))
     flax_vars = jax.jit(_ResNet(nn.BatchNorm).init)(jax.random.key(0), x)
