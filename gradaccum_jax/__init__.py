@@ -1,7 +1,7 @@
 """gradaccum_jax: exact, fast gradient accumulation for JAX and Optax."""
 
-# The Flax layers live in a subpackage, reached as gradaccum_jax.flax.<name>.
-from gradaccum_jax import flax as flax
+from typing import TYPE_CHECKING, Any
+
 from gradaccum_jax._accumulation import (
     AccumulateState,
     accumulate,
@@ -32,7 +32,7 @@ from gradaccum_jax._clipping import (
 )
 from gradaccum_jax._conditional import (
     ConditionalAccumulateState,
-    ConditionalAccumulatorState,
+    ConditionalAccumulator,
     conditional_accumulate,
     conditional_accumulator_init,
     conditional_apply_grad,
@@ -47,6 +47,7 @@ from gradaccum_jax._distributed import (
 )
 from gradaccum_jax._microbatch import (
     microbatch_value_and_grad,
+    plan_microbatches,
 )
 from gradaccum_jax._mixed_precision import (
     LossScaleState,
@@ -56,11 +57,17 @@ from gradaccum_jax._mixed_precision import (
     scaled_value_and_grad,
     static_loss_scale,
 )
+from gradaccum_jax._planning import (
+    MicrobatchPlan,
+)
 from gradaccum_jax._split import (
     SplitAccumulateState,
     clamp_params,
     split_accumulate,
 )
+
+if TYPE_CHECKING:
+    from gradaccum_jax import flax as flax
 
 __version__ = "0.1.0"
 
@@ -71,8 +78,9 @@ __all__ = [
     "ClipValueByEMAState",
     "ClipValueGrowthState",
     "ConditionalAccumulateState",
-    "ConditionalAccumulatorState",
+    "ConditionalAccumulator",
     "LossScaleState",
+    "MicrobatchPlan",
     "SplitAccumulateState",
     "accumulate",
     "adaptive_grad_clip",
@@ -102,6 +110,7 @@ __all__ = [
     "normalize_by_ema",
     "normalize_grads",
     "optimizer_step",
+    "plan_microbatches",
     "remove_replica_axis",
     "replica_state_specs",
     "scale_loss",
@@ -109,3 +118,18 @@ __all__ = [
     "split_accumulate",
     "static_loss_scale",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The Flax layers live in a subpackage, reached as gradaccum_jax.flax.<name>. It is
+    # imported on first use so that `import gradaccum_jax` does not import flax (most
+    # of its import time) for users who never touch the Flax layers.
+    if name == "flax":
+        import gradaccum_jax.flax
+
+        return gradaccum_jax.flax
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), "flax"])
