@@ -555,3 +555,68 @@ def test_two_processes_match_single_process_large_batch(tmp_path):
         )
         assert int(result["gradient_step"]) == windows
         assert int(result["num_skipped_total"]) == 1
+
+
+# --- misuse of the shard_map state helpers: the error names the missing helper ------------
+
+
+def _misused_step(tx, body, state_spec):
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=MESH,
+            in_specs=(P(), state_spec, P("data"), P("data")),
+            out_specs=(P(), state_spec),
+        )
+    )
+
+
+def test_forgetting_remove_replica_axis_names_it():
+    tx = ga.accumulate(optax.sgd(0.1), 2, axis_name="data")
+    init, _ = _shard_map_fns("sgd", 2)
+    specs = ga.replica_state_specs(jax.eval_shape(tx.init, PARAMS), "data")
+
+    def body(params, state, x, y):
+        varying = jax.lax.pcast(params, "data", to="varying")
+        return grad_step(tx, params, state, x, y, varying)  # no remove_replica_axis
+
+    xs, ys = _data(1, 1)
+    batch = NamedSharding(MESH, P("data"))
+    x, y = (jax.device_put(a[0, 0].reshape(R * B, -1), batch) for a in (xs, ys))
+    params = jax.device_put(PARAMS, NamedSharding(MESH, P()))
+    with pytest.raises(ValueError, match=r"leading replica axis.*remove_replica_axis\(opt_state\)"):
+        _misused_step(tx, body, specs)(params, init(params), x, y)
+
+
+def test_forgetting_the_replica_state_specs_names_them():
+    # add_replica_axis and remove_replica_axis are there, but the state's specs
+    # are P(): JAX would only report that out_specs cannot be replicated.
+    tx = ga.accumulate(optax.sgd(0.1), 2, axis_name="data")
+    init = jax.jit(
+        jax.shard_map(
+            lambda p: ga.add_replica_axis(tx.init(p)), mesh=MESH, in_specs=P(), out_specs=P()
+        )
+    )
+
+    def body(params, state, x, y):
+        varying = jax.lax.pcast(params, "data", to="varying")
+        params, state = grad_step(tx, params, ga.remove_replica_axis(state), x, y, varying)
+        return params, ga.add_replica_axis(state)
+
+    xs, ys = _data(1, 1)
+    batch = NamedSharding(MESH, P("data"))
+    x, y = (jax.device_put(a[0, 0].reshape(R * B, -1), batch) for a in (xs, ys))
+    params = jax.device_put(PARAMS, NamedSharding(MESH, P()))
+    with pytest.raises(ValueError, match=r"entered jax.shard_map replicated.*replica_state_specs"):
+        _misused_step(tx, body, P())(params, init(params), x, y)
+    # With check_vma=False nothing is typed, so the helper cannot tell and stays quiet.
+    unchecked = jax.jit(
+        jax.shard_map(
+            lambda s: ga.remove_replica_axis(s).acc_weight,
+            mesh=MESH,
+            in_specs=P(),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    assert float(unchecked(init(params))) == 0.0
