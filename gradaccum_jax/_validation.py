@@ -85,7 +85,7 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
 
 def _looks_like(node: Any, state_type: type) -> bool:
     # Restoring may drop empty fields (None, ()), so a subset of the fields counts.
-    fields = set(state_type._fields)
+    fields = set(getattr(state_type, "_fields", ()))
     return isinstance(node, dict) and len(node) >= 3 and set(node) <= fields
 
 
@@ -354,7 +354,7 @@ def check_index_tuple(name: str, value: Any, *, allow_empty: bool) -> tuple[int,
     """
 
     def is_index(x: Any) -> bool:
-        return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) >= 0
 
     indices = (value,) if is_index(value) else value
     try:

@@ -491,7 +491,7 @@ class AccumBatchNorm(nn.Module):
             mean, var = ra_mean.value, ra_var.value
             if not self.is_initializing():
                 where = "AccumBatchNorm " + ("/".join(self.path) or "(top level)")
-                _check_committed(window_vars.count.value, window_params.value, fingerprint, where)
+                _check_committed(window_vars.count.value, window_params.value, fingerprint, where)  # type: ignore[attr-defined]
         else:
             window = _Window(*(v.value for v in window_vars))  # type: ignore[attr-defined]
             sums = _micro_batch_sums(
