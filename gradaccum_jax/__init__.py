@@ -44,6 +44,9 @@ from gradaccum_jax._distributed import (
     remove_replica_axis,
     replica_state_specs,
 )
+from gradaccum_jax._global_view import (
+    unreduced_value_and_grad,
+)
 from gradaccum_jax._microbatch import (
     microbatch_value_and_grad,
 )
@@ -104,4 +107,5 @@ __all__ = [
     "scale_loss",
     "split_accumulate",
     "static_loss_scale",
+    "unreduced_value_and_grad",
 ]

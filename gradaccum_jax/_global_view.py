@@ -1,0 +1,266 @@
+"""Per-device gradients for global-view ``jax.jit`` on an explicit mesh, typed unreduced."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gradaccum_jax import _validation
+from gradaccum_jax._microbatch import microbatch_value_and_grad
+
+AxisName = Hashable | Sequence[Hashable]
+
+
+def _positions(name: str, value: Any) -> tuple[int, ...]:
+    def is_index(v: Any) -> bool:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
+
+    positions = (value,) if is_index(value) else value
+    try:
+        positions = tuple(positions)
+    except TypeError:
+        positions = ()
+    if not positions or not all(is_index(i) for i in positions):
+        raise TypeError(
+            f"{name} must be a non-negative int or a non-empty sequence of them (positions "
+            f"of positional arguments); got {name}={value!r}."
+        )
+    if len(set(positions)) != len(positions):
+        raise ValueError(f"{name} must not repeat a position; got {name}={value!r}.")
+    return tuple(int(i) for i in positions)
+
+
+def _mesh_axes_size(axes: tuple[Any, ...]) -> int:
+    """Returns the number of devices along ``axes`` of the context mesh, or raises."""
+    mesh = jax.sharding.get_abstract_mesh()
+    shown = axes[0] if len(axes) == 1 else axes
+    if mesh.empty:
+        raise ValueError(
+            f"unreduced_value_and_grad(..., axis_name={shown!r}) needs a mesh: call it "
+            "inside jax.jit under `with jax.set_mesh(mesh):` (or after "
+            "jax.set_mesh(mesh)), with mesh = jax.make_mesh((jax.device_count(),), "
+            f"({shown!r},))."
+        )
+    for axis in axes:
+        if axis not in mesh.shape:
+            raise ValueError(
+                f"axis_name={shown!r}: the mesh has no axis {axis!r}; its axes are "
+                f"{tuple(mesh.shape)}. Pass the name of the data-parallel mesh axis."
+            )
+        kind = mesh.axis_types[mesh.axis_names.index(axis)]
+        if kind != jax.sharding.AxisType.Explicit:
+            raise ValueError(
+                f"axis_name={shown!r}: the mesh axis {axis!r} is of type {kind}, and "
+                "unreduced arrays need an Explicit axis. Build the mesh with "
+                "jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Explicit,))."
+            )
+    return math.prod(mesh.shape[axis] for axis in axes)
+
+
+def _varying_axes(x: Any) -> frozenset:
+    return frozenset(jax.typeof(x).mat.varying)
+
+
+def _check_batch(args: tuple[Any, ...], batch_nums: tuple[int, ...], devices: int, axes) -> None:
+    shown = axes[0] if len(axes) == 1 else axes
+    for j in batch_nums:
+        if j >= len(args):
+            raise ValueError(
+                f"batch_argnums names position {j}, but the function was called with "
+                f"{len(args)} positional argument(s)."
+            )
+        for path, leaf in jax.tree_util.tree_leaves_with_path(args[j]):
+            where = f"argument {j}{jax.tree_util.keystr(path)}"
+            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % devices:
+                raise ValueError(
+                    f"every leaf of a batch argument is split along its leading axis over "
+                    f"the {devices} devices of axis_name={shown!r}; {where} has shape "
+                    f"{jnp.shape(leaf)}. Use a global batch size that is a multiple of "
+                    f"{devices}, and pass per-batch constants at a position that is not in "
+                    "batch_argnums."
+                )
+
+
+def unreduced_value_and_grad(
+    fun: Callable[..., Any],
+    axis_name: AxisName,
+    *,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] = 1,
+    has_aux: bool = False,
+    num_microbatches: int = 1,
+    reduce_value: bool = True,
+    aux_out_specs: Any = None,
+) -> Callable[..., Any]:
+    r"""Returns `jax.value_and_grad(fun)` for global-view `jit`, with gradients left unreduced.
+
+    For a train step written as plain `jax.jit` over a mesh with explicit
+    sharding (`jax.set_mesh`, a batch sharded `P("data")`, replicated params),
+    `jax.value_and_grad` sums the gradient across devices in the backward pass:
+    an all-reduce of every gradient on every call. This function instead
+    computes each device's gradient on its own slice of the batch, inside
+    `jax.shard_map` with the params cast to varying (so the backward pass adds
+    nothing up), and returns the gradients as global-view arrays typed
+    *unreduced* over `axis_name` (`jax.typeof(g)` shows `float32[...]{U:data}`):
+    each device holds its partial sum, and no collective has run. Their sum is
+    the gradient of the global batch's mean loss: with $n$ devices and $L_d$
+    the mean loss on device $d$'s slice,
+
+    $$
+    g_d = \frac{1}{n}\nabla L_d, \qquad \sum_{d=1}^{n} g_d
+    = \nabla \frac{1}{n}\sum_{d=1}^{n} L_d .
+    $$
+
+    Unreduced arrays can be added, scaled by a replicated constant marked
+    reduced, and kept in state across jitted calls; `jax.reshard(g, P())`
+    (an all-reduce) or `jax.reshard(g, P("data", ...))` (a reduce-scatter)
+    turns them into ordinary arrays. `gradaccum_jax.accumulate` adds them up
+    over a window and reduces once, when the window closes.
+
+    The sum is the global-batch gradient when `fun` is a mean over equally
+    weighted examples and every device holds the same number of examples
+    (the batch axis is split evenly). With per-example weights or masks, `fun`
+    returns each device's weighted mean and the sum is the mean of the
+    devices' means: exact only when every device holds the same total weight.
+
+    The value is the global mean (one scalar all-reduce per call, which XLA
+    removes when the value is not used); with `reduce_value=False` it is
+    unreduced like the gradients, $L_d / n$ on each device.
+
+    Auxiliary outputs (`has_aux=True`) that are the same on every device are
+    returned as they are. Each one that differs between devices is averaged
+    over them (a floating-point leaf, e.g. a metric, or Flax `batch_stats`
+    updated from each device's slice) or summed (an integer or boolean leaf, a
+    count): a small collective per call. For Flax linen models with mutable
+    batch statistics, `nn.BatchNorm(axis_name=<the axis>)` gives the
+    statistics of the global batch (Flax averages them across devices in the
+    forward pass); with `axis_name=None` each device normalises with its own
+    slice's statistics and the returned running statistics are the average
+    of the devices' running statistics (the running mean is the global one,
+    the running variance misses the variance between the devices' means).
+    `aux_out_specs` replaces this rule: a `PartitionSpec` (or a pytree prefix
+    of the aux of them) as `jax.shard_map`'s `out_specs` would take, e.g.
+    `jax.P("data")` for per-example outputs, concatenated in batch order.
+
+    Args:
+      fun: The loss, `fun(*args, **kwargs)`, returning a scalar (or
+        `(loss, aux)` with `has_aux`). It is traced for one device's slice of
+        the batch; keyword arguments are passed to it unchanged.
+      axis_name: The data-parallel axis of the context mesh (or a tuple of
+        axes), which must be `Explicit`. The batch arguments are split along
+        their leading axis over it; every other argument is used replicated.
+      argnums: Position(s) of the arguments to differentiate (the params),
+        as in `jax.value_and_grad`.
+      batch_argnums: Position(s) of the batch arguments: pytrees whose leaves
+        all have the global batch size, a multiple of the number of devices
+        along `axis_name`, as their leading axis.
+      has_aux: As in `jax.value_and_grad`.
+      num_microbatches: If above 1, each device computes its gradient over its
+        slice in that many sequential micro-batches, with
+        `gradaccum_jax.microbatch_value_and_grad` (the slice must be divisible
+        by it). The result is the same; peak activation memory is that of a
+        micro-batch.
+      reduce_value: If `True` (default) the value is the global mean; if
+        `False` it is unreduced over `axis_name`, and no collective runs at
+        all.
+      aux_out_specs: `None` (default: the rule above), or the out specs of the
+        aux outputs.
+
+    Returns:
+      A function with the signature of `fun` returning `(value, grads)` or
+      `((value, aux), grads)`, like `jax.value_and_grad`. Call it inside
+      `jax.jit`, under the mesh.
+
+    Raises:
+      TypeError: If `fun` is not callable, `axis_name` is not a name or a
+        tuple of names, or an argnums value is not a position.
+      ValueError: If the argnums overlap; when called, if there is no context
+        mesh, it lacks `axis_name` or the axis is not `Explicit`, or a batch
+        leaf's leading axis is not a multiple of the number of devices.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import gradaccum_jax as ga
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> def loss(w, batch):
+      ...     return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+      >>> batch = {"x": jnp.arange(32.0).reshape(16, 2) / 16, "y": jnp.ones(16)}
+      >>> w = jnp.array([1.0, -1.0])
+      >>> full_value, full_grad = jax.value_and_grad(loss)(w, batch)
+      >>> with jax.set_mesh(mesh):
+      ...     sharded = jax.device_put(batch, jax.P("data"))
+      ...     step = jax.jit(ga.unreduced_value_and_grad(loss, "data"))
+      ...     value, grad = step(jax.device_put(w, jax.P()), sharded)
+      ...     print(jax.typeof(grad))
+      ...     summed = jax.jit(lambda g: jax.reshard(g, jax.P()))(grad)
+      ...     print(jnp.allclose(summed, full_grad), jnp.allclose(value, full_value))
+      float32[2]{U:data}
+      True True
+    """
+    if not callable(fun):
+        raise TypeError(f"fun must be callable; got {fun=!r}.")
+    axes = _validation.check_axis_name("axis_name", axis_name)
+    grad_nums = _positions("argnums", argnums)
+    batch_nums = _positions("batch_argnums", batch_argnums)
+    overlap = sorted(set(grad_nums) & set(batch_nums))
+    if overlap:
+        raise ValueError(
+            f"position(s) {overlap} are in both argnums and batch_argnums; the params are "
+            f"replicated and the batch is split. Got {argnums=!r}, {batch_argnums=!r}."
+        )
+    k = _validation.check_positive_int("num_microbatches", num_microbatches)
+    if not isinstance(reduce_value, bool):
+        raise TypeError(f"reduce_value must be a bool; got {reduce_value=!r}.")
+    if aux_out_specs is not None and not has_aux:
+        raise ValueError(f"aux_out_specs is given but has_aux=False; got {aux_out_specs=!r}.")
+    if k == 1:
+        value_and_grad = jax.value_and_grad(fun, argnums, has_aux=has_aux)
+    else:
+        value_and_grad = microbatch_value_and_grad(
+            fun, k, has_aux=has_aux, argnums=argnums, batch_argnums=batch_argnums
+        )
+    unreduced = jax.P(unreduced=frozenset(axes))
+
+    def reduce_aux(leaf: Any) -> Any:
+        if not (_varying_axes(leaf) & set(axes)):
+            return leaf
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            return jax.lax.pmean(leaf, axes)
+        return jax.lax.psum(leaf, axes)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        devices = _mesh_axes_size(axes)
+        for i in grad_nums:
+            if i >= len(args):
+                raise ValueError(
+                    f"argnums names position {i}, but the function was called with "
+                    f"{len(args)} positional argument(s)."
+                )
+        _check_batch(args, batch_nums, devices, axes)
+
+        def local(*local_args: Any) -> Any:
+            local_args = list(local_args)
+            for i in grad_nums:
+                # Invariant params would get their gradient summed across devices
+                # by the backward pass; varying ones keep it on the device.
+                local_args[i] = jax.lax.pcast(local_args[i], axes, to="varying")
+            out, grads = value_and_grad(*local_args, **kwargs)
+            value, aux = out if has_aux else (out, None)
+            grads = jax.tree.map(lambda g: g / devices, grads)
+            value = jax.lax.pmean(value, axes) if reduce_value else value / devices
+            if has_aux and aux_out_specs is None:
+                aux = jax.tree.map(reduce_aux, aux)
+            return value, grads, aux
+
+        in_specs = tuple(jax.P(axes) if i in batch_nums else jax.P() for i in range(len(args)))
+        aux_specs = jax.P() if aux_out_specs is None else aux_out_specs
+        out_specs = (jax.P() if reduce_value else unreduced, unreduced, aux_specs)
+        value, grads, aux = jax.shard_map(local, in_specs=in_specs, out_specs=out_specs)(*args)
+        return ((value, aux), grads) if has_aux else (value, grads)
+
+    return wrapped
