@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from gradaccum_jax import _validation
 from gradaccum_jax._microbatch import microbatch_value_and_grad
@@ -264,3 +265,201 @@ def unreduced_value_and_grad(
         return ((value, aux), grads) if has_aux else (value, grads)
 
     return wrapped
+
+
+# --- the unreduced window of `accumulate` ------------------------------------------
+#
+# Unreduced arrays allow adds and selects but no element-wise rule that is not
+# linear (`abs`, `isfinite`), so the finiteness check and the weighted add run
+# per device, inside a `jax.shard_map` with `check_vma=False`: there each
+# device sees its own partial sum as a plain array. Nothing leaves the device.
+# A leaf that is not unreduced (replicated) counts as a partial sum split
+# evenly: each device holds `1/n` of it.
+
+
+def _spec(leaf: Any) -> Any:
+    return jax.typeof(leaf).sharding.spec
+
+
+def _is_unreduced(leaf: Any) -> bool:
+    return bool(_spec(leaf).unreduced)
+
+
+def _mesh_axes_of(spec: Any) -> set:
+    return {
+        a
+        for part in spec
+        if part is not None
+        for a in (part if isinstance(part, tuple) else (part,))
+    }
+
+
+def unreduced_axes(name: str, tree: Any) -> tuple[Any, ...] | None:
+    """The mesh axes over which leaves of `tree` are unreduced, or `None` if none is.
+
+    All unreduced leaves must share one set of axes, and the other leaves must
+    not be sharded over them.
+    """
+    found: dict[frozenset, str] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        axes = frozenset(_spec(leaf).unreduced)
+        if axes:
+            found.setdefault(axes, jax.tree_util.keystr(path))
+    if not found:
+        return None
+    if len(found) > 1:
+        shown = {where: sorted(axes, key=str) for axes, where in found.items()}
+        raise ValueError(
+            f"{name} leaves are unreduced over different mesh axes: {shown}. Take every "
+            "gradient with one unreduced_value_and_grad(..., axis_name=...) call, or reduce "
+            "the extra axes first with jax.reshard."
+        )
+    axes = next(iter(found))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        spec = _spec(leaf)
+        if not spec.unreduced and _mesh_axes_of(spec) & axes:
+            raise ValueError(
+                f"{name} leaf {jax.tree_util.keystr(path)!r} is sharded over "
+                f"{sorted(_mesh_axes_of(spec) & axes, key=str)} ({spec}) while other leaves "
+                f"are unreduced over them. Take it with unreduced_value_and_grad like the "
+                f"others, or reshard it: jax.reshard(leaf, jax.P()) (an all-gather)."
+            )
+    return tuple(sorted(axes, key=str))
+
+
+def _device_count(axes: tuple[Any, ...]) -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(mesh.shape[axis] for axis in axes)
+
+
+def _share(leaf: jax.Array, is_unreduced: bool, axes: tuple[Any, ...], devices: int):
+    """Inside the per-device body: this device's share of a global leaf.
+
+    An unreduced leaf's share is its partial sum; a replicated floating leaf's
+    is `1/n` of it; a replicated count cannot be split, so device 0 keeps it.
+    """
+    if is_unreduced:
+        return leaf
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return leaf / jnp.asarray(devices, leaf.dtype)
+    first = jax.lax.axis_index(axes) == 0
+    return jnp.where(first, leaf, jnp.zeros_like(leaf))
+
+
+def _per_device(
+    body: Callable[..., Any],
+    axes: tuple[Any, ...],
+    plain: tuple[Any, ...],
+    plain_specs: tuple[Any, ...],
+    shared: tuple[Any, ...],
+    out_specs: Any,
+) -> Any:
+    """Runs `body(plain, *shares)` on every device, with no communication.
+
+    `plain` operands reach the body as `jax.shard_map` gives them under
+    `plain_specs`; each tree of `shared` arrives as this device's share of
+    its leaves (see `_share`). Outputs leave with `out_specs`.
+    """
+    devices = _device_count(axes)
+    unreduced = jax.P(unreduced=frozenset(axes))
+    kinds = [jax.tree.map(_is_unreduced, tree) for tree in shared]
+    specs = [
+        jax.tree.map(lambda x, u: unreduced if u else _spec(x), tree, kind)
+        for tree, kind in zip(shared, kinds, strict=True)
+    ]
+
+    def local(plain, *trees):
+        shares = [
+            jax.tree.map(lambda x, u: _share(x, u, axes, devices), tree, kind)
+            for tree, kind in zip(trees, kinds, strict=True)
+        ]
+        return body(plain, *shares)
+
+    in_specs = (tuple(plain_specs), *specs)
+    return jax.shard_map(local, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        tuple(plain), *shared
+    )
+
+
+def local_accept(grads: Any, valid: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
+    """`bool[n]` sharded over `axes`: whether each device's share of `grads` is finite.
+
+    `valid` (a replicated boolean scalar, e.g. whether the weight is usable)
+    is and-ed in.
+    """
+
+    def body(plain, grads):
+        (valid,) = plain
+        leaves = [leaf for leaf in jax.tree.leaves(grads) if leaf.size]
+        finite = [jnp.isfinite(jnp.max(jnp.abs(leaf))) for leaf in leaves]
+        return jnp.reshape(jnp.all(jnp.stack([valid, *finite])), (1,))
+
+    return _per_device(body, axes, (valid,), (jax.P(),), (grads,), jax.P(axes))
+
+
+def local_add(
+    acc: Any,
+    grads: Any,
+    accepted: jax.Array,
+    scale: jax.Array | None,
+    reset: jax.Array | None,
+    axes: tuple[Any, ...],
+) -> Any:
+    """Each device's `acc + scale * g` where it accepted (fresh zeros where `reset`), unreduced.
+
+    With `reset=None` it is the read-only window total the close reduces; with
+    the conditional's `reset` flag it is the write after the conditional.
+    """
+    scale = jnp.float32(1.0) if scale is None else scale
+    reset = jnp.array(False) if reset is None else reset
+
+    def body(plain, acc, grads):
+        accepted, scale, reset = plain
+        ok = accepted[0]
+
+        def leaf(a, g):
+            added = jnp.where(ok, a + g.astype(a.dtype) * scale.astype(a.dtype), a)
+            return jnp.where(reset, jnp.zeros_like(a), added)
+
+        return jax.tree.map(leaf, acc, grads)
+
+    plain_specs = (jax.P(axes), jax.P(), jax.P())
+    unreduced = jax.P(unreduced=frozenset(axes))
+    return _per_device(body, axes, (accepted, scale, reset), plain_specs, (acc, grads), unreduced)
+
+
+def local_count(
+    acc_weight: jax.Array,
+    num_skipped: jax.Array,
+    accepted: jax.Array,
+    term_weight: jax.Array,
+    reset: jax.Array | None,
+    axes: tuple[Any, ...],
+) -> tuple[jax.Array, jax.Array]:
+    """Each device's window weight and drop count, unreduced.
+
+    A device that accepts adds `term_weight / n`, its share of the micro-step's
+    weight, so the reduced weight is the accepted fraction of the window's
+    weight; a device that drops adds one to its count.
+    """
+    reset = jnp.array(False) if reset is None else reset
+    devices = _device_count(axes)
+
+    def body(plain, acc_weight, num_skipped):
+        accepted, term_weight, reset = plain
+        ok = accepted[0]
+        weight = acc_weight + jnp.where(ok, term_weight / devices, 0.0).astype(acc_weight.dtype)
+        weight = jnp.where(reset, jnp.zeros_like(weight), weight)
+        skipped = jnp.where(ok, num_skipped, optax.safe_increment(num_skipped))
+        return weight, skipped
+
+    plain_specs = (jax.P(axes), jax.P(), jax.P())
+    unreduced = jax.P(unreduced=frozenset(axes))
+    return _per_device(
+        body,
+        axes,
+        (accepted, term_weight, reset),
+        plain_specs,
+        (acc_weight, num_skipped),
+        (unreduced, unreduced),
+    )
