@@ -119,7 +119,7 @@ def train(per_replica: int | None, train_set, epochs: int, seed: int = 0):
             grads, new = jax.grad(loss_fn, has_aux=True)(params, stats, *batch)
             stats = new["batch_stats"]
             if accumulated:
-                closes = ga.closes_window(opt_state, k)
+                closes = ga.closes_window(opt_state)
                 stats = ga.flax.commit_batch_stats(stats, closes)
                 inputs = jax.lax.stop_gradient(new["intermediates"])
                 seed_stats = seed_average(seed_stats, inputs, per_replica, k, closes)

@@ -82,7 +82,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, k: int |
         (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         if k is not None:
             # Read before the update: does this micro-step close the window?
-            new_stats = commit_batch_stats(new_stats, ga.closes_window(opt_state, k))
+            new_stats = commit_batch_stats(new_stats, ga.closes_window(opt_state))
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), new_stats, opt_state, loss
 

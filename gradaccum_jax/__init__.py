@@ -6,6 +6,7 @@ from gradaccum_jax._accumulation import (
     AccumulateState,
     accumulate,
     closes_window,
+    has_updated,
     optimizer_step,
 )
 from gradaccum_jax._agc import (
@@ -97,6 +98,7 @@ __all__ = [
     "conditional_take_grad",
     "current_loss_scale",
     "dynamic_loss_scale",
+    "has_updated",
     "microbatch_value_and_grad",
     "normalize",
     "normalize_by_ema",

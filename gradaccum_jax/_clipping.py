@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _validation
-from gradaccum_jax._accumulation import _all_finite, _saturating_increment
+from gradaccum_jax import _validation, _window
 
 Ord = int | float | Literal["mad", "std", "var", "sum", "l0", "l1", "l2", "l3", "l4", "linf"]
 Dim = int | Sequence[int] | Literal["global"] | None
@@ -804,9 +803,9 @@ def _by_ema(
             return 1 / jnp.maximum(g_size / jnp.maximum(e_size, eps), floor)
 
         new_updates = _scale_tree(updates, jax.tree.map(factor, grad_size, ema_size), tensorwise)
-        finite = _all_finite(updates)
+        finite = _window.all_finite(updates)
         new_state = ClipNormByEMAState(
-            count=_saturating_increment(state.count, finite),
+            count=_window.increment_if(state.count, finite),
             ema=_keep_if(finite, ema, state.ema),
             prev_ema_norm=_keep_if(finite, ema_size, state.prev_ema_norm),
         )
@@ -999,9 +998,9 @@ def clip_value_by_ema(
         new_updates = jax.tree.map(
             lambda g, e: jnp.clip(g.astype(e.dtype), -e, e).astype(g.dtype), updates, ema
         )
-        finite = _all_finite(updates)
+        finite = _window.all_finite(updates)
         new_state = ClipValueByEMAState(
-            count=_saturating_increment(state.count, finite),
+            count=_window.increment_if(state.count, finite),
             ema=_keep_if(finite, ema, state.ema),
         )
         return new_updates, new_state
@@ -1138,9 +1137,9 @@ def clip_norm_growth(
             return new
 
         tracked = jax.tree.map(track, size, factors, state.prev_norm)
-        finite = _all_finite(updates)
+        finite = _window.all_finite(updates)
         new_state = ClipNormGrowthState(
-            count=_saturating_increment(state.count, finite),
+            count=_window.increment_if(state.count, finite),
             prev_norm=_keep_if(finite, tracked, state.prev_norm),
         )
         return new_updates, new_state
@@ -1239,9 +1238,9 @@ def clip_value_growth(
         ]
         new_updates = jax.tree.unflatten(treedef, [u for u, _ in pairs])
         tracked = jax.tree.unflatten(jax.tree.structure(state.prev), [t for _, t in pairs])
-        finite = _all_finite(updates)
+        finite = _window.all_finite(updates)
         new_state = ClipValueGrowthState(
-            count=_saturating_increment(state.count, finite),
+            count=_window.increment_if(state.count, finite),
             prev=_keep_if(finite, tracked, state.prev),
         )
         return new_updates, new_state

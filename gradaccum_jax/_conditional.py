@@ -9,15 +9,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _validation
-from gradaccum_jax._accumulation import _accumulator_dtype, _all_finite, _saturating_increment
+from gradaccum_jax import _validation, _window
 
 _REDUCTIONS = ("mean", "sum")
 StalenessWeight = Callable[[jax.Array], Any]
 
 
 class ConditionalAccumulatorState(NamedTuple):
-    """State of a conditional accumulator (the pure functions and :func:`conditional_accumulate`).
+    """State of a conditional accumulator (the pure functions and `conditional_accumulate`).
 
     Every field keeps its shape and dtype, so the state can be carried through
     ``jax.lax.scan``, donated and checkpointed like any other pytree.
@@ -26,7 +25,7 @@ class ConditionalAccumulatorState(NamedTuple):
       global_step: ``int32[]``. The accumulator's time step. A gradient computed
         at ``local_step < global_step - max_staleness`` is stale. Grows by one
         on every successful take (saturating at the int32 maximum) and can be
-        raised with :func:`conditional_set_global_step`.
+        raised with `conditional_set_global_step`.
       num_accumulated: ``int32[]``. Gradients accepted since the last take.
       acc_grads: Tree shaped like the params, in the accumulator dtype. The sum
         ``Σ w·g`` of the accepted gradients since the last take (``w = 1``
@@ -35,7 +34,7 @@ class ConditionalAccumulatorState(NamedTuple):
         Saturates at the int32 maximum.
       num_skipped: ``int32[]``. Fresh gradients dropped so far because a leaf
         (or their staleness weight) was not finite. Saturates.
-      num_ignored_steps: ``int32[]``. Calls of :func:`conditional_set_global_step`
+      num_ignored_steps: ``int32[]``. Calls of `conditional_set_global_step`
         ignored because the new step was lower than ``global_step``. Jitted code
         cannot log a warning, so this counter is how that is reported.
         Saturates.
@@ -50,10 +49,10 @@ class ConditionalAccumulatorState(NamedTuple):
 
 
 class ConditionalAccumulateState(NamedTuple):
-    """State of :func:`conditional_accumulate`.
+    """State of `conditional_accumulate`.
 
     Attributes:
-      accumulator: A :class:`ConditionalAccumulatorState`; its ``global_step``
+      accumulator: A `ConditionalAccumulatorState`; its ``global_step``
         is the step to stamp new gradients with, and it counts the dropped
         gradients.
       inner_state: The inner transformation's state. It changes only when
@@ -88,7 +87,7 @@ def _check_staleness_weight(staleness_weight: Any) -> None:
 
 
 def _evaluate_weight(staleness_weight: StalenessWeight, staleness: jax.Array) -> jax.Array:
-    return _validation.check_real_scalar("staleness_weight's result", staleness_weight(staleness))
+    return _validation.check_scalar("staleness_weight's result", staleness_weight(staleness))
 
 
 class _Verdict(NamedTuple):
@@ -109,7 +108,7 @@ def _judge(
     """Decides whether ``grad`` joins the sum, and with which weight."""
     _validation.check_same_structure("grad", grad, "state.acc_grads", acc.acc_grads)
     _validation.check_float_tree("grad", grad)
-    step = _validation.check_int_scalar("local_step", local_step)
+    step = _validation.check_scalar("local_step", local_step, integer=True)
     # Compared as local_step < global_step - max_staleness: global_step >= 0,
     # so the right side cannot overflow, unlike global_step - local_step.
     stale = step < acc.global_step - jnp.int32(max_staleness)
@@ -122,17 +121,10 @@ def _judge(
         weight = _evaluate_weight(staleness_weight, staleness.astype(jnp.int32))
         usable = jnp.isfinite(weight) & (weight >= 0)
     if skip_nonfinite:
-        usable = usable & _all_finite(grad)
+        usable = usable & _window.all_finite(grad)
     else:
         usable = jnp.array(True)
     return _Verdict(accepted=~stale & usable, stale=stale, skipped=~stale & ~usable, weight=weight)
-
-
-def _add(acc_leaf: jax.Array, grad_leaf: jax.Array, verdict: _Verdict) -> jax.Array:
-    term = grad_leaf.astype(acc_leaf.dtype)
-    if verdict.weight is not None:
-        term = term * verdict.weight.astype(acc_leaf.dtype)
-    return jnp.where(verdict.accepted, acc_leaf + term, acc_leaf)
 
 
 def _reduce(total: optax.Updates, count: jax.Array, reduction: str) -> optax.Updates:
@@ -143,9 +135,9 @@ def _reduce(total: optax.Updates, count: jax.Array, reduction: str) -> optax.Upd
 
 def _counted(acc: ConditionalAccumulatorState, verdict: _Verdict) -> ConditionalAccumulatorState:
     return acc._replace(
-        num_accumulated=_saturating_increment(acc.num_accumulated, verdict.accepted),
-        num_stale=_saturating_increment(acc.num_stale, verdict.stale),
-        num_skipped=_saturating_increment(acc.num_skipped, verdict.skipped),
+        num_accumulated=_window.increment_if(acc.num_accumulated, verdict.accepted),
+        num_stale=_window.increment_if(acc.num_stale, verdict.stale),
+        num_skipped=_window.increment_if(acc.num_skipped, verdict.skipped),
     )
 
 
@@ -155,9 +147,9 @@ def conditional_accumulator_init(
     """Returns an empty conditional accumulator for gradients shaped like ``params``.
 
     The pure counterpart of constructing TensorFlow's ``ConditionalAccumulator``:
-    :func:`conditional_apply_grad`, :func:`conditional_num_accumulated`,
-    :func:`conditional_set_global_step` and :func:`conditional_take_grad` act on
-    the returned state and return a new one. :func:`conditional_accumulate`
+    `conditional_apply_grad`, `conditional_num_accumulated`,
+    `conditional_set_global_step` and `conditional_take_grad` act on
+    the returned state and return a new one. `conditional_accumulate`
     wraps the same state around an optimizer.
 
     Args:
@@ -167,7 +159,7 @@ def conditional_accumulator_init(
         wider dtypes and sums float16 and bfloat16 gradients in float32.
 
     Returns:
-      A :class:`ConditionalAccumulatorState` at ``global_step = 0``.
+      A `ConditionalAccumulatorState` at ``global_step = 0``.
 
     Raises:
       TypeError: If a leaf of ``params`` is not floating point, or
@@ -180,21 +172,14 @@ def conditional_accumulator_init(
       >>> int(acc.global_step), int(ga.conditional_num_accumulated(acc))
       (0, 0)
     """
+    _validation.check_accumulator_dtype(accumulator_dtype)
+    params = _window.as_arrays(params)
     _validation.check_float_tree("params", params)
-    if accumulator_dtype is not None and not jnp.issubdtype(
-        jnp.dtype(accumulator_dtype), jnp.floating
-    ):
-        raise TypeError(
-            "accumulator_dtype must be a floating-point dtype such as jnp.float32; got "
-            f"accumulator_dtype={accumulator_dtype!r}."
-        )
     zero = jnp.zeros([], jnp.int32)
     return ConditionalAccumulatorState(
         global_step=zero,
         num_accumulated=zero,
-        acc_grads=jax.tree.map(
-            lambda p: jnp.zeros(jnp.shape(p), _accumulator_dtype(p, accumulator_dtype)), params
-        ),
+        acc_grads=_window.zeros(params, accumulator_dtype),
         num_stale=zero,
         num_skipped=zero,
         num_ignored_steps=zero,
@@ -214,9 +199,9 @@ def conditional_apply_grad(
 
     ``grad`` is stale when it was computed too long ago,
 
-    .. math::
-
-        \text{local\_step} < \text{global\_step} - \text{max\_staleness},
+    $$
+    \text{local\_step} < \text{global\_step} - \text{max\_staleness},
+    $$
 
     and is then dropped and counted in ``num_stale``. A fresh gradient with a
     non-finite leaf is dropped and counted in ``num_skipped``. Otherwise
@@ -225,8 +210,8 @@ def conditional_apply_grad(
     ``τ = max(global_step - local_step, 0)``, or ``1`` without a weight.
 
     Args:
-      state: A :class:`ConditionalAccumulatorState` (or the
-        :class:`ConditionalAccumulateState` of :func:`conditional_accumulate`,
+      state: A `ConditionalAccumulatorState` (or the
+        `ConditionalAccumulateState` of `conditional_accumulate`,
         whose accumulator is then updated and whose inner state is kept).
       grad: A tree with the structure and shapes of the accumulator.
       local_step: Integer scalar: the accumulator's ``global_step`` that was
@@ -262,8 +247,9 @@ def conditional_apply_grad(
     max_staleness = _validation.check_int("max_staleness", max_staleness, minimum=0)
     _check_staleness_weight(staleness_weight)
     acc, rewrap = _unwrap(state)
+    grad = _window.as_arrays(grad)
     verdict = _judge(acc, grad, local_step, max_staleness, staleness_weight, skip_nonfinite)
-    new_sum = jax.tree.map(lambda a, g: _add(a, g, verdict), acc.acc_grads, grad)
+    new_sum = _window.window_total(acc.acc_grads, None, grad, verdict.accepted, verdict.weight)
     return rewrap(_counted(acc, verdict)._replace(acc_grads=new_sum))
 
 
@@ -273,8 +259,8 @@ def conditional_num_accumulated(
     """Returns the number of gradients accepted since the last take.
 
     Args:
-      state: A :class:`ConditionalAccumulatorState` or
-        :class:`ConditionalAccumulateState`.
+      state: A `ConditionalAccumulatorState` or
+        `ConditionalAccumulateState`.
 
     Returns:
       An ``int32`` scalar.
@@ -304,8 +290,8 @@ def conditional_set_global_step(
     sum.
 
     Args:
-      state: A :class:`ConditionalAccumulatorState` or
-        :class:`ConditionalAccumulateState`.
+      state: A `ConditionalAccumulatorState` or
+        `ConditionalAccumulateState`.
       new_global_step: Integer scalar.
 
     Returns:
@@ -324,12 +310,12 @@ def conditional_set_global_step(
       (5, 1)
     """
     acc, rewrap = _unwrap(state)
-    new = _validation.check_int_scalar("new_global_step", new_global_step)
+    new = _validation.check_scalar("new_global_step", new_global_step, integer=True)
     lower = new < acc.global_step
     return rewrap(
         acc._replace(
             global_step=jnp.where(lower, acc.global_step, new).astype(jnp.int32),
-            num_ignored_steps=_saturating_increment(acc.num_ignored_steps, lower),
+            num_ignored_steps=_window.increment_if(acc.num_ignored_steps, lower),
         )
     )
 
@@ -349,8 +335,8 @@ def conditional_take_grad(
     unchanged; TensorFlow blocks instead, which a pure function cannot do.
 
     Args:
-      state: A :class:`ConditionalAccumulatorState` or
-        :class:`ConditionalAccumulateState`.
+      state: A `ConditionalAccumulatorState` or
+        `ConditionalAccumulateState`.
       num_required: Number of gradients needed, an int ``>= 1`` (a traced
         integer below 1 counts as 1).
       reduction: ``"mean"`` (default) or ``"sum"``.
@@ -375,7 +361,9 @@ def conditional_take_grad(
     """
     _validation.check_choice("reduction", reduction, _REDUCTIONS)
     if isinstance(num_required, jax.core.Tracer):
-        required = jnp.maximum(_validation.check_int_scalar("num_required", num_required), 1)
+        required = jnp.maximum(
+            _validation.check_scalar("num_required", num_required, integer=True), 1
+        )
     else:
         required = _validation.check_int("num_required", num_required, minimum=1)
     acc, rewrap = _unwrap(state)
@@ -384,7 +372,7 @@ def conditional_take_grad(
     reduced = _reduce(acc.acc_grads, count, reduction)
     taken = jax.tree.map(lambda r: jnp.where(ready, r, jnp.zeros_like(r)), reduced)
     new_acc = acc._replace(
-        global_step=_saturating_increment(acc.global_step, ready),
+        global_step=_window.increment_if(acc.global_step, ready),
         num_accumulated=jnp.where(ready, 0, acc.num_accumulated).astype(jnp.int32),
         acc_grads=jax.tree.map(lambda a: jnp.where(ready, jnp.zeros_like(a), a), acc.acc_grads),
     )
@@ -411,22 +399,22 @@ def conditional_accumulate(
     gradient's parameters were read. A gradient is dropped, and counted in
     ``num_stale``, when
 
-    .. math::
-
-        \text{local\_step} < \text{global\_step} - \text{max\_staleness}.
+    $$
+    \text{local\_step} < \text{global\_step} - \text{max\_staleness}.
+    $$
 
     Accepted gradients are summed. The call that brings the count to
     ``n = num_required`` runs ``inner.update`` once on
 
-    .. math::
-
-        \bar g = \frac{1}{n}\sum_i w_i g_i \quad\text{(mean, default)}
-        \qquad\text{or}\qquad \bar g = \sum_i w_i g_i \quad\text{(sum)},
+    $$
+    \bar g = \frac{1}{n}\sum_i w_i g_i \quad\text{(mean, default)}
+    \qquad\text{or}\qquad \bar g = \sum_i w_i g_i \quad\text{(sum)},
+    $$
 
     resets the sum and the count, increments ``global_step`` and returns the
     inner update; every other call returns exact zeros and leaves the inner
     state untouched. With ``max_staleness=0`` and fresh gradients this is
-    :func:`gradaccum_jax.accumulate` with ``K = num_required``, bit for bit.
+    `gradaccum_jax.accumulate` with ``K = num_required``, bit for bit.
 
     Down-weighting stale gradients: with ``staleness_weight`` an accepted
     gradient of staleness ``τ = max(global_step - local_step, 0) <=
@@ -439,15 +427,15 @@ def conditional_accumulate(
 
     Fresh gradients with a non-finite leaf are dropped and counted in
     ``num_skipped``; they do not count towards ``num_required``. The gate is
-    the same ``jax.lax.cond`` as :func:`gradaccum_jax.accumulate`: the inner
+    the same ``jax.lax.cond`` as `gradaccum_jax.accumulate`: the inner
     optimizer is not computed between takes, and the accumulator is written
     after the conditional, ordered by a flag it returns, so XLA passes the
     inner state and the sum through without copying them.
 
     The accumulator's primitive operations are also available as pure
-    functions on the state: :func:`conditional_apply_grad`,
-    :func:`conditional_num_accumulated`, :func:`conditional_set_global_step`
-    and :func:`conditional_take_grad`.
+    functions on the state: `conditional_apply_grad`,
+    `conditional_num_accumulated`, `conditional_set_global_step`
+    and `conditional_take_grad`.
 
     Args:
       inner: The optimizer to apply once per take, any
@@ -504,6 +492,7 @@ def conditional_accumulate(
     _validation.check_choice("reduction", reduction, _REDUCTIONS)
     max_staleness = _validation.check_int("max_staleness", max_staleness, minimum=0)
     _check_staleness_weight(staleness_weight)
+    _validation.check_accumulator_dtype(accumulator_dtype)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> ConditionalAccumulateState:
@@ -526,49 +515,41 @@ def conditional_accumulate(
                 "which the gradient's parameters were read (for fresh gradients, "
                 "state.accumulator.global_step)."
             )
-        grads = updates
+        grads = _window.as_arrays(updates)
         acc = state.accumulator
+
+        # Accept.
         verdict = _judge(acc, grads, local_step, max_staleness, staleness_weight, skip_nonfinite)
         counted = _counted(acc, verdict)
         # A take needs an accepted gradient in this call unless the count was
         # already raised to num_required through conditional_apply_grad.
         takes = counted.num_accumulated >= num_required
 
-        def apply_branch(acc_grads, inner_state, count):
-            total = jax.tree.map(lambda a, g: _add(a, g, verdict), acc_grads, grads)
-            reduced = _reduce(total, count, reduction)
-            reduced = jax.tree.map(lambda t, g: t.astype(g.dtype), reduced, grads)
-            new_updates, new_inner = inner.update(reduced, inner_state, params, **extra_args)
-            new_updates = jax.tree.map(lambda u, g: u.astype(g.dtype), new_updates, grads)
-            return new_updates, new_inner, jnp.array(True)
+        # Apply or skip. The count enters as a float operand, as accumulate's
+        # weight does: a division by an int converted inside the branch is
+        # rewritten by XLA into a product with its reciprocal (one ulp off).
+        def step(window: _window.Window, inner_state):
+            reduced = _reduce(window.total, window.weight, reduction)
+            return _window.inner_update(inner, reduced, inner_state, grads, params, extra_args)
 
-        # The skip branch passes the inner state through; the sum is only read
-        # inside the conditional and written after it, so XLA aliases both.
-        def skip_branch(acc_grads, inner_state, count):
-            del acc_grads, count
-            return jax.tree.map(jnp.zeros_like, grads), inner_state, jnp.array(False)
-
-        # The count enters as a float operand, as accumulate's weight does: a
-        # division by an int converted inside the branch is rewritten by XLA
-        # into a product with its reciprocal, which differs by one ulp.
-        new_updates, new_inner, took = jax.lax.cond(
+        new_updates, new_inner, took, _ = _window.close(
+            _window.local_gate(),
             takes,
-            apply_branch,
-            skip_branch,
             acc.acc_grads,
             state.inner_state,
             counted.num_accumulated.astype(jnp.float32),
+            jnp.ones([], jnp.float32),
+            total=lambda a: _window.window_total(a, None, grads, verdict.accepted, verdict.weight),
+            step=step,
+            like=grads,
         )
-        # Depending on `took` (an output of the conditional) orders this fused
-        # in-place add-or-reset after the branch has read the old sum. The
-        # reset uses fresh zeros, never a product with zero (NaN * 0 = NaN).
-        new_sum = jax.tree.map(
-            lambda a, g: jnp.where(took, jnp.zeros_like(a), _add(a, g, verdict)),
-            acc.acc_grads,
-            grads,
+
+        # Write.
+        new_sum, _ = _window.write(
+            acc.acc_grads, None, grads, verdict.accepted, verdict.weight, took
         )
         new_acc = counted._replace(
-            global_step=_saturating_increment(acc.global_step, took),
+            global_step=_window.increment_if(acc.global_step, took),
             num_accumulated=jnp.where(took, 0, counted.num_accumulated).astype(jnp.int32),
             acc_grads=new_sum,
         )

@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradaccum_jax import _validation
-from gradaccum_jax._accumulation import _accumulator_dtype
+from gradaccum_jax import _validation, _window
 
 _AUX_REDUCTIONS = ("mean", "sum", "concat")
 
@@ -343,7 +342,7 @@ def microbatch_value_and_grad(
     """
     if not callable(fun):
         raise TypeError(f"fun must be callable; got {fun!r} of type {type(fun).__name__}.")
-    k = _validation.check_positive_int("num_microbatches", num_microbatches)
+    k = _validation.check_int("num_microbatches", num_microbatches)
     grad_nums = _as_index_tuple("argnums", argnums, allow_empty=False)
     batch_nums = _as_index_tuple("batch_argnums", batch_argnums, allow_empty=False)
     key_nums = _as_index_tuple("key_argnums", key_argnums, allow_empty=True)
@@ -383,8 +382,7 @@ def microbatch_value_and_grad(
             f"aux_reduction={aux_reduction!r} is given but has_aux=False; set "
             "has_aux=True or drop aux_reduction."
         )
-    if accumulator_dtype is not None:
-        _validation.check_float_dtype("accumulator_dtype", accumulator_dtype)
+    _validation.check_accumulator_dtype(accumulator_dtype)
     weighted = weight_fn is not None or sum_and_weight
 
     def split_output(out: Any) -> tuple[Any, Any, Any]:
@@ -523,7 +521,9 @@ def microbatch_value_and_grad(
             return jnp.int32 if dtype == jnp.bool_ else dtype
 
         acc0 = (
-            jax.tree.map(lambda s: _zeros(s, _accumulator_dtype(s, accumulator_dtype)), grad_shape),
+            jax.tree.map(
+                lambda s: _zeros(s, _window.accumulator_dtype(s, accumulator_dtype)), grad_shape
+            ),
             _zeros(value_shape, value_dtype),
             _zeros(weight_shape, jnp.float32),
             [_zeros(aux_leaves[n], sum_dtype(n)) for n in summed],

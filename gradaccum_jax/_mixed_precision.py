@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _validation
-from gradaccum_jax._accumulation import AxisName, _all_finite, _saturating_increment
+from gradaccum_jax import _validation, _window
+from gradaccum_jax._accumulation import AxisName
 
 
 class LossScaleState(NamedTuple):
@@ -62,7 +62,7 @@ def _loss_scaling(
             lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)) / state.loss_scale,
             updates,
         )
-        finite = _all_finite(grads)
+        finite = _window.all_finite(grads)
         if axis_name is not None:
             # One scalar per micro-step keeps every replica's scale identical.
             finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
@@ -70,7 +70,7 @@ def _loss_scaling(
         new_state = LossScaleState(
             loss_scale=scale.astype(jnp.float32),
             growth_count=count.astype(jnp.int32),
-            num_overflows=_saturating_increment(state.num_overflows, ~finite),
+            num_overflows=_window.increment_if(state.num_overflows, ~finite),
         )
         return grads, new_state
 
@@ -165,23 +165,23 @@ def dynamic_loss_scale(
       Micikevicius et al., *Mixed Precision Training*, 2017,
       https://arxiv.org/abs/1710.03740
     """
-    initial_scale = _validation.check_nonnegative_float(
-        "initial_scale", initial_scale, allow_zero=False
+    initial_scale = _validation.check_real(
+        "initial_scale", initial_scale, minimum=0.0, exclusive=True
     )
-    growth_interval = _validation.check_positive_int("growth_interval", growth_interval)
-    growth_factor = _validation.check_nonnegative_float("growth_factor", growth_factor)
+    growth_interval = _validation.check_int("growth_interval", growth_interval)
+    growth_factor = _validation.check_real("growth_factor", growth_factor, minimum=0.0)
     if growth_factor < 1:
         raise ValueError(
             f"growth_factor must be >= 1 (1 never grows the scale); got {growth_factor=}."
         )
-    backoff_factor = _validation.check_nonnegative_float(
-        "backoff_factor", backoff_factor, allow_zero=False
+    backoff_factor = _validation.check_real(
+        "backoff_factor", backoff_factor, minimum=0.0, exclusive=True
     )
     if backoff_factor > 1:
         raise ValueError(
             f"backoff_factor must be in (0, 1] (0.5 halves the scale); got {backoff_factor=}."
         )
-    min_scale = _validation.check_nonnegative_float("min_scale", min_scale, allow_zero=False)
+    min_scale = _validation.check_real("min_scale", min_scale, minimum=0.0, exclusive=True)
     if min_scale > initial_scale:
         raise ValueError(
             f"min_scale must be <= initial_scale; got {min_scale=} and {initial_scale=}."
@@ -232,7 +232,7 @@ def static_loss_scale(
       >>> g["w"]
       Array([0.5, 2. ], dtype=float32)
     """
-    loss_scale = _validation.check_nonnegative_float("loss_scale", loss_scale, allow_zero=False)
+    loss_scale = _validation.check_real("loss_scale", loss_scale, minimum=0.0, exclusive=True)
     return _loss_scaling(loss_scale, lambda scale, count, finite: (scale, count), axis_name)
 
 
@@ -324,7 +324,7 @@ def scale_loss(
     """
     if not callable(fun):
         raise TypeError(f"fun must be a callable loss function; got {fun!r}.")
-    scale = _validation.check_positive_scalar("loss_scale", loss_scale)
+    scale = _validation.check_scalar("loss_scale", loss_scale, minimum=0.0, exclusive=True)
 
     @functools.wraps(fun)
     def scaled(*args: Any, **kwargs: Any) -> Any:

@@ -10,13 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _validation
-from gradaccum_jax._accumulation import (
-    _accumulator_dtype,
-    _all_finite,
-    _saturating_increment,
-    _window_length,
-)
+from gradaccum_jax import _validation, _window
 
 _RUNNING_REDUCTIONS = ("sum", "mean", "max", "min", "geometric_mean")
 _REDUCTIONS = (*_RUNNING_REDUCTIONS, "median")
@@ -27,7 +21,7 @@ WindowReduction = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 class SplitAccumulateState(NamedTuple):
-    """State of :func:`split_accumulate`.
+    """State of `split_accumulate`.
 
     Every field keeps its shape and dtype from ``init`` on (``jax.lax.scan``
     stable, donatable, checkpointable mid-window).
@@ -164,9 +158,9 @@ def split_accumulate(
     geometric mean, median or a custom function), and the ``K``-th call
     returns
 
-    .. math::
-
-        \Delta p = f_+(p_{\max} - p)\,P - f_-(p - p_{\min})\,N,
+    $$
+    \Delta p = f_+(p_{\max} - p)\,P - f_-(p - p_{\min})\,N,
+    $$
 
     where the upper limit acts on the positive part and the lower limit on
     the negative part (``f = 1`` for a side without a limit, so
@@ -188,7 +182,7 @@ def split_accumulate(
     power bounds use the odd extension ``sign(d)·|d|^μ``, which is finite and
     pushes back towards the box, instead of the undefined ``d^μ``. None of
     these soft bounds keeps a parameter inside the box; chain
-    :func:`clamp_params` after this for that.
+    `clamp_params` after this for that.
 
     The other calls of the window return exact zeros. A call with a
     non-finite entry is dropped: it joins neither component's reduction nor
@@ -197,7 +191,7 @@ def split_accumulate(
 
     This transform acts on the final increment and reads the current params:
     it must be the last transform in an ``optax.chain`` (only
-    :func:`clamp_params` may follow), and ``update`` needs ``params``.
+    `clamp_params` may follow), and ``update`` needs ``params``.
 
     Args:
       every_k_schedule: The window length ``K``: an int ``>= 1`` or a callable
@@ -255,7 +249,7 @@ def split_accumulate(
       https://doi.org/10.1523/JNEUROSCI.20-23-08812.2000
     """
     if not callable(every_k_schedule):
-        _validation.check_positive_int("every_k_schedule", every_k_schedule)
+        _validation.check_int("every_k_schedule", every_k_schedule, schedule=True)
     if callable(reduction):
         window_fn: WindowReduction | None = reduction
     else:
@@ -270,18 +264,12 @@ def split_accumulate(
     upper_exponent, lower_exponent, span = _check_bound(
         bound, upper, lower, upper_exponent, lower_exponent
     )
-    if accumulator_dtype is not None and not jnp.issubdtype(
-        jnp.dtype(accumulator_dtype), jnp.floating
-    ):
-        raise TypeError(
-            "accumulator_dtype must be a floating-point dtype such as jnp.float32; got "
-            f"accumulator_dtype={accumulator_dtype!r}."
-        )
+    _validation.check_accumulator_dtype(accumulator_dtype)
     buffered = window_fn is not None
     buffer_len = every_k_schedule if buffered else 0
 
     def empty_component(p):
-        dtype = _accumulator_dtype(p, accumulator_dtype)
+        dtype = _window.accumulator_dtype(p, accumulator_dtype)
         shape = ((buffer_len,) if buffered else ()) + jnp.shape(p)
         return jnp.zeros(shape, dtype)
 
@@ -337,7 +325,7 @@ def split_accumulate(
 
         accepted = jnp.array(True)
         if skip_nonfinite:
-            accepted = _all_finite(given)
+            accepted = _window.all_finite(given)
         if paired and reduction == "geometric_mean":
             for part in given:
                 for leaf in jax.tree.leaves(part):
@@ -347,7 +335,7 @@ def split_accumulate(
         pos_count = state.positive_count + pos_in.astype(jnp.int32)
         neg_count = state.negative_count + neg_in.astype(jnp.int32)
 
-        k = _window_length(every_k_schedule, state.update_step)
+        k = _window.window_length(every_k_schedule, state.update_step)
         micro_step = state.micro_step + 1
         closes = micro_step >= k
 
@@ -393,35 +381,35 @@ def split_accumulate(
                     )
                 return jax.tree.map(lambda a: _finish(reduction, a, count), acc)
 
-        def apply_branch(pos_acc, neg_acc, closes_):
-            del closes_
+        def total(accs):
             big_p = window_value(
-                pos_acc, positive, pos_part, pos_count, pos_in, state.positive_count
+                accs[0], positive, pos_part, pos_count, pos_in, state.positive_count
             )
             big_n = window_value(
-                neg_acc, negative, neg_part, neg_count, neg_in, state.negative_count
+                accs[1], negative, neg_part, neg_count, neg_in, state.negative_count
             )
+            return big_p, big_n
+
+        def step(window: _window.Window, no_state):
+            big_p, big_n = window.total
             new_updates = jax.tree.map(
                 lambda bp, bn, p: bounded(bp, bn, p.astype(bp.dtype)).astype(p.dtype),
                 big_p,
                 big_n,
                 params,
             )
-            return new_updates, jnp.array(True), jnp.array(True)
+            return new_updates, no_state
 
-        # The skip branch passes `closes` through as the reset flag: a window
-        # with nothing accepted still ends on schedule.
-        def skip_branch(pos_acc, neg_acc, closes_):
-            del pos_acc, neg_acc
-            return jax.tree.map(jnp.zeros_like, params), closes_, jnp.array(False)
-
-        new_updates, reset, applied = jax.lax.cond(
-            closes & ((pos_count + neg_count) > 0),
-            apply_branch,
-            skip_branch,
-            pos_acc,
-            neg_acc,
+        new_updates, _, reset, applied = _window.close(
+            _window.local_gate(),
             closes,
+            (pos_acc, neg_acc),
+            (),
+            (pos_count + neg_count).astype(jnp.float32),
+            jnp.ones([], jnp.float32),
+            total=total,
+            step=step,
+            like=params,
         )
 
         if buffered:
@@ -448,12 +436,12 @@ def split_accumulate(
 
         new_state = SplitAccumulateState(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
-            update_step=_saturating_increment(state.update_step, applied),
+            update_step=_window.increment_if(state.update_step, applied),
             positive=new_pos,
             negative=new_neg,
             positive_count=jnp.where(reset, 0, pos_count).astype(jnp.int32),
             negative_count=jnp.where(reset, 0, neg_count).astype(jnp.int32),
-            num_skipped=_saturating_increment(state.num_skipped, ~accepted),
+            num_skipped=_window.increment_if(state.num_skipped, ~accepted),
         )
         return new_updates, new_state
 
@@ -484,9 +472,9 @@ def _check_bound(
         return 1.0, 1.0, None
     _validation.check_choice("bound", bound, _BOUNDS)
     if upper is not None:
-        upper = _validation.check_finite_real("upper", upper)
+        upper = _validation.check_real("upper", upper)
     if lower is not None:
-        lower = _validation.check_finite_real("lower", lower)
+        lower = _validation.check_real("lower", lower)
     if upper is None and lower is None:
         raise ValueError(
             f"bound={bound!r} needs a limit: pass upper= (acts on the positive part), "
@@ -512,7 +500,7 @@ def _check_bound(
                 f"{name}={value!r} applies only to the power bounds ('power', "
                 f"'scaled_power'); bound={bound!r} has no exponent."
             )
-        exponents.append(_validation.check_nonnegative_float(name, value, allow_zero=False))
+        exponents.append(_validation.check_real(name, value, minimum=0.0, exclusive=True))
     return exponents[0], exponents[1], span
 
 
@@ -552,7 +540,7 @@ def clamp_params(lower: float | None, upper: float | None) -> optax.GradientTran
     in: ``-512`` in bfloat16 plus any bfloat16 gives ``0`` or ``4``, never a
     value in ``[0.001, 3.3]``. It then lands just beside the box.
 
-    Put it last in the chain, after :func:`split_accumulate` (none of whose
+    Put it last in the chain, after `split_accumulate` (none of whose
     soft bounds keeps parameters inside the box) or any other optimizer.
 
     Args:
@@ -576,9 +564,9 @@ def clamp_params(lower: float | None, upper: float | None) -> optax.GradientTran
       Array([0.  , 1.  , 0.25], dtype=float32)
     """
     if lower is not None:
-        lower = _validation.check_finite_real("lower", lower)
+        lower = _validation.check_real("lower", lower)
     if upper is not None:
-        upper = _validation.check_finite_real("upper", upper)
+        upper = _validation.check_real("upper", upper)
     if lower is None and upper is None:
         raise ValueError("clamp_params needs a limit: got lower=None and upper=None.")
     if lower is not None and upper is not None and lower > upper:

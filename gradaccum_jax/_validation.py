@@ -34,33 +34,6 @@ def check_gradient_transformation(name: str, value: Any) -> None:
     )
 
 
-def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
-    """Returns ``value`` as an int, or raises if it is not an integer ``>= minimum``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{name} must be a Python int >= {minimum}; got {value!r} of type "
-            f"{type(value).__name__}. Pass an int such as {name}=4, or a callable "
-            "for a schedule."
-        )
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}; got {name}={value!r}.")
-    return int(value)
-
-
-def check_nonnegative_float(name: str, value: Any, *, allow_zero: bool = True) -> float:
-    """Returns ``value`` as a float, or raises if it is negative, non-finite or not a number."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{name} must be a real number; got {value!r} of type {type(value).__name__}."
-        )
-    value = float(value)
-    bad = not np.isfinite(value) or value < 0 or (value == 0 and not allow_zero)
-    if bad:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be finite and {bound}; got {name}={value!r}.")
-    return value
-
-
 def check_float_tree(name: str, tree: Any) -> None:
     """Raises ``TypeError`` if any leaf of ``tree`` is not a floating-point array."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -98,26 +71,6 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
             )
 
 
-def check_positive_scalar(name: str, value: Any) -> jax.Array:
-    """Returns ``value`` as a float32 scalar, or raises if it is not a finite real ``> 0``.
-
-    Traced values are checked for shape and dtype only; their value is known
-    only when the program runs.
-    """
-    dtype = jnp.result_type(value)
-    if jnp.issubdtype(dtype, jnp.bool_) or not (
-        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
-    ):
-        raise TypeError(f"{name} must be a real scalar; got {value!r} with dtype {dtype}.")
-    if jnp.ndim(value) != 0:
-        raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.")
-    if not isinstance(value, jax.core.Tracer):
-        number = float(value)
-        if not (np.isfinite(number) and number > 0):
-            raise ValueError(f"{name} must be finite and > 0; got {name}={number!r}.")
-    return jnp.asarray(value, jnp.float32)
-
-
 def find_unique_state(opt_state: Any, state_type: type, made_by: str) -> Any:
     """Returns the one ``state_type`` value inside ``opt_state``, or raises ``ValueError``."""
     found = [
@@ -136,22 +89,6 @@ def find_unique_state(opt_state: Any, state_type: type, made_by: str) -> Any:
     return found[0]
 
 
-def check_int(name: str, value: Any, *, minimum: int) -> int:
-    """Returns ``value`` as an int, or raises if it is not an integer ``>= minimum``.
-
-    Unlike :func:`check_positive_int` its message does not suggest a schedule,
-    for arguments that must be a plain count.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{name} must be a Python int >= {minimum}; got {name}={value!r} of type "
-            f"{type(value).__name__}."
-        )
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {name}={value!r}.")
-    return int(value)
-
-
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     """Returns ``value`` if it is one of the strings in ``allowed``, else raises ``ValueError``."""
     if not isinstance(value, str) or value not in allowed:
@@ -159,37 +96,6 @@ def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
             f"{name} must be one of {', '.join(repr(a) for a in allowed)}; got {name}={value!r}."
         )
     return value
-
-
-def check_finite_real(name: str, value: Any) -> float:
-    """Returns ``value`` as a float, or raises if it is not a finite real number."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{name} must be a real number such as 1.0; got {name}={value!r} of type "
-            f"{type(value).__name__}."
-        )
-    value = float(value)
-    if not np.isfinite(value):
-        raise ValueError(f"{name} must be finite; got {name}={value!r}.")
-    return value
-
-
-def check_int_scalar(name: str, value: Any) -> jax.Array:
-    """Returns ``value`` as an ``int32`` scalar, or raises if it is not an integer scalar."""
-    dtype = jnp.result_type(value)
-    if jnp.issubdtype(dtype, jnp.bool_) or not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(
-            f"{name} must be an integer scalar such as a step count; got {name}={value!r} "
-            f"with dtype {dtype}."
-        )
-    if jnp.ndim(value) != 0:
-        raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.")
-    if not isinstance(value, jax.core.Tracer):
-        as_int = int(value)
-        info = jnp.iinfo(jnp.int32)
-        if not info.min <= as_int <= info.max:
-            raise ValueError(f"{name} must fit in int32; got {name}={as_int!r}.")
-    return jnp.asarray(value, jnp.int32)
 
 
 def check_hyperparameter(
@@ -206,7 +112,7 @@ def check_hyperparameter(
             return None
         raise TypeError(f"{name} must be a real number; got {name}=None.")
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        check_nonnegative_float(name, value, allow_zero=allow_zero)
+        check_real(name, value, minimum=0.0, exclusive=not allow_zero)
         return value
     dtype = getattr(value, "dtype", None)
     if dtype is None or isinstance(value, bool) or not jnp.issubdtype(dtype, jnp.number):
@@ -217,22 +123,8 @@ def check_hyperparameter(
     if jnp.ndim(value) != 0:
         raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.")
     if not isinstance(value, jax.core.Tracer):
-        check_nonnegative_float(name, float(value), allow_zero=allow_zero)
+        check_real(name, float(value), minimum=0.0, exclusive=not allow_zero)
     return value
-
-
-def check_float_dtype(name: str, value: Any) -> jnp.dtype:
-    """Returns ``value`` as a dtype, or raises ``TypeError`` unless it is a floating dtype."""
-    try:
-        dtype = jnp.dtype(value)
-    except TypeError:
-        dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"{name} must be a floating-point dtype such as jnp.float32 or jnp.bfloat16; "
-            f"got {name}={value!r}."
-        )
-    return dtype
 
 
 def check_axis_name(name: str, value: Any) -> tuple[Any, ...]:
@@ -261,30 +153,154 @@ def check_axis_name(name: str, value: Any) -> tuple[Any, ...]:
     return names
 
 
-def check_unit_interval(name: str, value: Any) -> float:
-    """Returns ``value`` as a float, or raises unless it is a real number in ``[0, 1]``."""
+def check_int(name: str, value: Any, *, minimum: int = 1, schedule: bool = False) -> int:
+    """Returns `value` as an int, or raises if it is not a Python integer `>= minimum`.
+
+    With `schedule=True` the message says that a callable (a schedule) is
+    accepted too; only arguments that do accept one pass it.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        alternative = ", or a callable for a schedule" if schedule else ""
+        raise TypeError(
+            f"{name} must be a Python int >= {minimum}; got {name}={value!r} of type "
+            f"{type(value).__name__}. Pass an int such as {name}={max(minimum, 4)}"
+            f"{alternative}."
+        )
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {name}={value!r}.")
+    return int(value)
+
+
+def _bound_text(minimum: float | None, maximum: float | None, exclusive: bool) -> str:
+    parts = ["finite"]
+    if minimum is not None:
+        parts.append(f"{'>' if exclusive else '>='} {minimum:g}")
+    if maximum is not None:
+        parts.append(f"<= {maximum:g}")
+    return " and ".join(parts)
+
+
+def check_real(
+    name: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive: bool = False,
+) -> float:
+    """Returns a Python real number as a float, or raises unless it is finite and in range.
+
+    `minimum` is excluded when `exclusive` is set; `maximum` is always included.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"{name} must be a real number in [0, 1]; got {value!r} of type {type(value).__name__}."
+            f"{name} must be a real number such as 1.0; got {name}={value!r} of type "
+            f"{type(value).__name__}."
         )
     value = float(value)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1]; got {name}={value!r}.")
+    too_low = minimum is not None and (value <= minimum if exclusive else value < minimum)
+    too_high = maximum is not None and value > maximum
+    if not np.isfinite(value) or too_low or too_high:
+        raise ValueError(
+            f"{name} must be {_bound_text(minimum, maximum, exclusive)}; got {name}={value!r}."
+        )
     return value
 
 
-def check_real_scalar(subject: str, value: Any, *, hint: str = "") -> jax.Array:
-    """Returns a real (integer or floating) scalar as ``float32``, or raises.
+def check_scalar(
+    name: str,
+    value: Any,
+    *,
+    integer: bool = False,
+    minimum: float | None = None,
+    exclusive: bool = False,
+    dtype: Any = None,
+    hint: str = "",
+) -> jax.Array:
+    """Returns a scalar (a Python number or a 0-d array, traced or not) as an array, or raises.
 
-    ``subject`` starts the message, e.g. ``"weight"`` or ``"staleness_weight's
-    result"``; ``hint`` is appended to the shape error to say how to fix it.
-    Works on traced values (only dtype and shape are checked).
+    `integer=True` asks for an integer scalar and returns `int32`; otherwise
+    integer and floating scalars are accepted and returned as `dtype` (float32
+    by default). Traced values are checked for type and shape only; concrete
+    ones also for their value: finite, `>= minimum` (`>` when `exclusive`),
+    and representable in the dtype they are used in, neither overflowing to
+    infinity nor flushing to zero (XLA flushes subnormals). `hint` follows
+    the shape error and says how to fix it.
     """
-    dtype = jnp.result_type(value)
-    if jnp.issubdtype(dtype, jnp.bool_) or not (
-        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    kind = "an integer scalar" if integer else "a real scalar"
+    if isinstance(value, (str, bytes)) or not (
+        isinstance(value, (numbers.Number, np.generic, np.ndarray, jax.Array))
     ):
-        raise TypeError(f"{subject} must be a real scalar; got {value!r} with dtype {dtype}.")
+        raise TypeError(
+            f"{name} must be {kind} (a Python number or a 0-d array); got {name}={value!r} "
+            f"of type {type(value).__name__}. Pass a number, e.g. {name}=float(...), or "
+            f"jnp.asarray(...).{hint}"
+        )
+    value_dtype = jnp.result_type(value)
+    allowed = (jnp.integer,) if integer else (jnp.integer, jnp.floating)
+    if jnp.issubdtype(value_dtype, jnp.bool_) or not any(
+        jnp.issubdtype(value_dtype, k) for k in allowed
+    ):
+        raise TypeError(f"{name} must be {kind}; got {value!r} with dtype {value_dtype}.")
     if jnp.ndim(value) != 0:
-        raise ValueError(f"{subject} must be a scalar; got shape {jnp.shape(value)}.{hint}")
-    return jnp.asarray(value, jnp.float32)
+        raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.{hint}")
+    target = jnp.dtype(jnp.int32 if integer else (dtype or jnp.float32))
+    if not isinstance(value, jax.core.Tracer):
+        number = int(value) if integer else float(value)
+        check_real(name, number, minimum=minimum, exclusive=exclusive)
+        if integer:
+            info = jnp.iinfo(target)
+            if not info.min <= number <= info.max:
+                raise ValueError(f"{name} must fit in {target}; got {name}={number!r}.")
+        else:
+            info = jnp.finfo(target)
+            if abs(number) > float(info.max) or 0 < abs(number) < float(info.tiny):
+                raise ValueError(
+                    f"{name}={number!r} is not representable in {target}, in which it is "
+                    f"used: it would become {'inf' if abs(number) > 1 else '0'} (the normal "
+                    f"range is {float(info.tiny):.3g} to {float(info.max):.3g}). Rescale "
+                    f"it, e.g. divide all values of {name} by a common constant."
+                )
+    return jnp.asarray(value, target)
+
+
+def check_accumulator_dtype(value: Any, *, compensated: Any = False) -> jnp.dtype | None:
+    """Returns `accumulator_dtype` as a dtype (or `None`), or raises unless it is a float dtype.
+
+    With `compensated=True` the dtype must be 16-bit: a compensated (Kahan)
+    accumulator is a 16-bit high part with a 16-bit remainder.
+    """
+    if not isinstance(compensated, bool):
+        raise TypeError(f"compensated must be a bool; got {compensated=!r}.")
+    dtype = None
+    if value is not None:
+        try:
+            dtype = jnp.dtype(value)
+        except TypeError:
+            dtype = None
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                "accumulator_dtype must be None or a floating-point dtype such as "
+                f"jnp.float32 or jnp.bfloat16; got accumulator_dtype={value!r}. For a "
+                "compensated (Kahan) bfloat16 accumulator pass "
+                "accumulator_dtype=jnp.bfloat16, compensated=True."
+            )
+    compensable = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if compensated and dtype not in compensable:
+        raise ValueError(
+            "compensated=True needs a 16-bit accumulator_dtype (jnp.bfloat16 or "
+            f"jnp.float16); got accumulator_dtype={value!r}. A float32 accumulator is "
+            "already more accurate than a compensated 16-bit pair of the same size."
+        )
+    return dtype
+
+
+def check_compensable(name: str, accumulator: Any) -> None:
+    """Raises ``TypeError`` if a compensated accumulator would hold a complex leaf."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(accumulator):
+        if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+            raise TypeError(
+                f"compensated=True does not support complex gradients; {name} leaf "
+                f"{jax.tree_util.keystr(path)} is {leaf.dtype}. Drop compensated=True "
+                "(complex leaves are then summed in complex64 or complex128)."
+            )

@@ -372,16 +372,42 @@ def test_schedule_changes_window_without_recompiling():
     chex.assert_trees_all_close(p, p_ref, rtol=1e-5, atol=1e-6)
 
 
-def test_closes_window_and_optimizer_step():
+def test_closes_window_has_updated_and_optimizer_step():
     params = {"w": jnp.zeros(2)}
     tx = optax.chain(optax.clip(1.0), ga.accumulate(optax.sgd(0.1), 3))
     state = tx.init(params)
-    closes = []
+    assert not bool(ga.has_updated(state))
+    closes, updated = [], []
     for _ in range(6):
-        closes.append(bool(ga.closes_window(state, 3)))
+        closes.append(bool(ga.closes_window(state)))
         _, state = tx.update({"w": jnp.ones(2)}, state, params)
+        updated.append(bool(ga.has_updated(state)))
     assert closes == [False, False, True] * 2
+    assert updated == closes
     assert int(ga.optimizer_step(state)) == 2
+
+
+def test_closes_window_follows_a_schedule_from_the_state():
+    params = {"w": jnp.zeros(2)}
+    tx = ga.accumulate(optax.sgd(0.1), lambda step: jnp.where(step < 1, 1, 3))
+    step = jax.jit(lambda g, s: tx.update(g, s, params)[1])
+    state = tx.init(params)
+    closes = []
+    for _ in range(7):
+        closes.append(bool(ga.closes_window(state)))
+        state = step({"w": jnp.ones(2)}, state)
+    assert closes == [True, False, False, True, False, False, True]
+    assert state.window_length.dtype == jnp.int32 and int(state.window_length) == 3
+
+
+def test_has_updated_is_false_after_a_window_with_everything_dropped():
+    params = {"w": jnp.zeros(2)}
+    tx = ga.accumulate(optax.sgd(0.1), 2)
+    state = tx.init(params)
+    for _ in range(2):
+        _, state = tx.update({"w": jnp.full(2, jnp.nan)}, state, params)
+    assert int(state.micro_step) == 0 and int(state.gradient_step) == 0
+    assert not bool(ga.has_updated(state))
 
 
 # ---------------------------------------------------------------------------
@@ -601,7 +627,7 @@ def test_temp_memory_no_more_than_adam_alone():
 @pytest.mark.parametrize(
     ("every_k", "error", "pattern"),
     [
-        (0, ValueError, r"every_k_schedule must be >= 1; got every_k_schedule=0"),
+        (0, ValueError, r"every_k_schedule must be an int >= 1; got every_k_schedule=0"),
         (-3, ValueError, r"every_k_schedule=-3"),
         (2.0, TypeError, r"every_k_schedule must be a Python int.*2\.0.*float"),
         (True, TypeError, r"every_k_schedule.*True.*bool"),
@@ -686,3 +712,165 @@ def test_optimizer_step_errors():
     two = optax.chain(ga.accumulate(optax.sgd(0.1), 2), ga.accumulate(optax.sgd(0.1), 2))
     with pytest.raises(ValueError, match=r"exactly one AccumulateState.*found 2"):
         ga.optimizer_step(two.init({"w": jnp.zeros(2)}))
+
+
+# ---------------------------------------------------------------------------
+# Dtypes: 16-bit params, float32 gradients, complex gradients, Python scalars.
+
+STATEFUL = {
+    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(1e-3),
+    "adam_mu_f32": lambda: optax.adam(1e-3, mu_dtype=jnp.float32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATEFUL))
+@pytest.mark.parametrize("grad_dtype", [None, jnp.float32])
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_params_keep_state_dtypes_under_scan(name, param_dtype, grad_dtype):
+    params = {"w": jnp.linspace(-1, 1, 6, dtype=param_dtype), "b": jnp.ones(3, param_dtype)}
+    tx = ga.accumulate(STATEFUL[name](), 2)
+    state0 = tx.init(params)
+    gdt = grad_dtype or param_dtype
+    grads = [jax.tree.map(lambda p, i=i: (p * (i + 1)).astype(gdt), params) for i in range(4)]
+
+    def body(carry, g):
+        p, s = carry
+        u, s = tx.update(g, s, p)
+        return (optax.apply_updates(p, u), s), u
+
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *grads)
+    (p_acc, state), us = jax.jit(lambda c, xs: jax.lax.scan(body, c, xs))((params, state0), stacked)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state, state0)
+    # The updates come in the dtype the inner optimizer returns, zeros included.
+    u_ref, _ = STATEFUL[name]().update(grads[0], STATEFUL[name]().init(params), params)
+    assert jax.tree.map(lambda u: u.dtype, us) == jax.tree.map(lambda u: u.dtype, u_ref)
+    # Against the inner optimizer on the windows' mean gradients, in the same dtypes.
+    inner = STATEFUL[name]()
+    p_ref, s_ref = params, inner.init(params)
+    for i in (0, 2):
+        mean = jax.tree.map(
+            lambda a, b: ((a.astype(jnp.float32) + b) / 2).astype(gdt), grads[i], grads[i + 1]
+        )
+        u, s_ref = inner.update(mean, s_ref, p_ref)
+        s_ref = jax.tree.map(lambda new, old: new.astype(old.dtype), s_ref, inner.init(params))
+        p_ref = optax.apply_updates(p_ref, u)
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda x: x.astype(jnp.float32), p_acc),
+        jax.tree.map(lambda x: x.astype(jnp.float32), p_ref),
+        rtol=1e-2,
+        atol=1e-3,
+    )
+
+
+def test_issue_13_adam_on_bf16_params_with_f32_gradients_runs():
+    params = {"w": jnp.zeros(3, jnp.bfloat16)}
+    tx = ga.accumulate(optax.adam(1e-3), 2)
+    state = tx.init(params)
+    for _ in range(2):
+        u, state = tx.update({"w": jnp.ones(3, jnp.float32)}, state, params)
+    assert u["w"].dtype == jnp.float32
+    np.testing.assert_allclose(u["w"], -1e-3, rtol=1e-3)
+    assert state.inner_state[0].mu["w"].dtype == jnp.bfloat16
+
+
+def test_inner_state_changing_structure_is_refused_with_the_leaf_path():
+    def init(params):
+        return {"m": jnp.zeros(2)}
+
+    def update(updates, state, params=None):
+        return updates, {"m": jnp.zeros(3)}
+
+    tx = ga.accumulate(optax.GradientTransformation(init, update), 1)
+    params = {"w": jnp.zeros(2)}
+    with pytest.raises(TypeError, match=r"inner state leaf \['m'\] has shape \(2,\).*\(3,\)"):
+        tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+
+    def update_int(updates, state, params=None):
+        return updates, {"m": jnp.zeros(2, jnp.int32)}
+
+    tx = ga.accumulate(optax.GradientTransformation(init, update_int), 1)
+    with pytest.raises(TypeError, match=r"\['m'\] has dtype float32 after init but int32"):
+        tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+
+
+def test_complex_gradients_keep_their_imaginary_part():
+    params = {"w": jnp.zeros(2, jnp.complex64)}
+    g = {"w": jnp.array([3 + 4j, 1 - 2j], jnp.complex64)}
+    for dtype in (None, jnp.float32, jnp.bfloat16):
+        tx = ga.accumulate(optax.sgd(1.0), 2, accumulator_dtype=dtype)
+        state = tx.init(params)
+        assert state.acc_grads["w"].dtype == jnp.complex64
+        _, state = tx.update(g, state, params)
+        u, state = tx.update(g, state, params)
+        np.testing.assert_allclose(u["w"], -np.array([3 + 4j, 1 - 2j]), rtol=1e-2)
+    with pytest.raises(TypeError, match="compensated=True does not support complex"):
+        ga.accumulate(optax.sgd(1.0), 2, accumulator_dtype=jnp.bfloat16, compensated=True).init(
+            params
+        )
+
+
+def test_python_float_gradient_leaf_is_accepted():
+    params = {"w": jnp.zeros([])}
+    tx = ga.accumulate(optax.sgd(1.0), 2)
+    state = tx.init(params)
+    _, state = tx.update({"w": 1.0}, state, params)
+    u, state = tx.update({"w": 3.0}, state, params)
+    assert float(u["w"]) == -2.0
+
+
+# ---------------------------------------------------------------------------
+# Weights at the edge of the accumulator's range (issue 18, items 3 and 5).
+
+
+@pytest.mark.parametrize("weight", [4096.0, 70000.0])
+@pytest.mark.parametrize("compensated", [False, True])
+def test_float16_accumulator_with_large_weights_does_not_overflow(weight, compensated):
+    params = {"w": jnp.zeros(2)}
+    tx = ga.accumulate(optax.sgd(1.0), 2, accumulator_dtype=jnp.float16, compensated=compensated)
+    state = tx.init(params)
+    _, state = tx.update({"w": jnp.full(2, 20.0)}, state, params, weight=weight)
+    u, state = jax.jit(tx.update)({"w": jnp.full(2, 20.0)}, state, params, weight=weight)
+    np.testing.assert_array_equal(u["w"], [-20.0, -20.0])
+    assert int(state.num_skipped) == 0
+
+
+def test_huge_weights_times_large_gradients_do_not_overflow_float32():
+    params = {"w": jnp.zeros(1)}
+    tx = ga.accumulate(optax.sgd(1.0), 2)
+    state = tx.init(params)
+    _, state = tx.update({"w": jnp.array([1e10])}, state, params, weight=1e30)
+    u, state = tx.update({"w": jnp.array([3e10])}, state, params, weight=3e30)
+    np.testing.assert_allclose(u["w"], [-2.5e10], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("weight", "pattern"),
+    [
+        (1e39, r"weight=1e\+39 is not representable in float32.*inf.*Rescale"),
+        (1e-40, r"weight=1e-40 is not representable in float32.*0.*Rescale"),
+        ("3", r"weight must be a real scalar \(a Python number or a 0-d array\); got weight='3'"),
+    ],
+)
+def test_weight_outside_float32_or_not_a_number_is_refused(weight, pattern):
+    params = {"w": jnp.zeros(2)}
+    tx = ga.accumulate(optax.sgd(0.1), 2)
+    error = TypeError if isinstance(weight, str) else ValueError
+    with pytest.raises(error, match=pattern):
+        tx.update({"w": jnp.ones(2)}, tx.init(params), params, weight=weight)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: ga.accumulate(optax.sgd(0.1), 2, accumulator_dtype=d),
+        lambda d: ga.conditional_accumulate(optax.sgd(0.1), 2, accumulator_dtype=d),
+        lambda d: ga.conditional_accumulator_init({"w": jnp.zeros(2)}, accumulator_dtype=d),
+        lambda d: ga.split_accumulate(2, accumulator_dtype=d),
+        lambda d: ga.microbatch_value_and_grad(lambda p, b: 0.0, 2, accumulator_dtype=d),
+    ],
+    ids=["accumulate", "conditional_accumulate", "conditional_init", "split", "microbatch"],
+)
+def test_bad_accumulator_dtype_string_in_every_transform(make):
+    with pytest.raises(TypeError, match=r"accumulator_dtype must be None or a floating.*'foo'"):
+        make("foo")

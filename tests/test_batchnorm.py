@@ -426,7 +426,7 @@ def test_end_to_end_with_accumulate_a_scan_loop_and_microbatch_value_and_grad():
     @jax.jit
     def step(params, stats, opt_state, x, y):
         grads, stats = grad_fn(model, params, stats, x, y)
-        closes = ga.closes_window(opt_state, k)
+        closes = ga.closes_window(opt_state)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (
             optax.apply_updates(params, updates),

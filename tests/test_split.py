@@ -297,7 +297,7 @@ def test_construction_and_trace_errors():
         ga.split_accumulate(2, upper=1.0)
     with pytest.raises(ValueError, match="fixed window length"):
         ga.split_accumulate(lambda step: 2, reduction="median")
-    with pytest.raises(ValueError, match="every_k_schedule must be >= 1"):
+    with pytest.raises(ValueError, match="every_k_schedule must be an int >= 1"):
         ga.split_accumulate(0)
     params = {"w": jnp.zeros(2), "b": jnp.zeros(1)}
     tx = ga.split_accumulate(2, bound="sharp", upper=1.0)

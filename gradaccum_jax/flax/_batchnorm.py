@@ -54,8 +54,8 @@ def _split_axes(ndim: int, axis: Any) -> tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def _check_attributes(momentum: Any, epsilon: Any) -> None:
-    _validation.check_unit_interval("momentum", momentum)
-    _validation.check_nonnegative_float("epsilon", epsilon)
+    _validation.check_real("momentum", momentum, minimum=0.0, maximum=1.0)
+    _validation.check_real("epsilon", epsilon, minimum=0.0)
 
 
 def _check_input(x: Any, mask: Any) -> tuple[jax.Array, jax.Array | None]:
@@ -85,7 +85,7 @@ def _check_closes(closes: Any) -> jax.Array:
     if value.dtype != jnp.bool_ or value.ndim != 0:
         raise TypeError(
             "closes must be a boolean scalar (True, or a traced flag such as "
-            f"gradaccum_jax.closes_window(opt_state, k)); got {closes=!r}."
+            f"gradaccum_jax.closes_window(opt_state)); got {closes=!r}."
         )
     return value
 
@@ -441,7 +441,7 @@ def commit_batch_stats(batch_stats: Any, closes: jax.typing.ArrayLike = True) ->
     ``nn.BatchNorm`` statistics, are returned unchanged. A feature whose window
     is empty (fully masked) keeps its running statistics. With ``closes``
     false nothing changes, so the call can sit in every micro-step of a jitted
-    train step with ``closes=ga.closes_window(opt_state, k)``.
+    train step with ``closes=ga.closes_window(opt_state)``.
 
     Args:
       batch_stats: The ``batch_stats`` collection returned by
@@ -651,7 +651,7 @@ class NNXAccumBatchNorm(nnx.Module):
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
         scale_metadata: Mapping[str, Any] = MappingProxyType({}),
     ):
-        _validation.check_positive_int("num_features", num_features)
+        _validation.check_int("num_features", num_features)
         _check_attributes(momentum, epsilon)
         shape = (num_features,)
         self.mean = nnx.BatchStat(jnp.zeros(shape, jnp.float32))

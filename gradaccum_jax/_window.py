@@ -1,0 +1,410 @@
+"""The window engine shared by the accumulating transformations.
+
+Every accumulating transformation of this package (`accumulate`,
+`conditional_accumulate`, `split_accumulate`) runs the same five steps on each
+call of `update`:
+
+1. **accept**: decide whether this micro-step's contribution joins the window
+   (`all_finite`, plus each transform's own rules such as staleness);
+2. **add**: the contribution's term, `scale * g` in the accumulator dtype,
+   plainly or with a Kahan compensation (`window_total`);
+3. **gate**: a `jax.lax.cond` with two named branches, *apply* (reduce the
+   window once, run the inner transformation once) and *skip* (zeros, inner
+   state passed through), see `close`;
+4. **write**: after the conditional, one fused pass that either adds the term
+   or resets the accumulator (`write`), ordered after the branch by the
+   `reset` flag the branch returns;
+5. **count**: saturating `int32` counters (`increment_if`).
+
+The conditional only *reads* the accumulator and passes the inner state
+through untouched on the skip branch; the accumulator is written afterwards,
+in place. With that layout XLA aliases the inner state and the accumulator
+instead of copying them (tests/test_accumulation.py checks the compiled
+program).
+
+The reduction at the window's close is one function, `Gate.reduce`, from a
+`Window` (the tree of window sums and its scalars) to the reduced `Window`:
+the identity on one device (`local_gate`), one `psum` of everything across
+replicas (`replica_gate`). A new way of closing a window is a new `Gate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gradaccum_jax import _collectives
+
+# --- counters and acceptance ------------------------------------------------
+
+
+def increment_if(counter: jax.Array, predicate: jax.Array) -> jax.Array:
+    """`counter + 1` where `predicate` holds, saturating at the dtype's maximum."""
+    return jnp.where(predicate, optax.safe_increment(counter), counter)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """A boolean scalar: whether every element of every leaf of `tree` is finite."""
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(tree) if jnp.size(leaf)]
+    if not leaves:
+        return jnp.array(True)
+    # max(|x|) propagates NaN and is finite iff every element is; XLA:CPU
+    # reduces it about twice as fast as all(isfinite(x)).
+    return jnp.all(jnp.stack([jnp.isfinite(jnp.max(jnp.abs(leaf))) for leaf in leaves]))
+
+
+def as_arrays(tree: Any) -> Any:
+    """`tree` with Python scalars turned into arrays, as optax's own transforms accept them."""
+    return jax.tree.map(jnp.asarray, tree)
+
+
+# --- the accumulator ----------------------------------------------------------
+
+
+def accumulator_dtype(leaf: Any, requested: Any) -> jnp.dtype:
+    """The dtype in which gradients shaped like `leaf` are summed.
+
+    `None` keeps float32 and wider dtypes and sums 16-bit gradients in float32
+    (a bfloat16 sum of K terms loses about log2(K) of its 8 mantissa bits).
+    Complex leaves are summed in the complex counterpart of the requested
+    precision (float32 -> complex64, float64 -> complex128), as optax keeps
+    complex parameters complex: a real accumulator would drop the imaginary part.
+    """
+    leaf_dtype = jnp.result_type(leaf)
+    dtype = jnp.promote_types(leaf_dtype, jnp.float32) if requested is None else requested
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(leaf_dtype, jnp.complexfloating):
+        dtype = jnp.promote_types(dtype, jnp.complex64)
+    return dtype
+
+
+def zeros(params: Any, requested: Any) -> Any:
+    """An empty accumulator for gradients shaped like `params`."""
+
+    def leaf_zeros(p):
+        dtype = accumulator_dtype(p, requested)
+        if isinstance(p, jax.ShapeDtypeStruct):
+            return jnp.zeros(p.shape, dtype)
+        # zeros_like keeps each param's sharding (explicit mesh axes, or the
+        # varying axes under shard_map), so the accumulator shards like it.
+        return jnp.zeros_like(p, dtype)
+
+    return jax.tree.map(leaf_zeros, params)
+
+
+def _term(grad: jax.Array, dtype: jnp.dtype, scale: jax.Array | None) -> jax.Array:
+    term = grad.astype(dtype)
+    return term if scale is None else term * scale.astype(dtype)
+
+
+def _compensated_total(acc, comp, grad, accepted, scale):
+    wide = jnp.promote_types(acc.dtype, jnp.float32)
+    held = acc.astype(wide) + comp.astype(wide)
+    return jnp.where(accepted, held + _term(grad, wide, scale), held)
+
+
+def window_total(
+    acc: Any, comp: Any, grads: Any, accepted: jax.Array, scale: jax.Array | None
+) -> Any:
+    """The window's sum including this micro-step's term `scale * g` (if accepted).
+
+    Read-only: the apply branch calls it, the accumulator is written by `write`.
+    With a compensation tree `comp` the sum `acc + comp` is formed in float32.
+    """
+    if comp is None:
+        return jax.tree.map(
+            lambda a, g: jnp.where(accepted, a + _term(g, a.dtype, scale), a), acc, grads
+        )
+    return jax.tree.map(
+        lambda a, c, g: _compensated_total(a, c, g, accepted, scale), acc, comp, grads
+    )
+
+
+def write(
+    acc: Any,
+    comp: Any,
+    grads: Any,
+    accepted: jax.Array,
+    scale: jax.Array | None,
+    reset: jax.Array,
+) -> tuple[Any, Any]:
+    """Adds this micro-step's term, or resets to zero where `reset`: one fused in-place pass.
+
+    `reset` must be an output of the conditional: depending on it schedules
+    this write after the branch has read the old accumulator (with the
+    predicate instead, XLA may run it first and must copy the accumulator).
+    The reset writes fresh zeros, never a product with zero (NaN * 0 = NaN).
+    """
+    if comp is None:
+        total = window_total(acc, None, grads, accepted, scale)
+        return jax.tree.map(lambda a, t: jnp.where(reset, jnp.zeros_like(a), t), acc, total), None
+
+    def split(a, c, g):
+        total = _compensated_total(a, c, g, accepted, scale)
+        finfo = jnp.finfo(a.dtype)
+        # Rounded with reduce_precision, not with a cast: the high part is then
+        # exactly representable, and XLA's licence to drop a float32 -> 16-bit
+        # -> float32 convert pair (excess precision) cannot turn the remainder
+        # into zero.
+        high = jax.lax.reduce_precision(total, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
+        zero = jnp.zeros_like(a)
+        return (
+            jnp.where(reset, zero, high.astype(a.dtype)),
+            jnp.where(reset, zero, (total - high).astype(a.dtype)),
+        )
+
+    pairs = jax.tree.map(split, acc, comp, grads)
+    is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
+    return (
+        jax.tree.map(lambda hl: hl[0], pairs, is_leaf=is_pair),
+        jax.tree.map(lambda hl: hl[1], pairs, is_leaf=is_pair),
+    )
+
+
+# --- the window length ---------------------------------------------------------
+
+
+def window_length(schedule: int | Callable[[jax.Array], Any], step: jax.Array) -> jax.Array:
+    """The window length `K` as an `int32` scalar: `schedule`, or `schedule(step)`.
+
+    A traced length below 1 cannot raise inside `jit`; it is treated as 1.
+    """
+    if not callable(schedule):
+        return jnp.int32(schedule)
+    k = schedule(step)
+    k_dtype = jnp.result_type(k)
+    if jnp.issubdtype(k_dtype, jnp.bool_) or not jnp.issubdtype(k_dtype, jnp.integer):
+        raise TypeError(
+            "every_k_schedule must return an integer window length; it returned "
+            f"{k!r} (dtype {k_dtype}) for gradient_step={step!r}. Round it, e.g. "
+            "lambda step: jnp.int32(...)."
+        )
+    if jnp.ndim(k) != 0:
+        raise ValueError(
+            f"every_k_schedule must return a scalar; it returned shape {jnp.shape(k)}."
+        )
+    if not isinstance(k, jax.core.Tracer) and int(k) < 1:
+        raise ValueError(
+            f"every_k_schedule must return a window length >= 1; it returned {int(k)} "
+            f"at gradient_step={step!r}."
+        )
+    return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
+
+
+# --- the gate ------------------------------------------------------------------
+
+
+class Window(NamedTuple):
+    """What a window hands to its close: the sums and the scalars reduced with them.
+
+    Attributes:
+      total: The tree of window sums `Σ (w / unit) · g`.
+      weight: `float32[]`, `Σ w / unit`: the mean is `total / weight`.
+      unit: `float32[]`, the unit in which the weights are held; the window's
+        sum in the gradients' units is `total * unit`.
+    """
+
+    total: Any
+    weight: jax.Array
+    unit: jax.Array
+
+
+class Gate(NamedTuple):
+    """How a window closes.
+
+    Attributes:
+      cond: `jax.lax.cond`, or a replacement with the same signature.
+      reduce: The one reduction at the window's close, `Window -> Window`,
+        called once inside the apply branch.
+      decides_locally: Whether "anything accepted in the window" is known
+        before `reduce` (on one device), or only after it (across replicas,
+        where another replica may have accepted what this one dropped).
+      zeros_like: `(leaf, dtype) -> zeros` for the skip branch's updates.
+    """
+
+    cond: Callable[..., Any]
+    reduce: Callable[[Window], Window]
+    decides_locally: bool
+    zeros_like: Callable[[jax.Array, Any], jax.Array]
+
+
+def local_gate() -> Gate:
+    """The gate of a window on one device (or under `jit` with sharded arrays)."""
+    return Gate(
+        cond=jax.lax.cond,
+        reduce=lambda window: window,
+        decides_locally=True,
+        zeros_like=lambda leaf, dtype: jnp.zeros_like(leaf, dtype),
+    )
+
+
+def replica_gate(axis_names: tuple[Any, ...], typed: bool) -> Gate:
+    """The gate of a window held per replica and reduced across `axis_names` at its close.
+
+    The only collective of the whole step is one `psum` of the window sums
+    and weights, on the close only. The product `total * unit` is formed in
+    float32 for float16 sums, whose range would overflow with large weights.
+    """
+
+    def reduce(window: Window) -> Window:
+        def in_units(t):
+            wide = jnp.float32 if t.dtype == jnp.float16 else t.dtype
+            return t.astype(wide) * window.unit.astype(wide)
+
+        total, weight = _collectives.psum(
+            (jax.tree.map(in_units, window.total), window.weight * window.unit), axis_names, typed
+        )
+        total = jax.tree.map(lambda t, old: t.astype(old.dtype), total, window.total)
+        return Window(total=total, weight=weight, unit=jnp.ones_like(window.unit))
+
+    def cond(pred, true_fn, false_fn, *operands):
+        return _collectives.cond(pred, true_fn, false_fn, *operands, typed=typed)
+
+    # The gradients vary between replicas but the reduced updates do not;
+    # zeros without varying axes keep the updates (and the params they are
+    # applied to) replica-invariant under shard_map.
+    return Gate(
+        cond=cond,
+        reduce=reduce,
+        decides_locally=False,
+        zeros_like=_collectives.zeros_without_axes,
+    )
+
+
+Step = Callable[[Window, Any], tuple[Any, Any]]
+
+
+def close(
+    gate: Gate,
+    closes: jax.Array,
+    operand: Any,
+    inner_state: Any,
+    weight: jax.Array,
+    unit: jax.Array,
+    *,
+    total: Callable[[Any], Any],
+    step: Step,
+    like: Any,
+) -> tuple[Any, Any, jax.Array, jax.Array]:
+    """The gate: runs `step` once if the window `closes` with something accepted.
+
+    Args:
+      gate: How the window closes (`local_gate` or `replica_gate`).
+      closes: Boolean scalar, whether this micro-step ends the window.
+      operand: The accumulator, only read (by `total`) inside the apply branch.
+      inner_state: Passed through untouched by the skip branch.
+      weight: `float32[]` window weight including this micro-step (in units).
+      unit: `float32[]` unit of the weights.
+      total: `operand -> tree of window sums`, including this micro-step.
+      step: `(reduced Window, inner_state) -> (updates, new inner_state)`.
+      like: A tree shaped like the updates (the gradients), for the skip
+        branch's zeros, which take the dtypes `step` returns.
+
+    Returns:
+      `(updates, inner_state, reset, applied)`: `reset` (the window ends) is
+      an output of the conditional, for `write` to depend on; `applied` says
+      whether `step` ran on an accepted window.
+    """
+
+    def skip_like(spec):
+        return jax.tree.map(lambda g, s: gate.zeros_like(g, s.dtype), like, spec)
+
+    def apply_branch(operand, inner_state, closes, weight, unit):
+        del closes
+        window = gate.reduce(Window(total(operand), weight, unit))
+        if gate.decides_locally:
+            updates, new_inner = step(window, inner_state)
+            return updates, new_inner, jnp.array(True), jnp.array(True)
+
+        def nothing(window, inner_state):
+            return skip_like(jax.eval_shape(step, window, inner_state)[0]), inner_state
+
+        accepted = window.weight > 0
+        updates, new_inner = gate.cond(accepted, step, nothing, window, inner_state)
+        return updates, new_inner, jnp.array(True), accepted
+
+    operands = (operand, inner_state, closes, weight, unit)
+    spec = jax.eval_shape(apply_branch, *operands)[0]
+
+    def skip_branch(operand, inner_state, closes, weight, unit):
+        del operand, weight, unit
+        # A window with nothing accepted still ends on schedule (reset = closes).
+        return skip_like(spec), inner_state, closes, jnp.array(False)
+
+    # On one device a window with nothing accepted is known before the branch
+    # and takes the skip branch.
+    predicate = closes & (weight > 0) if gate.decides_locally else closes
+    return gate.cond(predicate, apply_branch, skip_branch, *operands)
+
+
+# --- the inner update ------------------------------------------------------------
+
+
+def keep_state_types(new: Any, old: Any, who: str) -> Any:
+    """`new` cast to the floating dtypes of `old`, or a `TypeError` naming the leaf.
+
+    The skip branch passes the old state through, so both branches must give
+    the state of `init`'s structure, shapes and dtypes; and a state whose
+    dtypes drift would not survive `jax.lax.scan` or donation. A floating leaf
+    whose dtype the update changed (adam's moments on 16-bit params meet
+    float32 gradients) is cast back, as `optax.MultiSteps` does.
+    """
+    new_def, old_def = jax.tree.structure(new), jax.tree.structure(old)
+    if new_def != old_def:
+        raise TypeError(
+            f"{who}.update returned a state of another structure than {who}.init: "
+            f"{new_def} instead of {old_def}. The accumulating transformation keeps the "
+            "inner state's structure fixed so that it can be carried through jax.lax.cond "
+            "and jax.lax.scan: make the inner transformation return the structure its "
+            "init returns."
+        )
+
+    def cast(path, n, o):
+        n_dtype, o_dtype = jnp.result_type(n), jnp.result_type(o)
+        where = f"{who} state leaf {jax.tree_util.keystr(path)}"
+        if jnp.shape(n) != jnp.shape(o):
+            raise TypeError(
+                f"{where} has shape {jnp.shape(o)} after init but {jnp.shape(n)} after "
+                "update. The inner transformation must keep its state's shapes: "
+                "initialise the leaf in the shape update returns."
+            )
+        if n_dtype == o_dtype:
+            return n
+        same_kind = any(
+            jnp.issubdtype(n_dtype, kind) and jnp.issubdtype(o_dtype, kind)
+            for kind in (jnp.floating, jnp.complexfloating)
+        )
+        if not same_kind:
+            raise TypeError(
+                f"{where} has dtype {o_dtype} after init but {n_dtype} after update. "
+                "Floating leaves are cast back to their init dtype, other changes "
+                "cannot be: initialise the leaf in the dtype update returns."
+            )
+        return jnp.asarray(n).astype(o_dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, new, old)
+
+
+def inner_update(
+    inner: optax.GradientTransformationExtraArgs,
+    reduced: Any,
+    inner_state: Any,
+    grads: Any,
+    params: Any,
+    extra_args: dict[str, Any],
+) -> tuple[Any, Any]:
+    """Runs `inner` once on the window's reduced gradient.
+
+    The inner transformation receives the reduced gradient in the gradients'
+    dtype (what it would receive without accumulation, and what
+    `optax.MultiSteps` feeds it); its updates are returned in the dtype it
+    returns them in, and its new state is cast back to the dtypes of its
+    `init` (see `keep_state_types`).
+    """
+    reduced = jax.tree.map(lambda t, g: t.astype(g.dtype), reduced, grads)
+    updates, new_inner = inner.update(reduced, inner_state, params, **extra_args)
+    return updates, keep_state_types(new_inner, inner_state, "inner")
