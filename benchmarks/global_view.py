@@ -14,7 +14,13 @@ donated:
   close reduce-scatters, Adam's moments live sharded over the 8 devices, the
   updates are all-gathered back;
 * shard_map: ``accumulate(adam, K, axis_name="data")`` inside ``jax.shard_map``
-  (the other style with one reduction per window), for comparison.
+  (the other style with one reduction per window), for comparison;
+* fsdp and fsdp_unreduced: params (and so Adam's state) sharded over "data"
+  along their first dimension; ``jax.grad`` and ``accumulate(adam, K)``
+  (a reduce-scatter of the gradient every micro-step into a sharded
+  accumulator), against ``unreduced_value_and_grad`` and the same
+  ``accumulate`` (a full-size unreduced accumulator per device, reduced into the
+  params' sharding once per window). Both gather the params every micro-step.
 
 For each K it prints the collectives per window read from the compiled HLO (an
 op inside a conditional branch runs once per window, any other op once per
@@ -88,6 +94,16 @@ def build_global_view(tx, grad_fn):
 
 def build_multisteps(k):
     return build_global_view(optax.MultiSteps(inner(), k), jax.value_and_grad(loss_fn))
+
+
+def gathered_loss_fn(params, batch):
+    # FSDP under explicit sharding: gather the params, then compute as usual;
+    # the transpose of the gather is the gradient's reduce-scatter.
+    return loss_fn(jax.reshard(params, P()), batch)
+
+
+def build_fsdp(k):
+    return build_global_view(ga.accumulate(inner(), k), jax.value_and_grad(gathered_loss_fn))
 
 
 def build_unreduced(k, **kwargs):
@@ -205,6 +221,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         P(AXIS),
     )
 
+    fsdp = jax.tree.map(lambda x: P(AXIS) if x.shape[0] % n_dev == 0 else P(), params)
     rows = []
     for k in KS:
         candidates = {
@@ -212,10 +229,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "unreduced": build_unreduced(k),
             "zero1": build_unreduced(k, shard_inner_state=AXIS),
             "shard_map": build_shard_map(k, params),
+            "fsdp": build_fsdp(k),
+            "fsdp_unreduced": build_unreduced(k),
         }
         carry, facts = {}, {}
         for name, (init, step) in candidates.items():
-            p = jax.device_put(params, P())
+            p = jax.device_put(params, fsdp if name.startswith("fsdp") else P())
             s = init(p)
             for _ in range(k):  # one warm-up window (the first call may retype the state)
                 p, s = step(p, s, batch)
@@ -257,12 +276,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             )
 
     print(
-        f"{'K':>3}  {'candidate':<11} {'collectives/window':>18} {'MB/window':>10} "
+        f"{'K':>3}  {'candidate':<14} {'collectives/window':>18} {'MB/window':>10} "
         f"{'ms/window':>10} {'x MultiSteps':>12} {'inner MB/dev':>12} {'temp MB':>8}  ops"
     )
     for row in rows:
         print(
-            f"{row['k']:>3}  {row['candidate']:<11} {row['collectives_per_window']:>18} "
+            f"{row['k']:>3}  {row['candidate']:<14} {row['collectives_per_window']:>18} "
             f"{row['mb_per_window']:>10.2f} {row['ms_per_window']:>10.2f} "
             f"{row['time_over_multisteps']:>12.3f} {row['inner_state_mb_per_device']:>12.3f} "
             f"{row['temp_mb']:>8.2f}  {row['collective_ops']}"

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _validation
+from gradaccum_jax import _validation, _window
 from gradaccum_jax._microbatch import microbatch_value_and_grad
 
 AxisName = Hashable | Sequence[Hashable]
@@ -36,29 +36,31 @@ def _positions(name: str, value: Any) -> tuple[int, ...]:
     return tuple(int(i) for i in positions)
 
 
-def _mesh_axes_size(axes: tuple[Any, ...]) -> int:
-    """Returns the number of devices along ``axes`` of the context mesh, or raises."""
+def mesh_axes_size(axes: tuple[Any, ...], who: str) -> int:
+    """Returns the number of devices along `axes` of the context mesh, or raises.
+
+    `who` is the argument as the user wrote it, e.g. `"axis_name='data'"`.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     shown = axes[0] if len(axes) == 1 else axes
     if mesh.empty:
         raise ValueError(
-            f"unreduced_value_and_grad(..., axis_name={shown!r}) needs a mesh: call it "
-            "inside jax.jit under `with jax.set_mesh(mesh):` (or after "
-            "jax.set_mesh(mesh)), with mesh = jax.make_mesh((jax.device_count(),), "
-            f"({shown!r},))."
+            f"{who} needs a mesh: call it inside jax.jit under `with jax.set_mesh(mesh):` "
+            "(or after jax.set_mesh(mesh)), with mesh = "
+            f"jax.make_mesh((jax.device_count(),), ({shown!r},))."
         )
     for axis in axes:
         if axis not in mesh.shape:
             raise ValueError(
-                f"axis_name={shown!r}: the mesh has no axis {axis!r}; its axes are "
-                f"{tuple(mesh.shape)}. Pass the name of the data-parallel mesh axis."
+                f"{who}: the mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}. "
+                "Pass the name of the data-parallel mesh axis."
             )
         kind = mesh.axis_types[mesh.axis_names.index(axis)]
         if kind != jax.sharding.AxisType.Explicit:
             raise ValueError(
-                f"axis_name={shown!r}: the mesh axis {axis!r} is of type {kind}, and "
-                "unreduced arrays need an Explicit axis. Build the mesh with "
-                "jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Explicit,))."
+                f"{who}: the mesh axis {axis!r} is of type {kind}, and unreduced arrays "
+                "need an Explicit axis. Build the mesh with jax.make_mesh(..., "
+                "axis_types=(jax.sharding.AxisType.Explicit,))."
             )
     return math.prod(mesh.shape[axis] for axis in axes)
 
@@ -214,7 +216,7 @@ def unreduced_value_and_grad(
             f"position(s) {overlap} are in both argnums and batch_argnums; the params are "
             f"replicated and the batch is split. Got {argnums=!r}, {batch_argnums=!r}."
         )
-    k = _validation.check_positive_int("num_microbatches", num_microbatches)
+    k = _validation.check_int("num_microbatches", num_microbatches)
     if not isinstance(reduce_value, bool):
         raise TypeError(f"reduce_value must be a bool; got {reduce_value=!r}.")
     if aux_out_specs is not None and not has_aux:
@@ -235,7 +237,7 @@ def unreduced_value_and_grad(
         return jax.lax.psum(leaf, axes)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        devices = _mesh_axes_size(axes)
+        devices = mesh_axes_size(axes, f"unreduced_value_and_grad(..., axis_name={axis_name!r})")
         for i in grad_nums:
             if i >= len(args):
                 raise ValueError(
@@ -259,6 +261,12 @@ def unreduced_value_and_grad(
             return value, grads, aux
 
         in_specs = tuple(jax.P(axes) if i in batch_nums else jax.P() for i in range(len(args)))
+        # shard_map takes arrays already in its in_specs: params sharded over
+        # the axis (FSDP) are gathered here, a replicated batch is sliced.
+        args = tuple(
+            jax.tree.map(lambda x, s=spec: jax.reshard(x, s) if isinstance(x, jax.Array) else x, a)
+            for a, spec in zip(args, in_specs, strict=True)
+        )
         aux_specs = jax.P() if aux_out_specs is None else aux_out_specs
         out_specs = (jax.P() if reduce_value else unreduced, unreduced, aux_specs)
         value, grads, aux = jax.shard_map(local, in_specs=in_specs, out_specs=out_specs)(*args)
@@ -346,6 +354,19 @@ def _share(leaf: jax.Array, is_unreduced: bool, axes: tuple[Any, ...], devices: 
     return jnp.where(first, leaf, jnp.zeros_like(leaf))
 
 
+def _unsplit(leaf: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
+    spec = _spec(leaf)
+    if spec.unreduced or not _mesh_axes_of(spec) & set(axes):
+        return leaf
+
+    def drop(part):
+        names = part if isinstance(part, tuple) else (part,)
+        kept = tuple(a for a in names if a is not None and a not in axes)
+        return kept if len(kept) > 1 else (kept[0] if kept else None)
+
+    return jax.reshard(leaf, jax.P(*(drop(part) for part in spec)))
+
+
 def _per_device(
     body: Callable[..., Any],
     axes: tuple[Any, ...],
@@ -362,6 +383,10 @@ def _per_device(
     """
     devices = _device_count(axes)
     unreduced = jax.P(unreduced=frozenset(axes))
+    # A state leaf sharded over the axes (the accumulator `init` made like
+    # params sharded for FSDP) is gathered first; this happens on the call that
+    # retypes the state as unreduced, not on later ones.
+    shared = tuple(jax.tree.map(lambda x: _unsplit(x, axes), tree) for tree in shared)
     kinds = [jax.tree.map(_is_unreduced, tree) for tree in shared]
     specs = [
         jax.tree.map(lambda x, u: unreduced if u else _spec(x), tree, kind)
@@ -381,16 +406,18 @@ def _per_device(
     )
 
 
-def local_accept(grads: Any, valid: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
+def local_accept(
+    grads: Any, valid: jax.Array, axes: tuple[Any, ...], *, check: bool = True
+) -> jax.Array:
     """`bool[n]` sharded over `axes`: whether each device's share of `grads` is finite.
 
     `valid` (a replicated boolean scalar, e.g. whether the weight is usable)
-    is and-ed in.
+    is and-ed in. With `check=False` the gradients are not looked at.
     """
 
     def body(plain, grads):
         (valid,) = plain
-        leaves = [leaf for leaf in jax.tree.leaves(grads) if leaf.size]
+        leaves = [leaf for leaf in jax.tree.leaves(grads) if leaf.size and check]
         finite = [jnp.isfinite(jnp.max(jnp.abs(leaf))) for leaf in leaves]
         return jnp.reshape(jnp.all(jnp.stack([valid, *finite])), (1,))
 
@@ -463,3 +490,116 @@ def local_count(
         (acc_weight, num_skipped),
         (unreduced, unreduced),
     )
+
+
+# --- the gate: one reduction at the window's close -------------------------------
+
+
+def _dense(spec: Any) -> Any:
+    """`spec` without its unreduced axes: the sharding the reduction produces."""
+    return jax.P(*spec)
+
+
+def dense_spec(leaf: Any) -> Any:
+    """The sharding of `leaf` without unreduced axes."""
+    return _dense(_spec(leaf))
+
+
+def spec_axes(name: str, specs: Any) -> tuple[Any, ...]:
+    """The mesh axes that a tree of specs shards over, or a `ValueError` if none."""
+    names: set = set()
+    for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.P)):
+        names |= _mesh_axes_of(spec)
+    if not names:
+        raise ValueError(
+            f"{name} names no mesh axis to shard the inner state over (every spec is "
+            "replicated); pass the data-parallel axis, e.g. shard_inner_state='data'."
+        )
+    return tuple(sorted(names, key=str))
+
+
+def unreduced_zeros(tree: Any, axes: tuple[Any, ...]) -> Any:
+    """`tree` of zeros typed unreduced over `axes` (each device holds zeros: no communication)."""
+    unreduced = jax.P(unreduced=frozenset(axes))
+    return jax.tree.map(lambda z: jax.reshard(z, unreduced), tree)
+
+
+def check_shard_inner_state(
+    shard_inner_state: Any, axis_name: Any, compensated: bool
+) -> tuple[Any, ...] | None:
+    """Validates `accumulate`'s `shard_inner_state`; returns its axes when it names them."""
+    if shard_inner_state is None:
+        return None
+    if axis_name is not None:
+        raise ValueError(
+            f"shard_inner_state={shard_inner_state!r} is for global-view jax.jit on a mesh, "
+            f"axis_name={axis_name!r} for jax.shard_map or jax.pmap; give one of them."
+        )
+    if compensated:
+        raise ValueError(
+            "compensated=True is not available with shard_inner_state: the window is "
+            "unreduced over mesh axes; use a float32 accumulator (accumulator_dtype=None)."
+        )
+    if callable(shard_inner_state):
+        return None
+    is_spec = lambda x: isinstance(x, jax.P)  # noqa: E731
+    if isinstance(shard_inner_state, str | tuple) and not is_spec(shard_inner_state):
+        return _validation.check_axis_name("shard_inner_state", shard_inner_state)
+    leaves = jax.tree.leaves(shard_inner_state, is_leaf=is_spec)
+    if not leaves or not all(is_spec(x) for x in leaves):
+        raise TypeError(
+            "shard_inner_state must be a mesh axis name (such as 'data'), a tuple of names, "
+            "a callable (path, param) -> PartitionSpec, or a tree of PartitionSpecs shaped "
+            f"like the params; got {shard_inner_state=!r}."
+        )
+    return None
+
+
+def unreduced_gate(specs: Any) -> _window.Gate:
+    """The gate of an unreduced window: one `jax.reshard` of the sums at the close.
+
+    `specs` (a tree like the window sums) gives the sharding the reduction
+    produces: `P()` is an all-reduce, a spec that splits a dimension over the
+    unreduced axes a reduce-scatter. The weight is reduced with them. No other
+    collective runs; "anything accepted" is known after the reduction.
+    """
+
+    def reduce(window: _window.Window) -> _window.Window:
+        total = jax.tree.map(jax.reshard, window.total, specs)
+        return window._replace(total=total, weight=jax.reshard(window.weight, jax.P()))
+
+    def zeros_like(leaf: jax.Array, dtype: Any) -> jax.Array:
+        return jnp.zeros(jnp.shape(leaf), dtype, out_sharding=_dense(_spec(leaf)))
+
+    return _window.Gate(
+        cond=jax.lax.cond, reduce=reduce, decides_locally=False, zeros_like=zeros_like
+    )
+
+
+def inner_specs(params: Any, shard_inner_state: Any, axes: tuple[Any, ...] | None) -> Any:
+    """The sharding of the inner optimizer's view of `params` (and of its state).
+
+    `None` keeps each leaf's own (dense) sharding. An axis name (or tuple)
+    splits the first dimension of every leaf whose first dimension is
+    divisible by the number of devices along it and is not sharded already;
+    other leaves keep their sharding. A callable `(path, leaf) -> spec` or a
+    tree of specs like `params` chooses per leaf.
+    """
+    if shard_inner_state is None:
+        return jax.tree.map(lambda p: _dense(_spec(p)), params)
+    if callable(shard_inner_state):
+        return jax.tree_util.tree_map_with_path(shard_inner_state, params)
+    if axes is None:
+        return jax.tree.map(
+            lambda p, s: s, params, shard_inner_state, is_leaf=lambda x: isinstance(x, jax.P)
+        )
+    name = axes[0] if len(axes) == 1 else axes
+    devices = mesh_axes_size(axes, f"shard_inner_state={name!r}")
+
+    def split_first(p: Any) -> Any:
+        parts = list(_dense(_spec(p))) + [None] * (jnp.ndim(p) - len(_dense(_spec(p))))
+        if jnp.ndim(p) and jnp.shape(p)[0] % devices == 0 and parts[0] is None:
+            parts[0] = name
+        return jax.P(*parts)
+
+    return jax.tree.map(split_first, params)
