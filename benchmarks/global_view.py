@@ -185,8 +185,6 @@ def per_device_bytes(tree) -> int:
 def inner_state_of(name: str, state):
     if name == "multisteps":
         return state.inner_opt_state
-    if name == "shard_map":
-        return ga.remove_replica_axis(state).inner_state
     return state.inner_state
 
 

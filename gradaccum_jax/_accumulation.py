@@ -428,7 +428,8 @@ def accumulate(
             state.acc_weight, state.num_skipped, accepted, term_weight, reset, axes
         )
         gradient_step = _window.increment_if(state.gradient_step, applied)
-        new_state = AccumulateState(
+        # _replace: fields this mode does not touch keep their values.
+        new_state = state._replace(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
             gradient_step=gradient_step,
             window_length=jnp.where(
@@ -440,7 +441,6 @@ def accumulate(
             weight_unit=jnp.where(reset, 1.0, unit).astype(jnp.float32),
             num_skipped=num_skipped,
             inner_state=new_inner,
-            acc_compensation=None,
         )
         return new_updates, new_state
 
