@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax import _validation
+from gradaccum_jax._norms import L2, Size, apply_factors, compute_dtype, measure, ratio_factors
 
 # A per-leaf unit specification: the axes one unit spans (an int or a tuple of
-# ints; ``()`` makes every element its own unit), ``None`` for the whole leaf,
+# ints; `()` makes every element its own unit), `None` for the whole leaf,
 # or the name of a built-in rule.
 AxesSpec = int | tuple[int, ...] | Literal["flax", "optax"] | None
 UnitAxes = AxesSpec | Callable[[jax.tree_util.KeyPath, jax.Array], AxesSpec] | Any
@@ -121,8 +122,19 @@ def _resolve(spec: Any, path: jax.tree_util.KeyPath, shape: tuple[int, ...]) -> 
     return tuple(sorted(resolved))
 
 
+def _max_norm(clipping: Any, p_size: Size, eps: Any) -> jax.Array:
+    """`clipping * max(|W_u|, eps)`, capped at the largest float of its dtype."""
+    value = p_size.value()
+    big = jnp.finfo(value.dtype).max
+    floored = jnp.maximum(value, eps)
+    # clipping * floored can exceed the largest float only when clipping > 1.
+    return jnp.where(floored > big / jnp.maximum(clipping, 1), big, clipping * floored).astype(
+        value.dtype
+    )
+
+
 def _leaf_axes(unit_axes: UnitAxes, params: optax.Params) -> list[tuple[int, ...]]:
-    """Returns the reduction axes of every leaf of ``params``, in flattening order."""
+    """Returns the reduction axes of every leaf of `params`, in flattening order."""
     with_path = jax.tree_util.tree_leaves_with_path(params)
     if unit_axes is None or isinstance(unit_axes, str):
         rule = "flax" if unit_axes is None else unit_axes
@@ -148,85 +160,87 @@ def _leaf_axes(unit_axes: UnitAxes, params: optax.Params) -> list[tuple[int, ...
     ]
 
 
-def _unit_norm(x: jax.Array, axes: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
-    x = x.astype(dtype)
-    squares = jnp.square(jnp.abs(x)) if jnp.iscomplexobj(x) else jnp.square(x)
-    total = jnp.sum(squares, axis=axes, keepdims=True)
-    # sqrt has an infinite slope at 0; guarding it keeps derivatives finite.
-    positive = total > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, total, 1)), 0)
-
-
 def adaptive_grad_clip(
     clipping: jax.typing.ArrayLike = 0.01,
     eps: jax.typing.ArrayLike = 1e-3,
+    axis: int | tuple[int, ...] | None = None,
     *,
     unit_axes: UnitAxes = None,
 ) -> optax.GradientTransformation:
     r"""Clips each unit's gradient to a fraction of its weight's norm (AGC).
 
     A *unit* is a slice of a parameter leaf, usually all weights feeding one
-    output feature. For every unit :math:`u` with weights :math:`W_u` and
-    gradient :math:`G_u`,
+    output feature. For every unit $u$ with weights $W_u$ and gradient $G_u$,
 
-    .. math::
+    $$
+    G_u \leftarrow G_u \cdot \min\Bigl(1,\;
+        \frac{\lambda\,\max(\lVert W_u\rVert_2, \epsilon)}{\lVert G_u\rVert_2}\Bigr),
+    $$
 
-        G_u \leftarrow G_u \cdot \min\Bigl(1,\;
-            \frac{\lambda\,\max(\lVert W_u\rVert_2, \epsilon)}{\lVert G_u\rVert_2}\Bigr),
+    so that $\lVert G_u\rVert \le \lambda \max(\lVert W_u\rVert, \epsilon)$
+    afterwards ($\lambda$ is `clipping`). Norms are computed in float32 (or
+    wider, complex elements by their modulus) whatever the gradients' dtype,
+    exactly over the whole float range: a float32 gradient of `[2e19, 2e19]`
+    is clipped, not zeroed. The result keeps the gradients' dtype.
 
-    so that :math:`\lVert G_u\rVert \le \lambda \max(\lVert W_u\rVert, \epsilon)`
-    afterwards (:math:`\lambda` is ``clipping``). Norms are computed in float32
-    (or wider) whatever the gradients' dtype; the result keeps that dtype.
+    **Units.** By default (`axis=None`, `unit_axes=None`) the units follow
+    Flax's layouts, read from the leaf's rank and its name in the tree:
 
-    **Units.** By default (``unit_axes=None``) the units follow Flax's layouts,
-    read from the leaf's rank and its name in the tree:
+    - scalars, vectors and every leaf named `bias`: the whole leaf is one unit;
+    - `kernel` under `query`, `key` or `value` (attention input projections,
+      `(in, heads, head_dim)`): one unit per `(head, feature)`, reducing over
+      the input axes;
+    - every other leaf of rank ≥ 2 (Dense `(in, out)`, Conv `(..., in, out)`,
+      Conv1D `(W, I, O)`, attention output `(heads, head_dim, out)`): one unit
+      per output feature, reducing over all axes but the last.
 
-    * scalars, vectors and every leaf named ``bias``: the whole leaf is one unit;
-    * ``kernel`` under ``query``, ``key`` or ``value`` (attention input
-      projections, ``(in, heads, head_dim)``): one unit per ``(head, feature)``,
-      reducing over the input axes;
-    * every other leaf of rank ≥ 2 — Dense ``(in, out)``, Conv
-      ``(..., in, out)``, Conv1D ``(W, I, O)``, attention output
-      ``(heads, head_dim, out)`` — one unit per output feature, reducing over
-      all axes but the last.
-
-    Rank alone cannot tell a Conv1D kernel ``(W, I, O)`` from a DenseGeneral
-    kernel ``(in, heads, head_dim)``; for layouts the names do not reveal
-    (DenseGeneral with several output axes, Einsum, custom modules) pass
-    ``unit_axes``. ``optax.adaptive_grad_clip`` decides by rank only and
+    For Dense, Conv2D and Conv3D kernels, vectors and scalars this is also
+    `optax.adaptive_grad_clip`'s default. optax decides by rank only and
     reduces a rank-3 leaf over axis 0, which is wrong for Conv1D and attention
-    output kernels (it clips each ``(W or head, out)`` column separately);
-    ``unit_axes="optax"`` reproduces its rule exactly for compatibility.
+    output kernels (it clips each `(W or head, out)` column separately);
+    `unit_axes="optax"` reproduces its choice of units. For layouts the names
+    do not reveal (DenseGeneral with several output axes, Einsum, custom
+    modules) pass `unit_axes`.
+
+    **From optax.** `adaptive_grad_clip(clipping, eps, axis)` takes optax's
+    arguments with optax's meaning: `axis` names the axes the norms reduce
+    over, the same for every leaf. One difference remains, pinned by a test:
+    optax divides by `max(|G_u|, 1e-6)`, so a unit whose gradient norm is
+    below `1e-6` and over its bound comes out smaller than the bound; here the
+    division is by $\lVert G_u\rVert$ itself and the unit lands on its bound.
 
     Args:
-      clipping: The bound :math:`\lambda > 0` on the ratio of a unit's gradient
+      clipping: The bound $\lambda > 0$ on the ratio of a unit's gradient
         norm to its weight norm. Brock et al. use 0.01 to 0.16 depending on the
         batch size (smaller for larger batches).
-      eps: The floor :math:`\epsilon \ge 0` on weight norms, so that units with
+      eps: The floor $\epsilon \ge 0$ on weight norms, so that units with
         zero-initialised weights can still move.
+      axis: optax's argument: an int or a tuple of ints naming the axes the
+        norms reduce over, for every leaf alike; `None` (default) leaves the
+        choice to `unit_axes`. Not together with `unit_axes`.
       unit_axes: Which axes of each leaf one unit spans (the axes the norms
         reduce over). One of
 
-        * ``None`` or ``"flax"``: the Flax rule above;
-        * ``"optax"``: ``optax.adaptive_grad_clip``'s rank rule;
-        * a tree with the structure of the params, or a prefix of it, whose
+        - `None` or `"flax"`: the Flax rule above;
+        - `"optax"`: `optax.adaptive_grad_clip`'s rank rule;
+        - a tree with the structure of the params, or a prefix of it, whose
           leaves are specs: an int or a tuple of ints (negative counts from the
-          end; ``()`` makes each element a unit), ``None`` (the whole leaf is
-          one unit), ``"flax"`` or ``"optax"``. A tuple of ints is always one
+          end; `()` makes each element a unit), `None` (the whole leaf is
+          one unit), `"flax"` or `"optax"`. A tuple of ints is always one
           spec, so for tuple-structured params give per-leaf specs with a
           callable;
-        * a callable ``(path, leaf) -> spec``, called at trace time with the
-          key path (as from ``jax.tree_util.tree_leaves_with_path``) and the
+        - a callable `(path, leaf) -> spec`, called at trace time with the
+          key path (as from `jax.tree_util.tree_leaves_with_path`) and the
           parameter leaf.
 
     Returns:
-      An ``optax.GradientTransformation`` with an empty state. Its ``update``
-      needs ``params``.
+      An `optax.GradientTransformation` with an empty state. Its `update`
+      needs `params`.
 
     Raises:
-      ValueError: If ``clipping <= 0``, ``eps < 0``, a rule name is unknown,
-        an axis is out of range or repeated, or ``update`` is called without
-        ``params``.
+      ValueError: If `clipping <= 0`, `eps < 0`, a rule name is unknown,
+        an axis is out of range or repeated, both `axis` and `unit_axes` are
+        given, or `update` is called without `params`.
       TypeError: If a spec is of the wrong type.
 
     Examples:
@@ -240,7 +254,7 @@ def adaptive_grad_clip(
       Array([[0.6, 0. ],
              [0.8, 0.5]], dtype=float32)
 
-      Place it on the accumulated gradient, i.e. inside :func:`accumulate`:
+      Place it on the accumulated gradient, i.e. inside `accumulate`:
 
       >>> import optax
       >>> tx = ga.accumulate(optax.chain(ga.adaptive_grad_clip(0.01), optax.sgd(0.1)), 4)
@@ -251,6 +265,24 @@ def adaptive_grad_clip(
     """
     _validation.check_hyperparameter("clipping", clipping, allow_zero=False)
     _validation.check_hyperparameter("eps", eps)
+    if axis is not None:
+        if unit_axes is not None:
+            raise ValueError(
+                f"pass either axis (optax's spelling: the same axes for every leaf) or "
+                f"unit_axes (per-leaf rules), not both; got {axis=}, {unit_axes=}."
+            )
+        if isinstance(axis, bool) or not (
+            isinstance(axis, numbers.Integral) or (_is_spec(axis) and isinstance(axis, tuple))
+        ):
+            hint = (
+                " With optax.inject_hyperparams pass static_args=('axis', 'unit_axes')."
+                if hasattr(axis, "dtype")
+                else ""
+            )
+            raise TypeError(
+                f"axis must be an int, a tuple of ints or None; got {axis!r} of type "
+                f"{type(axis).__name__}.{hint}"
+            )
     if isinstance(unit_axes, str):
         _check_spec("unit_axes", unit_axes)
     elif unit_axes is not None and not callable(unit_axes):
@@ -275,18 +307,30 @@ def adaptive_grad_clip(
         _validation.check_same_structure("updates", updates, "params", params)
         grad_leaves, treedef = jax.tree.flatten(updates)
         param_leaves = jax.tree.leaves(params)
-        out = []
-        for g, p, axes in zip(
-            grad_leaves, param_leaves, _leaf_axes(unit_axes, params), strict=True
-        ):
-            dtype = jnp.promote_types(jnp.promote_types(g.dtype, p.dtype), jnp.float32)
-            g_norm = _unit_norm(g, axes, dtype)
-            max_norm = clipping * jnp.maximum(_unit_norm(p, axes, dtype), eps)
-            over = g_norm > max_norm
-            # The guarded denominator keeps the unused branch finite, so the
-            # transform is NaN-free (and differentiable) for zero gradients.
-            scale = jnp.where(over, max_norm / jnp.where(over, g_norm, 1), 1)
-            out.append((g.astype(dtype) * scale.astype(dtype)).astype(g.dtype))
+        leaf_axes = _leaf_axes(unit_axes if axis is None else axis, params)
+        dtypes = [
+            compute_dtype(jnp.result_type(g), jnp.result_type(p))
+            for g, p in zip(grad_leaves, param_leaves, strict=True)
+        ]
+        gs = [jnp.asarray(g).astype(d) for g, d in zip(grad_leaves, dtypes, strict=True)]
+        ps = [jnp.asarray(p).astype(d) for p, d in zip(param_leaves, dtypes, strict=True)]
+        nonempty = [i for i, g in enumerate(gs) if g.size]
+        # One measurement of all gradient and weight units: exact norms
+        # whatever their magnitude, at the cost of plain ones on ordinary inputs.
+        found = measure(
+            [[(gs[i], leaf_axes[i])] for i in nonempty]
+            + [[(ps[i], leaf_axes[i])] for i in nonempty],
+            L2,
+        )
+        out = list(grad_leaves)
+        for j, i in enumerate(nonempty):
+            g_size, p_size = found[j], found[len(nonempty) + j]
+            max_norm = _max_norm(clipping, p_size, eps)
+            over = g_size.value() > max_norm
+            one = jnp.ones_like(max_norm)
+            a, b = ratio_factors(max_norm, g_size)
+            scaled = apply_factors(gs[i], jnp.where(over, a, one), jnp.where(over, b, one))
+            out[i] = scaled.astype(jnp.result_type(grad_leaves[i]))
         return jax.tree.unflatten(treedef, out), state
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -505,7 +505,12 @@ def _check_bound(
 
 
 def _inner_limit(limit: float | None, dtype: Any, direction: float) -> Any:
-    """``limit`` rounded into ``dtype`` towards the inside of the box."""
+    """`limit` rounded into `dtype` towards the inside of the box, never subnormal.
+
+    XLA may flush subnormal numbers to zero (XLA:CPU does), which would move a
+    subnormal limit outwards, to zero; such a limit is rounded inwards to zero
+    or to the smallest normal number instead.
+    """
     if limit is None:
         return None
     rounded = np.asarray(limit, dtype)
@@ -513,46 +518,69 @@ def _inner_limit(limit: float | None, dtype: Any, direction: float) -> Any:
         rounded = np.nextafter(rounded, np.asarray(np.inf, dtype))
     if direction < 0 and float(rounded) > limit:
         rounded = np.nextafter(rounded, np.asarray(-np.inf, dtype))
+    tiny = float(jnp.finfo(dtype).tiny)
+    if 0 < abs(float(rounded)) < tiny:
+        inwards_is_up = direction > 0
+        if (float(rounded) > 0) == inwards_is_up:
+            rounded = np.asarray(np.copysign(tiny, float(rounded)), dtype)
+        else:
+            rounded = np.asarray(0.0, dtype)
     return rounded
+
+
+def _check_real_params(params: optax.Params) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dtype = jnp.result_type(leaf)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(
+                "clamp_params keeps real parameters inside [lower, upper]; the leaf at "
+                f"{jax.tree_util.keystr(path)} has dtype {dtype}, which has no order. Leave "
+                "complex leaves out with optax.masked(ga.clamp_params(...), mask)."
+            )
 
 
 _FIXUP_ROUNDS = 4
 
 
 def clamp_params(lower: float | None, upper: float | None) -> optax.GradientTransformation:
-    r"""Modifies the final update so that the params land inside ``[lower, upper]``.
+    r"""Modifies the final update so that the params land inside `[lower, upper]`.
 
-    Returns ``u' = clip(p + u, lower, upper) - p``, corrected so that
-    ``optax.apply_updates`` (which adds in the params' dtype) gives a value in
-    the box: ``p + u'`` is computed as ``apply_updates`` does, and where it
-    rounds outside the box ``u'`` is moved by one unit in the last place
+    Returns `u' = clip(p + u, lower, upper) - p`, corrected so that
+    `optax.apply_updates` (which adds in the params' dtype) gives a value in
+    the box: `p + u'` is computed as `apply_updates` does, and where it
+    rounds outside the box `u'` is moved by one unit in the last place
     towards the inside, for up to a few rounds. Limits that are not
-    representable in the params' dtype are rounded inwards. Infinite
+    representable in the params' dtype are rounded inwards; so are limits
+    that would be subnormal there (XLA may flush those to zero, which could
+    put a parameter outside the box): they become zero or the smallest
+    normal number, whichever is inside. Infinite
     updates are clamped like any other; a NaN propagates (it has no place in
     the box, and hiding it would hide the bug).
 
     The guarantee holds whenever one addition in the params' dtype can land
-    ``p`` in the box, which includes every parameter already inside it (should
+    `p` in the box, which includes every parameter already inside it (should
     the correction fail, such a parameter is left where it is; in tests on
     random parameters and updates in float32 and bfloat16 it never did). A
     parameter far
     outside a box narrower than the spacing of floats near it cannot be moved
-    in: ``-512`` in bfloat16 plus any bfloat16 gives ``0`` or ``4``, never a
-    value in ``[0.001, 3.3]``. It then lands just beside the box.
+    in: `-512` in bfloat16 plus any bfloat16 gives `0` or `4`, never a
+    value in `[0.001, 3.3]`. It then lands just beside the box.
 
     Put it last in the chain, after `split_accumulate` (none of whose
     soft bounds keeps parameters inside the box) or any other optimizer.
 
     Args:
-      lower: Lower limit, or ``None`` for none.
-      upper: Upper limit, or ``None`` for none.
+      lower: Lower limit, or `None` for none.
+      upper: Upper limit, or `None` for none.
 
     Returns:
-      An ``optax.GradientTransformation`` whose ``update`` requires ``params``.
+      An `optax.GradientTransformation` whose `update` requires `params`.
 
     Raises:
-      ValueError: If both limits are ``None``, a limit is not finite, or
-        ``lower > upper``; at trace time, if ``params`` is missing.
+      ValueError: If both limits are `None`, a limit is not finite, or
+        `lower > upper`; at trace time, if `params` is missing or the box
+        holds no normal number of the params' dtype.
+      TypeError: At trace time, for complex parameters.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -582,7 +610,8 @@ def clamp_params(lower: float | None, upper: float | None) -> optax.GradientTran
         hi = _inner_limit(upper, dtype, -1)
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(
-                f"the box [{lower!r}, {upper!r}] holds no value of dtype {dtype}; widen it."
+                f"the box [{lower!r}, {upper!r}] holds no value of dtype {dtype} (subnormal "
+                "values do not count: XLA may flush them to zero); widen it."
             )
 
         def inside(x):
@@ -618,6 +647,7 @@ def clamp_params(lower: float | None, upper: float | None) -> optax.GradientTran
             )
         _validation.check_same_structure("updates", updates, "params", params)
         _validation.check_float_tree("params", params)
+        _check_real_params(params)
         return jax.tree.map(clamp_leaf, updates, params), state
 
     return optax.GradientTransformation(init_fn, update_fn)

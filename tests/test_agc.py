@@ -367,3 +367,49 @@ def test_property_units_within_bound(shape, seed, log_scale, clipping):
     # Units already within the bound are untouched.
     within = _unit_norms(g["kernel"], axes) <= bound
     np.testing.assert_array_equal(np.where(within, out, 0), np.where(within, g["kernel"], 0))
+
+
+# --------------------------------------------------------------------------- #
+# Regressions (issues 14 and 18)                                               #
+# --------------------------------------------------------------------------- #
+
+
+def test_huge_gradients_are_clipped_not_zeroed():
+    params = {"w": jnp.array([1.0, 1.0])}
+    out = _apply(ga.adaptive_grad_clip(0.01), {"w": jnp.array([2e19, 2e19])}, params)
+    # The bound is 0.01 * sqrt(2): each element 0.01.
+    np.testing.assert_allclose(out["w"], [0.01, 0.01], rtol=RTOL)
+    out = _apply(ga.adaptive_grad_clip(0.01), {"w": jnp.array([3e-30, 4e-30])}, params)
+    np.testing.assert_allclose(out["w"], [3e-30, 4e-30], rtol=RTOL)
+
+
+def test_optax_axis_argument_has_optax_meaning():
+    rng = np.random.default_rng(3)
+    params = {"k": jnp.asarray(rng.normal(size=(3, 4, 5)), jnp.float32)}
+    grads = jax.tree.map(lambda p: 2.0 * p[::-1], params)
+    for axis in (0, (0, 1), -1):
+        ours = _apply(ga.adaptive_grad_clip(0.05, 1e-3, axis), grads, params)
+        theirs = _apply(optax.adaptive_grad_clip(0.05, 1e-3, axis), grads, params)
+        np.testing.assert_allclose(ours["k"], theirs["k"], rtol=RTOL, atol=1e-7)
+    with pytest.raises(ValueError, match=r"either axis .* or unit_axes"):
+        ga.adaptive_grad_clip(0.01, axis=0, unit_axes="flax")
+    with pytest.raises(TypeError, match=r"axis must be an int, a tuple of ints or None"):
+        ga.adaptive_grad_clip(0.01, axis="0")
+
+
+def test_tiny_gradient_over_its_bound_lands_on_it_where_optax_undershoots():
+    # Zero weights: the bound is clipping * eps = 1e-8; the gradient norm is
+    # 5e-7, below optax's floor of 1e-6 on the divisor.
+    params = {"w": jnp.zeros(2)}
+    grads = {"w": jnp.array([3e-7, 4e-7])}
+    ours = _apply(ga.adaptive_grad_clip(1e-5, 1e-3, unit_axes="optax"), grads, params)
+    theirs = _apply(optax.adaptive_grad_clip(1e-5, 1e-3), grads, params)
+    np.testing.assert_allclose(np.linalg.norm(ours["w"]), 1e-8, rtol=RTOL)
+    np.testing.assert_allclose(np.linalg.norm(theirs["w"]), 5e-9, rtol=RTOL)
+
+
+def test_complex_gradients_keep_their_phase():
+    params = {"w": jnp.array([1.0 + 0j, 0.0], jnp.complex64)}
+    grads = {"w": jnp.array([3 + 4j, 0.0], jnp.complex64)}
+    out = _apply(ga.adaptive_grad_clip(0.1), grads, params)
+    np.testing.assert_allclose(out["w"], [0.06 + 0.08j, 0.0], rtol=RTOL)

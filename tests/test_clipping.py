@@ -157,7 +157,10 @@ def test_clip_norm_and_normalize_match_reference_for_all_ords():
     @jax.jit
     def every_ord(t):
         return [
-            (ga.clip_grad_norm(t, 1.5, ord, min_size=1)[0], ga.normalize_grads(t, 0.7, ord))
+            (
+                ga.clip_grad_norm(t, 1.5, ord, dim=None)[0],
+                ga.normalize_grads(t, 0.7, ord, dim=None),
+            )
             for ord in ORDS
         ]
 
@@ -173,10 +176,13 @@ def test_clip_norm_and_normalize_match_reference_for_all_ords():
 )
 def test_units_follow_dim_and_inverse_dims(dim, inverse_dims):
     tree = _tree(1, scale=3.0)
+    min_size = 1 if dim == "global" else 2
     clipped, norms = jax.jit(
-        lambda t: ga.clip_grad_norm(t, 1.0, 2, dim=dim, inverse_dims=inverse_dims, min_size=2)
+        lambda t: ga.clip_grad_norm(
+            t, 1.0, 2, dim=dim, inverse_dims=inverse_dims, min_size=min_size
+        )
     )(tree)
-    assert_tree_close(clipped, ref_clip(tree, 1.0, 2, dim, inverse_dims, min_size=2))
+    assert_tree_close(clipped, ref_clip(tree, 1.0, 2, dim, inverse_dims, min_size=min_size))
     normalized = jax.jit(
         lambda t: ga.normalize_grads(t, 2.0, "mad", dim=dim, inverse_dims=inverse_dims)
     )(tree)
@@ -198,19 +204,19 @@ def test_dim_none_uses_each_leafs_own_axes():
     # torchzero takes dim=None's axes from the first tensor; here a vector
     # first and a 3-D leaf second must both end at norm <= bound as wholes.
     tree = {"a": jnp.ones(4) * 3.0, "b": jnp.ones((2, 3, 4)) * 3.0}
-    out = _stateless_update(ga.clip_norm(1.0), tree)
+    out = _stateless_update(ga.clip_norm(1.0, dim=None), tree)
     for leaf in out.values():
         np.testing.assert_allclose(np.linalg.norm(np.ravel(leaf)), 1.0, rtol=RTOL)
 
 
 def test_min_size_and_missing_axes_leave_leaves_unchanged():
     tree = {"s": jnp.float32(5.0), "v": jnp.array([3.0, 4.0]), "m": jnp.ones((3, 4)) * 10.0}
-    # Default min_size=2 of clip_grad_norm: the scalar is not clipped.
-    out, _ = jax.jit(lambda t: ga.clip_grad_norm(t, 1.0))(tree)
+    # min_size=2 (torchzero's clip_grad_norm_ default): the scalar is not clipped.
+    out, _ = jax.jit(lambda t: ga.clip_grad_norm(t, 1.0, dim=None, min_size=2))(tree)
     assert float(out["s"]) == 5.0
     np.testing.assert_allclose(out["v"], [0.6, 0.8], rtol=RTOL)
-    # min_size=1 (clip_norm's default) clips the scalar to magnitude 1.
-    assert float(_stateless_update(ga.clip_norm(1.0), tree)["s"]) == 1.0
+    # min_size=1 (the default everywhere) clips the scalar to magnitude 1.
+    assert float(_stateless_update(ga.clip_norm(1.0, dim=None), tree)["s"]) == 1.0
     # Units of 3 elements (dim=0 on the matrix) are skipped with min_size=4.
     out, _ = jax.jit(lambda t: ga.clip_grad_norm(t, 1.0, dim=0, min_size=4))(tree)
     np.testing.assert_array_equal(out["m"], tree["m"])
@@ -222,7 +228,7 @@ def test_min_size_and_missing_axes_leave_leaves_unchanged():
 
 def test_min_norm_scales_small_units_up():
     tree = {"a": jnp.array([0.3, 0.4]), "b": jnp.array([3.0, 4.0]), "z": jnp.zeros(2)}
-    out, _ = jax.jit(lambda t: ga.clip_grad_norm(t, 2.0, min_norm=1.0))(tree)
+    out, _ = jax.jit(lambda t: ga.clip_grad_norm(t, 2.0, dim=None, min_norm=1.0))(tree)
     np.testing.assert_allclose(out["a"], [0.6, 0.8], rtol=RTOL)
     np.testing.assert_allclose(out["b"], [1.2, 1.6], rtol=RTOL)
     np.testing.assert_array_equal(out["z"], [0.0, 0.0])
@@ -252,8 +258,8 @@ def test_centralize_flax_pytorch_and_global():
     np.testing.assert_allclose(
         torch_out["kernel"], kn - kn.mean(axis=(1, 2), keepdims=True), rtol=RTOL, atol=1e-4
     )
-    # dim=None: every leaf over its own axes; the scalar (1 element) is kept.
-    whole = _stateless_update(ga.centralize(), tree)
+    # dim=None: every leaf over its own axes; the scalar (no axis) is kept.
+    whole = _stateless_update(ga.centralize(None, min_size=2), tree)
     np.testing.assert_allclose(whole["bias"], [-2.0, -1.0, 3.0], rtol=RTOL)
     np.testing.assert_allclose(whole["kernel"], kn - kn.mean(), rtol=RTOL, atol=1e-3)
     assert float(whole["s"]) == 3.0
@@ -274,10 +280,10 @@ def test_zero_updates_stay_zero_without_nan():
         ga.normalize(2.0, "var", dim="global"),
         ga.normalize(2.0, 3, dim=-1, inverse_dims=True),
         ga.clip_norm_by_ema(),
-        ga.normalize_by_ema(tensorwise=False),
+        ga.normalize_by_ema(dim="global"),
         ga.clip_value_by_ema(),
         ga.clip_norm_growth(),
-        ga.clip_norm_growth(min_value=None, parameterwise=False),
+        ga.clip_norm_growth(min_value=None, dim="global"),
         ga.clip_value_growth(min_value=None),
     ]
     for outs, state in _run_many(txs, [zeros] * 3, zeros):
@@ -379,7 +385,8 @@ def test_ema_norm_clippers_over_several_steps(normalize_, ord, tensorwise, growt
     scales = [1.0, 0.2, 5.0, 0.0, 3.0, 40.0]
     grads = [_tree(10 + i, scale=c, shapes=shapes) for i, c in enumerate(scales)]
     factory = ga.normalize_by_ema if normalize_ else ga.clip_norm_by_ema
-    tx = factory(0.8, ord, 1e-6, tensorwise=tensorwise, max_ema_growth=growth, ema_init=init)
+    dim = None if tensorwise else "global"
+    tx = factory(0.8, ord, 1e-6, dim=dim, max_ema_growth=growth, ema_init=init)
     outs, state = _run_steps(tx, grads, grads[0])
     expected = ref_by_ema(grads, 0.8, ord, 1e-6, tensorwise, growth, init, normalize_)
     for got, want in zip(outs, expected, strict=True):
@@ -421,7 +428,7 @@ def test_clip_value_by_ema_over_several_steps():
 
 
 def test_clip_norm_growth_hand_sequences():
-    def norms(tx, values, parameterwise=True):
+    def norms(tx, values):
         g = [{"w": jnp.array([0.6, 0.8]) * v} for v in values]
         outs, _ = _run_steps(tx, g, g[0])
         return [float(np.linalg.norm(o["w"])) for o in outs]
@@ -447,7 +454,7 @@ def test_clip_norm_growth_hand_sequences():
     np.testing.assert_allclose(got, [1, 100], rtol=RTOL)
 
 
-def test_clip_norm_growth_parameterwise_and_global():
+def test_clip_norm_growth_per_leaf_and_global():
     grads = [
         {"a": jnp.array([3.0, 4.0]), "b": jnp.array([1.0])},
         {"a": jnp.array([3.0, 4.0]), "b": jnp.array([4.0])},
@@ -456,7 +463,7 @@ def test_clip_norm_growth_parameterwise_and_global():
     np.testing.assert_allclose(outs[1]["a"], [3.0, 4.0], rtol=RTOL)
     np.testing.assert_allclose(outs[1]["b"], [2.0], rtol=RTOL)
     np.testing.assert_allclose([state.prev_norm["a"], state.prev_norm["b"]], [5.0, 2.0])
-    outs, state = _run_steps(ga.clip_norm_growth(mul=1.1, parameterwise=False), grads, grads[0])
+    outs, state = _run_steps(ga.clip_norm_growth(mul=1.1, dim="global"), grads, grads[0])
     # Global norms sqrt(26) then sqrt(41), cut to 1.1 * sqrt(26).
     scale = 1.1 * np.sqrt(26) / np.sqrt(41)
     np.testing.assert_allclose(outs[1]["b"], [4.0 * scale], rtol=RTOL)
@@ -487,7 +494,7 @@ def test_non_finite_updates_leave_state_unchanged():
     bad = {"w": jnp.array([1.0, jnp.nan, 3.0]), "m": jnp.ones((2, 2))}
     txs = [
         ga.clip_norm_by_ema(),
-        ga.normalize_by_ema(tensorwise=False),
+        ga.normalize_by_ema(dim="global"),
         ga.clip_value_by_ema(ema_init="update"),
         ga.clip_norm_growth(),
         ga.clip_value_growth(),
@@ -525,9 +532,11 @@ def test_low_precision_updates_keep_dtype_and_state_dtype():
 
 
 def test_inject_hyperparams():
-    with pytest.raises(TypeError, match=r"static_args=\('ord', 'min_size'\)"):
+    with pytest.raises(TypeError, match=r"static_args=\('ord', 'dim', 'min_size'\)"):
         optax.inject_hyperparams(ga.clip_norm)(max_norm=1.0).init({})
-    tx = optax.inject_hyperparams(ga.clip_norm, static_args=("ord", "min_size"))(max_norm=1.0)
+    tx = optax.inject_hyperparams(ga.clip_norm, static_args=("ord", "dim", "min_size"))(
+        max_norm=1.0
+    )
     g = {"w": jnp.array([3.0, 4.0])}
     state = tx.init(g)
     u, state = jax.jit(tx.update)(g, state)
@@ -570,16 +579,19 @@ def test_inject_hyperparams():
         (lambda: ga.normalize_by_ema(eps=0.0), ValueError, r"eps must be finite and > 0"),
         (lambda: ga.clip_norm_by_ema(max_ema_growth=0.0), ValueError, r"max_ema_growth"),
         (lambda: ga.clip_norm_by_ema(ema_init="ones"), ValueError, r"ema_init must be one of"),
-        (lambda: ga.clip_norm_by_ema(tensorwise=1), TypeError, r"tensorwise must be a bool"),
+        (lambda: ga.clip_norm_by_ema(dim=1), ValueError, r"dim must be None .* or 'global'"),
+        (lambda: ga.clip_norm_by_ema(tensorwise=True), TypeError, r"tensorwise"),
         (lambda: ga.clip_value_by_ema(beta=1.5), ValueError, r"beta must be in \[0, 1\)"),
         (lambda: ga.clip_norm_growth(add=-1.0), ValueError, r"add must be finite and >= 0"),
         (lambda: ga.clip_norm_growth(mul=0.0), ValueError, r"mul must be finite and > 0"),
         (lambda: ga.clip_value_growth(max_decay=0.5), ValueError, r"max_decay must be >= 1"),
         (lambda: ga.clip_value_growth(min_value=-1.0), ValueError, r"min_value must be finite"),
+        (lambda: ga.clip_norm_growth(parameterwise=True), TypeError, r"parameterwise"),
+        (lambda: ga.clip_norm_growth(dim=0), ValueError, r"replaces torchzero's tensorwise"),
         (
-            lambda: ga.clip_norm_growth(parameterwise=None),
-            TypeError,
-            r"parameterwise must be a bool",
+            lambda: ga.clip_norm(1.0, min_size=2),
+            ValueError,
+            r"min_size applies to per-leaf .* dim='global'",
         ),
         (
             lambda: ga.clip_grad_norm({}, 1.0, min_norm=2.0),
@@ -666,7 +678,7 @@ def test_property_clip_bounds_and_normalize_reaches_target(
 def test_property_zero_stays_zero_and_dtype_preserved(shape, dtype, which):
     zeros = {"a": jnp.zeros(shape, dtype)}
     tx = [
-        ga.centralize(),
+        ga.centralize(None),
         ga.clip_norm(1.0, "std"),
         ga.normalize(1.0, 3, dim=0),
         ga.clip_norm_by_ema(),
@@ -676,3 +688,184 @@ def test_property_zero_stays_zero_and_dtype_preserved(shape, dtype, which):
     out, _ = jax.jit(tx.update)(zeros, tx.init(zeros))
     assert out["a"].dtype == dtype
     np.testing.assert_array_equal(np.asarray(out["a"], np.float32), 0)
+
+
+# --------------------------------------------------------------------------- #
+# Regressions: numerics over the whole float range (issue 18)                  #
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("ord", [2, "l2", "std", "var"])
+def test_huge_and_tiny_units_are_clipped_and_normalised_not_zeroed(ord):
+    huge = {"w": jnp.array([3e19, 4e19])}
+    tiny = {"w": jnp.array([3e-20, 4e-20])}
+    clipped, _ = jax.jit(lambda t: ga.clip_grad_norm(t, 1.0, ord))(huge)
+    direction = np.array([3.0, 4.0]) / (5.0 if ord in (2, "l2") else 1.0)
+    if ord in (2, "l2"):
+        np.testing.assert_allclose(clipped["w"], [0.6, 0.8], rtol=RTOL)
+        normalized = jax.jit(lambda t: ga.normalize_grads(t, 1.0, ord))(tiny)
+        np.testing.assert_allclose(normalized["w"], direction, rtol=RTOL)
+    else:
+        # std of [3, 4] * c is |c| / sqrt(2): the bound is reached, not zero.
+        got = np.asarray(clipped["w"], np.float64)
+        measured = np.std(got, ddof=1) ** (2 if ord == "var" else 1)
+        np.testing.assert_allclose(measured, 1.0, rtol=1e-5)
+        normalized = np.asarray(ga.normalize_grads(tiny, 1.0, ord)["w"], np.float64)
+        measured = np.std(normalized, ddof=1) ** (2 if ord == "var" else 1)
+        np.testing.assert_allclose(measured, 1.0, rtol=1e-5)
+
+
+def test_global_norm_of_huge_leaves_and_ratio_below_smallest_normal():
+    tx = ga.clip_norm(1.0)
+    out, _ = jax.jit(tx.update)({"a": jnp.array([3e19]), "b": jnp.array([4e19])}, tx.init(None))
+    np.testing.assert_allclose([out["a"][0], out["b"][0]], [0.6, 0.8], rtol=RTOL)
+    # bound / norm = 7.9e-40 is below float32's smallest normal number.
+    out = ga.normalize_grads({"w": jnp.array([1.26e36])}, 1e-3)
+    np.testing.assert_allclose(out["w"], [1e-3], rtol=RTOL)
+    out, norm = ga.clip_grad_norm({"w": jnp.array([3e38, 3e38])}, 1.0)
+    np.testing.assert_allclose(out["w"], [0.70710677, 0.70710677], rtol=RTOL)
+    assert float(norm) == np.finfo(np.float32).max  # 4.2e38 is capped, not inf
+
+
+@pytest.mark.parametrize("factory", [ga.clip_norm_by_ema, ga.normalize_by_ema])
+@pytest.mark.parametrize("ema_init", ["zeros", "update"])
+def test_one_finite_spike_does_not_poison_the_ema_clippers(factory, ema_init):
+    tx = factory(beta=0.5, ema_init=ema_init)
+    grads = [{"w": jnp.array([3e19, 4e19])}] + [{"w": jnp.array([3.0, 4.0])}] * 3
+    outs, state = _run_steps(tx, grads, grads[0])
+    for out in outs:
+        assert np.all(np.isfinite(out["w"]))
+    for leaf in jax.tree.leaves(state):
+        assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
+    # And they are the float64 reference's numbers: the spike decays as any value does.
+    normalize_ = factory is ga.normalize_by_ema
+    expected = ref_by_ema(grads, 0.5, 2, 1e-6, True, 1.5, ema_init, normalize_)
+    for got, want in zip(outs, expected, strict=True):
+        assert_tree_close(got, want, rtol=1e-4)
+    # Updates as large as the largest float: the state still stays finite.
+    big = np.finfo(np.float32).max
+    outs, state = _run_steps(tx, [{"w": jnp.array([big, big])}] * 2, grads[0])
+    for leaf in jax.tree.leaves(state):
+        assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
+
+
+def test_complex_updates_keep_their_imaginary_part():
+    g = {"w": jnp.array([3 + 4j, 1 - 2j], jnp.complex64)}
+    out = _stateless_update(ga.clip_norm(100.0), g)
+    np.testing.assert_array_equal(out["w"], g["w"])
+    out = ga.normalize_grads(g, 1.0, dim=None)
+    expected = np.array([3 + 4j, 1 - 2j]) / np.sqrt(30)
+    np.testing.assert_allclose(out["w"], expected, rtol=RTOL)
+    out = _stateless_update(ga.clip_value(2.5), g)
+    np.testing.assert_allclose(out["w"], [1.5 + 2j, 1 - 2j], rtol=RTOL)
+
+
+# --------------------------------------------------------------------------- #
+# Regressions: names shared with optax keep optax's meaning (issue 14)         #
+# --------------------------------------------------------------------------- #
+
+
+def test_centralize_default_is_optax_centralize():
+    tree = {
+        "kernel": jnp.arange(12.0).reshape(3, 4) ** 2,
+        "conv": jnp.arange(24.0).reshape(2, 3, 4),
+        "column": jnp.array([[1.0], [2.0], [4.0]]),  # rows of one element become zero
+        "bias": jnp.array([1.0, 5.0]),
+        "scale": jnp.float32(3.0),
+    }
+    ours = _stateless_update(ga.centralize(), tree)
+    theirs = _stateless_update(optax.centralize(), tree)
+    assert_tree_close(ours, jax.tree.map(np.asarray, theirs), rtol=1e-6)
+    np.testing.assert_array_equal(ours["column"], 0)
+
+
+def test_clip_norm_default_is_optax_clip_by_global_norm():
+    tree = _tree(5, scale=2.0)
+    ours = _stateless_update(ga.clip_norm(2.0), tree)
+    theirs = _stateless_update(optax.clip_by_global_norm(2.0), tree)
+    assert_tree_close(ours, jax.tree.map(np.asarray, theirs), rtol=RTOL)
+    # torchzero's per-leaf ClipNorm stays reachable by name.
+    per_leaf = _stateless_update(ga.clip_norm(2.0, dim=None), tree)
+    assert_tree_close(per_leaf, ref_clip(tree, 2.0, dim=None))
+
+
+def test_min_size_defaults_agree_across_the_family():
+    import inspect
+
+    defaults = {
+        f.__name__: inspect.signature(f).parameters["min_size"].default
+        for f in (ga.clip_norm, ga.clip_grad_norm, ga.normalize, ga.normalize_grads, ga.centralize)
+    }
+    assert set(defaults.values()) == {1}, defaults
+
+
+def test_inject_hyperparams_hint_names_each_transforms_own_static_args():
+    g = {"w": jnp.array([3.0, 4.0])}
+    cases = [
+        (ga.centralize, {}),
+        (ga.clip_norm, {"max_norm": 1.0}),
+        (ga.normalize, {}),
+        (ga.clip_norm_by_ema, {"ord": 1}),
+        (ga.normalize_by_ema, {"ord": 1}),
+        (ga.clip_norm_growth, {"ord": 1}),
+        (ga.adaptive_grad_clip, {"axis": 0}),
+    ]
+    for factory, kwargs in cases:
+        with pytest.raises(TypeError, match=r"static_args=") as info:
+            optax.inject_hyperparams(factory)(**kwargs).init(g)
+        static = eval(str(info.value).split("static_args=")[1].rstrip("."))
+        tx = optax.inject_hyperparams(factory, static_args=static)(**kwargs)
+        state = tx.init(g)
+        u, _ = jax.jit(tx.update)(g, state, g)
+        assert np.all(np.isfinite(u["w"])), factory.__name__
+
+
+# --------------------------------------------------------------------------- #
+# Regressions: the deviations from torchzero, pinned (issue 14)                #
+# --------------------------------------------------------------------------- #
+
+
+def test_tiny_units_are_normalised_where_torchzero_leaves_them():
+    # torchzero replaces a measure <= 1e-12 by 1, leaving such a unit nearly
+    # as it is; here every nonzero unit reaches the target.
+    out = ga.normalize_grads({"w": jnp.array([3e-13, 4e-13])}, 1.0)
+    np.testing.assert_allclose(out["w"], [0.6, 0.8], rtol=RTOL)
+    out, _ = ga.clip_grad_norm({"w": jnp.array([3e-13, 4e-13])}, 2.0, min_norm=1.0)
+    np.testing.assert_allclose(out["w"], [0.6, 0.8], rtol=RTOL)
+
+
+def test_ema_eps_floors_the_ema_norm_and_caps_normalisation():
+    # First step, zeros init: the EMA's norm is 2.5e-9, floored at eps = 1e-6 in
+    # the division, so the update (norm 5e-9) passes unclipped (torchzero,
+    # whose division has no such floor, would cut it to 2.5e-9).
+    tx = ga.clip_norm_by_ema(beta=0.5, eps=1e-6, max_ema_growth=None)
+    grads = [{"w": jnp.array([3e-9, 4e-9])}]
+    outs, _ = _run_steps(tx, grads, grads[0])
+    np.testing.assert_allclose(outs[0]["w"], [3e-9, 4e-9], rtol=1e-6)
+    # normalize_by_ema amplifies by at most 1 / eps.
+    tx = ga.normalize_by_ema(beta=0.5, eps=1e-2, ema_init="update")
+    grads = [{"w": jnp.array([3.0, 4.0])}, {"w": jnp.array([3e-6, 4e-6])}]
+    outs, _ = _run_steps(tx, grads, grads[0])
+    np.testing.assert_allclose(outs[1]["w"], [3e-4, 4e-4], rtol=1e-5)
+
+
+def test_centralize_keeps_0d_leaves_and_zeroes_one_element_units():
+    tree = {"s": jnp.float32(3.0), "one": jnp.array([2.0]), "v": jnp.array([1.0, 3.0])}
+    out = _stateless_update(ga.centralize(None, min_size=1), tree)
+    assert float(out["s"]) == 3.0
+    np.testing.assert_array_equal(out["one"], [0.0])
+    np.testing.assert_array_equal(out["v"], [-1.0, 1.0])
+
+
+def test_where_torchzero_fails_results_stay_defined():
+    # The global l0 count of an all-zero tree is 0: nothing is divided by it.
+    out, count = ga.clip_grad_norm({"a": jnp.zeros(3)}, 1.0, "l0")
+    np.testing.assert_array_equal(out["a"], 0)
+    assert float(count) == 0
+    # A named ord per leaf (torchzero raises TypeError).
+    out, _ = ga.clip_grad_norm({"a": jnp.array([3.0, 4.0])}, 1.0, "linf", dim=None)
+    np.testing.assert_allclose(out["a"], [0.75, 1.0], rtol=RTOL)
+    # The std of a one-element unit is 0, not NaN: the unit is left alone.
+    out, std = ga.clip_grad_norm({"a": jnp.array([5.0])}, 1.0, "std", dim=None)
+    np.testing.assert_array_equal(out["a"], [5.0])
+    assert float(std["a"]) == 0.0

@@ -397,3 +397,31 @@ def test_clamp_after_split_accumulate_keeps_params_in_the_box():
 def test_docstring_examples():
     result = doctest.testmod(_split, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+# --------------------------------------------------------------------------- #
+# clamp_params regressions (issue 18 items 6 and 7)                            #
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("lower", "upper", "p", "u"),
+    [(1e-40, 1.0, 0.5, -1.0), (-1.0, -1e-40, -0.5, 1.0), (0.0, 1e-40, 0.5, 1.0)],
+)
+def test_clamp_params_keeps_the_box_for_subnormal_limits(lower, upper, p, u):
+    tx = ga.clamp_params(lower, upper)
+    params = {"w": jnp.array([p])}
+    step = jax.jit(lambda g, q: optax.apply_updates(q, tx.update(g, tx.init(q), q)[0]))
+    landed = float(step({"w": jnp.array([u])}, params)["w"][0])
+    assert lower <= landed <= upper, landed
+
+
+def test_clamp_params_refuses_boxes_and_params_it_cannot_keep():
+    params = {"w": jnp.array([0.5])}
+    tx = ga.clamp_params(1e-40, 2e-40)
+    with pytest.raises(ValueError, match=r"no value of dtype float32 \(subnormal values do not"):
+        tx.update(params, tx.init(params), params)
+    tx = ga.clamp_params(0.0, 1.0)
+    complex_params = {"w": jnp.array([0.5 + 0.5j])}
+    with pytest.raises(TypeError, match=r"has dtype complex64, which has no order.*optax\.masked"):
+        tx.update(complex_params, tx.init(complex_params), complex_params)

@@ -1,0 +1,246 @@
+"""Norms that neither overflow nor underflow, shared by the clipping family and AGC.
+
+A float32 sum of squares overflows once an element exceeds about `1.8e19` and
+loses everything below about `1e-19`; the ratio of a bound to a norm flushes to
+zero below `1.2e-38`. Both happen in exactly the steps clipping exists for.
+
+The measures here are computed the fast way first (one reduction per unit, as
+`optax.global_norm` does). Only when some unit's fast result is out of the
+range where it is exact do they run again on inputs divided by a power of two
+near each unit's largest magnitude, inside one `jax.lax.cond` per call, so
+ordinary inputs pay nothing. Results are kept as `Size(mant, exp)`, the value
+`mant * 2**exp`, so a norm above the largest float is still ordered and divided
+correctly, and scaling a unit to a target is applied as two factors that are
+both representable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Measure:
+    """A parsed `ord`: a p-norm of order `p` (`kind="norm"`) or a statistic.
+
+    Kinds: `"norm"`, `"mad"` (mean magnitude), `"sum"` (magnitude of the sum),
+    `"std"` and `"var"` (Bessel-corrected; both measured as the standard
+    deviation, which scales linearly).
+    """
+
+    kind: str
+    p: float = 0.0
+
+
+L2 = Measure("norm", 2.0)
+
+
+def _int_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    return jnp.dtype(f"int{jnp.finfo(dtype).bits}")
+
+
+def pow2(k: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`2.0**k` for integer `k` in `[minexp, maxexp - 1]` (normal numbers), built from bits.
+
+    Much cheaper to compile than `jnp.ldexp`, which also handles subnormals.
+    """
+    finfo = jnp.finfo(dtype)
+    itype = _int_dtype(dtype)
+    biased = (k.astype(itype) + (finfo.maxexp - 1)) << finfo.nmant
+    return jax.lax.bitcast_convert_type(biased, finfo.dtype)
+
+
+def split_exponent(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(m, e)` with `x = m * 2**e` and `m` in `[0.5, 1)` for positive normal `x`.
+
+    Zero and subnormal `x` (which XLA may flush to zero anyway) give `(0, 0)`;
+    infinity and NaN give an `m` that is not finite.
+    """
+    finfo = jnp.finfo(x.dtype)
+    itype = _int_dtype(x.dtype)
+    bits = jax.lax.bitcast_convert_type(x, itype)
+    ones = (1 << finfo.nexp) - 1
+    field = (bits >> finfo.nmant) & ones
+    normal = field > 0
+    e = jnp.where(normal, field - (finfo.maxexp - 2), 0).astype(jnp.int32)
+    # Two exact power-of-two factors (one may not be normal); multiplying
+    # keeps the derivative with respect to x.
+    half = -e // 2
+    m = jnp.where(normal, x * pow2(half, x.dtype) * pow2(-e - half, x.dtype), 0)
+    # A field of all ones is infinity or NaN: keep it visible.
+    return jnp.where(field == ones, x, m), e
+
+
+class Size(NamedTuple):
+    """A non-negative size `mant * 2**exp` per unit (`mant` in `[0.5, 1)` or 0)."""
+
+    mant: jax.Array
+    exp: jax.Array
+
+    def value(self) -> jax.Array:
+        """The size as a float, `finfo.max` where it is larger."""
+        dtype = self.mant.dtype
+        finfo = jnp.finfo(dtype)
+        first = jnp.clip(self.exp, finfo.minexp, finfo.maxexp - 1)
+        rest = jnp.clip(self.exp - first, finfo.minexp, finfo.maxexp - 1)
+        return jnp.minimum(self.mant * pow2(first, dtype) * pow2(rest, dtype), finfo.max)
+
+
+# A part is a leaf (in its compute dtype) and the axes one unit spans; several
+# parts with all their axes form one unit together (the global norm).
+Part = tuple[jax.Array, tuple[int, ...]]
+
+
+def compute_dtype(*dtypes: jnp.dtype) -> jnp.dtype:
+    """float32, or the inputs' wider or complex type: 16-bit sums keep ~2 digits."""
+    return jnp.promote_types(jnp.result_type(*dtypes), jnp.float32)
+
+
+def real_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    return jnp.finfo(dtype).dtype
+
+
+def _squares(x: jax.Array) -> jax.Array:
+    if jnp.iscomplexobj(x):
+        return jnp.square(x.real) + jnp.square(x.imag)
+    return jnp.square(x)
+
+
+def _sqrt(x: jax.Array) -> jax.Array:
+    # sqrt has an infinite slope at 0; guarding it keeps derivatives finite.
+    positive = x > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, x, 1)), 0)
+
+
+def _reduce(parts: Sequence[Part], fn, op=jnp.sum) -> jax.Array:
+    """`op` of `fn(x)` over each unit; summed (or maxed) across parts."""
+    if len(parts) == 1:
+        x, axes = parts[0]
+        return op(fn(x), axis=axes, keepdims=True)
+    results = [op(fn(x)) for x, _ in parts]
+    combine = jnp.max if op is jnp.max else jnp.sum
+    return combine(jnp.stack(results))
+
+
+def _plain(parts: Sequence[Part], m: Measure, count: int) -> jax.Array:
+    """The measure the direct way (exact unless squares or sums leave the range)."""
+    if m.kind == "mad":
+        return _reduce(parts, jnp.abs) / count
+    if m.kind == "sum":
+        return jnp.abs(_reduce(parts, lambda x: x))
+    if m.kind in ("std", "var"):
+        mean = _reduce(parts, lambda x: x) / count
+        if len(parts) == 1:
+            centred = [(parts[0][0] - mean, parts[0][1])]
+        else:
+            centred = [(x - mean, axes) for x, axes in parts]
+        return _sqrt(_reduce(centred, _squares) / max(count - 1, 1))
+    p = m.p
+    if p == 0:
+        return _reduce(parts, lambda x: (x != 0).astype(real_dtype(x.dtype)))
+    if p == 1:
+        return _reduce(parts, jnp.abs)
+    if p == 2:
+        return _sqrt(_reduce(parts, _squares))
+    biggest = _reduce(parts, jnp.abs, jnp.max)
+    if p == math.inf:
+        return biggest
+    # Other orders always divide by the largest magnitude: |x|**p leaves the
+    # range far sooner than a square does.
+    safe = jnp.where(biggest > 0, biggest, 1)
+    if len(parts) == 1:
+        scaled = [(parts[0][0] / safe, parts[0][1])]
+    else:
+        scaled = [(x / safe, axes) for x, axes in parts]
+    return biggest * _reduce(scaled, lambda x: jnp.abs(x) ** p) ** (1 / p)
+
+
+def _fast_is_exact(value: jax.Array, m: Measure) -> jax.Array:
+    """Where the direct result can be trusted."""
+    if m.kind == "norm" and m.p not in (1, 2):
+        return jnp.ones(value.shape, bool)
+    finite = jnp.isfinite(value)
+    if m.kind in ("std", "var") or m.p == 2:
+        # Below 2**(minexp/4) (2.3e-10 in float32) squares of the unit's
+        # smaller elements may have flushed to zero; a zero may be an
+        # underflow. Both are measured again, scaled.
+        floor = 2.0 ** (jnp.finfo(value.dtype).minexp // 4)
+        return finite & (value >= floor)
+    return finite
+
+
+def _scaled(parts: Sequence[Part], m: Measure, count: int) -> Size:
+    """The measure of inputs divided by a power of two near each unit's maximum."""
+    biggest = _reduce(parts, jnp.abs, jnp.max)
+    finfo = jnp.finfo(biggest.dtype)
+    _, k = split_exponent(biggest)
+    # |x| * 2**-k is at most 1; k is kept where 2**-k is a normal number.
+    k = jnp.clip(k, finfo.minexp + 2, finfo.maxexp - 2)
+    down = pow2(-k, biggest.dtype)
+    if len(parts) == 1:
+        scaled = [(parts[0][0] * down.astype(parts[0][0].dtype), parts[0][1])]
+    else:
+        scaled = [(x * down.astype(x.dtype), axes) for x, axes in parts]
+    mant, exp = split_exponent(_plain(scaled, m, count))
+    return Size(mant, exp + k)
+
+
+def measure(units: Sequence[Sequence[Part]], m: Measure) -> list[Size]:
+    """The size of every unit of every entry of `units`, exact over the whole float range.
+
+    Each entry is a list of parts forming units together (one part for the
+    units of one leaf; all leaves for a global measure). Parts must be non-empty
+    and in their compute dtype. One `lax.cond` chooses, for the whole call,
+    between the direct results and the scaled recomputation.
+    """
+    counts = [
+        math.prod(parts[0][0].shape[a] for a in parts[0][1])
+        if len(parts) == 1
+        else sum(x.size for x, _ in parts)
+        for parts in units
+    ]
+    fast = [_plain(parts, m, n) for parts, n in zip(units, counts, strict=True)]
+    as_sizes = [Size(*split_exponent(v)) for v in fast]
+    if not units or (m.kind == "norm" and m.p not in (1, 2)):
+        return as_sizes
+    exact = jnp.all(jnp.stack([jnp.all(_fast_is_exact(v, m)) for v in fast]))
+
+    def rescaled() -> list[Size]:
+        return [_scaled(parts, m, n) for parts, n in zip(units, counts, strict=True)]
+
+    if not isinstance(exact, jax.core.Tracer):
+        # Eagerly, a cond would be traced and compiled again on every call.
+        return as_sizes if bool(exact) else rescaled()
+    return jax.lax.cond(
+        exact,
+        lambda: as_sizes,
+        rescaled,
+    )
+
+
+def ratio_factors(target: jax.Array, size: Size) -> tuple[jax.Array, jax.Array]:
+    """Factors `(a, b)` with `x * a * b == x * target / size`, neither flushing nor overflowing.
+
+    `a` is a power of two near `1 / size`, so `x * a` stays in range for every
+    element of the unit; `b` is close to `target`. Zero sizes give `(1, 1)`.
+    """
+    finfo = jnp.finfo(size.mant.dtype)
+    k = jnp.clip(size.exp, finfo.minexp + 2, finfo.maxexp - 2)
+    dtype = size.mant.dtype
+    nonzero = size.mant > 0
+    a = jnp.where(nonzero, pow2(-k, dtype), 1)
+    rest = jnp.clip(k - size.exp, finfo.minexp, finfo.maxexp - 1)
+    b = jnp.where(nonzero, target / jnp.where(nonzero, size.mant, 1) * pow2(rest, dtype), 1)
+    return a, b
+
+
+def apply_factors(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`x * a * b` in `x`'s dtype (real factors keep a complex `x` complex)."""
+    dtype = real_dtype(x.dtype)
+    return x * a.astype(dtype) * b.astype(dtype)
