@@ -1,7 +1,7 @@
 """gradaccum_jax: exact, fast gradient accumulation for JAX and Optax."""
 
-# The Flax layers live in a subpackage, reached as gradaccum_jax.flax.<name>.
-from gradaccum_jax import flax as flax
+from typing import TYPE_CHECKING, Any
+
 from gradaccum_jax._accumulation import (
     AccumulateState,
     accumulate,
@@ -50,6 +50,7 @@ from gradaccum_jax._global_view import (
 )
 from gradaccum_jax._microbatch import (
     microbatch_value_and_grad,
+    plan_microbatches,
 )
 from gradaccum_jax._mixed_precision import (
     LossScaleState,
@@ -58,11 +59,17 @@ from gradaccum_jax._mixed_precision import (
     scale_loss,
     static_loss_scale,
 )
+from gradaccum_jax._planning import (
+    MicrobatchPlan,
+)
 from gradaccum_jax._split import (
     SplitAccumulateState,
     clamp_params,
     split_accumulate,
 )
+
+if TYPE_CHECKING:
+    from gradaccum_jax import flax as flax
 
 __version__ = "0.1.0"
 
@@ -75,6 +82,7 @@ __all__ = [
     "ConditionalAccumulateState",
     "ConditionalAccumulatorState",
     "LossScaleState",
+    "MicrobatchPlan",
     "SplitAccumulateState",
     "accumulate",
     "adaptive_grad_clip",
@@ -104,6 +112,7 @@ __all__ = [
     "normalize_by_ema",
     "normalize_grads",
     "optimizer_step",
+    "plan_microbatches",
     "remove_replica_axis",
     "replica_state_specs",
     "scale_loss",
@@ -111,3 +120,18 @@ __all__ = [
     "static_loss_scale",
     "unreduced_value_and_grad",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The Flax layers live in a subpackage, reached as gradaccum_jax.flax.<name>. It is
+    # imported on first use so that `import gradaccum_jax` does not import flax (most
+    # of its import time) for users who never touch the Flax layers.
+    if name == "flax":
+        import gradaccum_jax.flax
+
+        return gradaccum_jax.flax
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), "flax"])

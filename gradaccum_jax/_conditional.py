@@ -365,7 +365,7 @@ def conditional_take_grad(
             _validation.check_scalar("num_required", num_required, integer=True), 1
         )
     else:
-        required = _validation.check_int("num_required", num_required, minimum=1)
+        required = _validation.check_int("num_required", num_required, minimum=1)  # type: ignore[assignment]
     acc, rewrap = _unwrap(state)
     ready = acc.num_accumulated >= required
     count = jnp.maximum(acc.num_accumulated, 1)

@@ -1,61 +1,217 @@
-"""Micro-batched ``value_and_grad``: one large batch, K sequential micro-batches, one step."""
+"""Micro-batched `value_and_grad`: one large batch, K sequential micro-batches, one step.
+
+How it reads: `microbatch_value_and_grad` checks its options once
+(`_check_options`); the function it returns splits the batch, evaluates one
+micro-batch per iteration of a `jax.lax.scan` (`_micro_step`), and hands each
+output (the loss, every gradient leaf, every aux leaf) to its own
+`_Accumulator`, chosen by the output spec (`_output_spec`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradaccum_jax import _validation, _window
+from gradaccum_jax import _planning, _validation, _window
+from gradaccum_jax._compat import pcast_to_varying, varying_axes
 
-_AUX_REDUCTIONS = ("mean", "sum", "concat")
-
-
-def _is_index(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+_AUX_REDUCTIONS = ("auto", "mean", "sum", "concat")
 
 
-def _as_index_tuple(name: str, value: Any, *, allow_empty: bool) -> tuple[int, ...]:
-    indices = (value,) if _is_index(value) else value
-    try:
-        indices = tuple(indices)
-    except TypeError:
-        indices = None
-    if indices is None or not all(_is_index(i) for i in indices):
-        raise TypeError(
-            f"{name} must be a non-negative int or a sequence of them (positions of "
-            f"positional arguments); got {name}={value!r}."
-        )
-    if not indices and not allow_empty:
-        raise ValueError(
-            f"{name} must name at least one positional argument; got {name}={value!r}."
-        )
-    if len(set(indices)) != len(indices):
-        raise ValueError(f"{name} must not repeat a position; got {name}={value!r}.")
-    return tuple(int(i) for i in indices)
+# --- options ------------------------------------------------------------------
 
 
-def _check_aux_reduction(aux_reduction: Any) -> None:
-    choices = jax.tree_util.tree_leaves(
-        aux_reduction, is_leaf=lambda x: isinstance(x, str) or callable(x)
+class _Options(NamedTuple):
+    """The checked options of one `microbatch_value_and_grad`."""
+
+    has_aux: bool
+    argnums: int | tuple[int, ...]  # as given: jax.value_and_grad's result follows its form
+    grad_nums: tuple[int, ...]
+    batch_nums: tuple[int, ...]
+    key_nums: tuple[int, ...]
+    carry_nums: tuple[int, ...]
+    carry_is_tuple: bool  # carry_argnums was a sequence: the carry is a tuple of arguments
+    weight_fn: Callable[..., Any] | None
+    sum_and_weight: bool
+    aux_reduction: Any
+    accumulator_dtype: Any
+
+    @property
+    def weighted(self) -> bool:
+        return self.weight_fn is not None or self.sum_and_weight
+
+    @property
+    def roles(self) -> dict[str, tuple[int, ...]]:
+        return {
+            "argnums": self.grad_nums,
+            "batch_argnums": self.batch_nums,
+            "key_argnums": self.key_nums,
+            "carry_argnums": self.carry_nums,
+        }
+
+
+def _is_choice(x: Any) -> bool:
+    return isinstance(x, str) or callable(x)
+
+
+def _check_options(
+    fun: Any,
+    *,
+    has_aux: Any,
+    argnums: Any,
+    batch_argnums: Any,
+    weight_fn: Any,
+    sum_and_weight: Any,
+    aux_reduction: Any,
+    key_argnums: Any,
+    carry_argnums: Any,
+    accumulator_dtype: Any,
+) -> _Options:
+    if not callable(fun):
+        raise TypeError(f"fun must be callable; got {fun!r} of type {type(fun).__name__}.")
+    options = _Options(
+        has_aux=has_aux,
+        argnums=argnums,
+        grad_nums=_validation.check_index_tuple("argnums", argnums, allow_empty=False),
+        batch_nums=_validation.check_index_tuple("batch_argnums", batch_argnums, allow_empty=False),
+        key_nums=_validation.check_index_tuple("key_argnums", key_argnums, allow_empty=True),
+        carry_nums=_validation.check_index_tuple("carry_argnums", carry_argnums, allow_empty=True),
+        carry_is_tuple=not isinstance(carry_argnums, numbers.Integral),
+        weight_fn=weight_fn,
+        sum_and_weight=sum_and_weight,
+        aux_reduction=aux_reduction,
+        accumulator_dtype=accumulator_dtype,
     )
-    for leaf in choices:
-        if callable(leaf) or (isinstance(leaf, str) and leaf in _AUX_REDUCTIONS):
-            continue
+    seen: dict[int, str] = {}
+    for role, nums in options.roles.items():
+        for i in nums:
+            if i in seen:
+                raise ValueError(
+                    f"position {i} is in both {seen[i]} and {role}; each positional "
+                    f"argument has one role. Got argnums={argnums!r}, "
+                    f"batch_argnums={batch_argnums!r}, key_argnums={key_argnums!r}, "
+                    f"carry_argnums={carry_argnums!r}."
+                )
+            seen[i] = role
+    if weight_fn is not None and not callable(weight_fn):
+        raise TypeError(f"weight_fn must be callable or None; got {weight_fn=}.")
+    if weight_fn is not None and sum_and_weight:
         raise ValueError(
-            f"aux_reduction must be one of {_AUX_REDUCTIONS}, a callable, or a pytree "
-            f"prefix of the aux output with those at its leaves; got {leaf!r} in "
-            f"aux_reduction={aux_reduction!r}."
+            "weight_fn and sum_and_weight=True are two ways to give the weights; use one. "
+            f"Got {weight_fn=} and {sum_and_weight=}."
         )
+    if options.carry_nums and not has_aux:
+        raise ValueError(
+            f"carry_argnums={carry_argnums!r} needs has_aux=True: fun returns "
+            "(loss, (new_carry, aux)), aux may be None."
+        )
+    for leaf in jax.tree_util.tree_leaves(aux_reduction, is_leaf=_is_choice):
+        if not (callable(leaf) or (isinstance(leaf, str) and leaf in _AUX_REDUCTIONS)):
+            raise ValueError(
+                f"aux_reduction must be one of {_AUX_REDUCTIONS}, a callable, or a pytree "
+                f"prefix of the aux output with those at its leaves; got {leaf!r} in "
+                f"aux_reduction={aux_reduction!r}."
+            )
+    if not has_aux and not (isinstance(aux_reduction, str) and aux_reduction == "auto"):
+        raise ValueError(
+            f"aux_reduction={aux_reduction!r} is given but has_aux=False; set "
+            "has_aux=True or drop aux_reduction."
+        )
+    _validation.check_accumulator_dtype(accumulator_dtype)
+    return options
 
 
-def _batch_size(args: tuple[Any, ...], batch_argnums: tuple[int, ...], k: int) -> int:
+def _check_num_microbatches(num_microbatches: Any, memory_budget: Any) -> int | str:
+    """Returns K, or ``"auto"``; raises naming the fix otherwise."""
+    if isinstance(num_microbatches, str) and num_microbatches == "auto":
+        if memory_budget is not None:
+            _validation.check_real("memory_budget", memory_budget, minimum=0, exclusive=True)
+        return "auto"
+    if memory_budget is not None:
+        raise ValueError(
+            f"memory_budget is used to choose K, but {num_microbatches=!r} is given; pass "
+            "num_microbatches='auto' with memory_budget, or drop memory_budget."
+        )
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, numbers.Integral):
+        raise TypeError(
+            f"num_microbatches must be a Python int >= 1 or 'auto'; got "
+            f"{num_microbatches=!r} of type {type(num_microbatches).__name__}. Pass an int "
+            "such as num_microbatches=4, or num_microbatches='auto' with memory_budget= "
+            "(bytes) to plan K from the compiled program."
+        )
+    return _validation.check_int("num_microbatches", num_microbatches, minimum=1)
+
+
+# --- checks of a call ---------------------------------------------------------
+
+
+@functools.cache
+def _raw_key_shape() -> tuple[int, ...]:
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
+def _is_typed_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _looks_like_raw_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype == jnp.uint32 and tuple(getattr(x, "shape", ())) == _raw_key_shape()
+
+
+def _passed_whole(args: Sequence[Any], kwargs: dict[str, Any], options: _Options) -> list[Any]:
+    """(where, value) of every argument that reaches each micro-batch unchanged but for keys."""
+    taken = {i for nums in options.roles.values() for i in nums}
+    return [(f"argument {i}", a) for i, a in enumerate(args) if i not in taken] + [
+        (f"keyword argument {name!r}", v) for name, v in kwargs.items()
+    ]
+
+
+def _check_call(args: tuple[Any, ...], kwargs: dict[str, Any], options: _Options) -> None:
+    for role, nums in options.roles.items():
+        for i in nums:
+            if i >= len(args):
+                passed = f" and keyword argument(s) {sorted(kwargs)}" if kwargs else ""
+                raise ValueError(
+                    f"{role} names position {i}, but the function was called with "
+                    f"{len(args)} positional argument(s){passed}. Pass it by position, "
+                    "e.g. grad_fn(params, batch) rather than grad_fn(params, batch=batch): "
+                    "keyword arguments go whole to every micro-batch."
+                )
+    for i in options.key_nums:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(args[i]):
+            dtype = jnp.result_type(leaf)
+            if not (jnp.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32):
+                raise TypeError(
+                    f"the arguments at key_argnums={options.key_nums} must hold PRNG keys "
+                    "(jax.random.key(...) or a raw uint32 key from jax.random.PRNGKey(...)); "
+                    f"the leaf at {jax.tree_util.keystr(path)!r} has dtype {dtype}."
+                )
+    for where, value in _passed_whole(args, kwargs, options):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+            if _looks_like_raw_key(leaf):
+                raise TypeError(
+                    f"{where}{jax.tree_util.keystr(path)} is a uint32{list(leaf.shape)} "
+                    "array, a raw PRNG key (jax.random.PRNGKey): every micro-batch would "
+                    "draw the same random numbers (the same dropout mask). Pass a typed key "
+                    "from jax.random.key(...), which each micro-batch receives folded with "
+                    "its index, or list its position in key_argnums. If it is data, not a "
+                    "key, pass it with another dtype."
+                )
+
+
+def _batch_size(args: tuple[Any, ...], batch_nums: tuple[int, ...]) -> int:
     sizes = {}
-    for j in batch_argnums:
+    for j in batch_nums:
         for path, leaf in jax.tree_util.tree_leaves_with_path(args[j]):
             where = f"argument {j}{jax.tree_util.keystr(path)}"
             if jnp.ndim(leaf) == 0:
@@ -67,7 +223,7 @@ def _batch_size(args: tuple[Any, ...], batch_argnums: tuple[int, ...], k: int) -
             sizes[where] = jnp.shape(leaf)[0]
     if not sizes:
         raise ValueError(
-            f"the arguments at batch_argnums={batch_argnums} hold no arrays; pass the "
+            f"the arguments at batch_argnums={batch_nums} hold no arrays; pass the "
             "batch (arrays with a leading batch axis) at those positions."
         )
     if len(set(sizes.values())) > 1:
@@ -75,7 +231,10 @@ def _batch_size(args: tuple[Any, ...], batch_argnums: tuple[int, ...], k: int) -
             "all leaves of the batch arguments must have the same leading (batch) size; "
             f"got {sizes}."
         )
-    batch_size = next(iter(sizes.values()))
+    return next(iter(sizes.values()))
+
+
+def _check_divisible(batch_size: int, k: int) -> None:
     if batch_size % k:
         raise ValueError(
             f"the batch size must be divisible by num_microbatches; got batch size "
@@ -83,45 +242,35 @@ def _batch_size(args: tuple[Any, ...], batch_argnums: tuple[int, ...], k: int) -
             f"batch size that is a multiple of {k}, or pad the batch and mask the padding "
             "out with weight_fn or sum_and_weight."
         )
-    return batch_size
 
 
-def _check_shards(args: tuple[Any, ...], batch_argnums: tuple[int, ...], micro: int) -> None:
+def _explicit_shards(leaf: Any) -> tuple[int, Any]:
+    """(number of devices, spec entry) over which the leading axis is explicitly sharded."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        sharding = leaf.sharding
+    else:
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if not spec or spec[0] is None:
+        return 1, None
+    names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    axis_types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True))
+    explicit = [n for n in names if axis_types[n] == jax.sharding.AxisType.Explicit]
+    return int(np.prod([sharding.mesh.shape[n] for n in explicit])), spec[0]
+
+
+def _check_shards(args: tuple[Any, ...], batch_nums: tuple[int, ...], micro: int) -> None:
     """Raises unless every micro-batch splits evenly over the batch axis's explicit shards."""
-    for j in batch_argnums:
+    for j in batch_nums:
         for path, leaf in jax.tree_util.tree_leaves_with_path(args[j]):
-            sharding = getattr(jax.typeof(leaf), "sharding", None)
-            spec = getattr(sharding, "spec", None)
-            if not spec or spec[0] is None:
-                continue
-            names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-            shards = int(np.prod([sharding.mesh.shape[name] for name in names]))
+            shards, entry = _explicit_shards(leaf)
             if micro % shards:
                 raise ValueError(
                     f"the batch axis of argument {j}{jax.tree_util.keystr(path)} is split "
-                    f"over {shards} devices ({spec[0]!r}), so each micro-batch must hold a "
+                    f"over {shards} devices ({entry!r}), so each micro-batch must hold a "
                     f"multiple of {shards} examples; got micro-batch size {micro} (batch "
                     "size / num_microbatches). Use fewer micro-batches or a larger batch."
                 )
-
-
-def _varying(x: Any) -> frozenset:
-    """Returns the mesh axes along which ``x`` varies inside ``shard_map`` (none outside)."""
-    manual = getattr(x, "manual_axis_type", None)
-    if manual is None and not isinstance(x, jax.ShapeDtypeStruct):
-        manual = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(getattr(manual, "varying", None) or ())
-
-
-def _match_varying(x: jax.Array, like: Any) -> jax.Array:
-    # Inside shard_map a scan carry must keep its varying axes from one
-    # iteration to the next: widen an initial value to those of its successor.
-    missing = _varying(like) - _varying(x)
-    return jax.lax.pcast(x, tuple(missing), to="varying") if missing else x
-
-
-def _zeros(like: jax.ShapeDtypeStruct, dtype: Any) -> jax.Array:
-    return _match_varying(jnp.zeros(like.shape, dtype), like)
 
 
 def _check_carry(new: Any, old: Any, carry_argnums: Any) -> None:
@@ -145,169 +294,535 @@ def _check_carry(new: Any, old: Any, carry_argnums: Any) -> None:
             )
 
 
-def _check_key(leaf: Any, path: Any, key_argnums: Any) -> None:
-    dtype = jnp.result_type(leaf)
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32:
-        return
-    raise TypeError(
-        f"the arguments at {key_argnums=} must hold PRNG keys (jax.random.key(...) or "
-        f"a raw uint32 key from jax.random.PRNGKey(...)); the leaf at "
-        f"{jax.tree_util.keystr(path)!r} has dtype {dtype}."
+# --- what fun returns ---------------------------------------------------------
+
+
+def _split_output(out: Any, options: _Options) -> tuple[Any, Any, Any]:
+    """Returns (value to differentiate, weight or None, aux) of one call of fun."""
+    loss, aux = out if options.has_aux else (out, None)
+    if not options.sum_and_weight:
+        return loss, None, aux
+    if not (isinstance(loss, tuple | list) and len(loss) == 2):
+        raise TypeError(
+            "with sum_and_weight=True, fun must return (loss_sum, weight_sum)"
+            f"{' and aux' if options.has_aux else ''}; got {loss!r} as its loss."
+        )
+    return loss[0], jax.lax.stop_gradient(jnp.asarray(loss[1], jnp.float32)), aux
+
+
+def _split_carry(aux: Any, options: _Options) -> tuple[Any, Any]:
+    if not options.carry_nums:
+        return None, aux
+    if not (isinstance(aux, tuple | list) and len(aux) == 2):
+        raise TypeError(
+            f"with carry_argnums={_carry_argnums(options)!r}, fun must return "
+            f"(loss, (new_carry, aux)); got aux {aux!r}."
+        )
+    return aux[0], aux[1]
+
+
+def _carry_argnums(options: _Options) -> Any:
+    return options.carry_nums if options.carry_is_tuple else options.carry_nums[0]
+
+
+def _carried(args: Sequence[Any], options: _Options) -> Any:
+    if not options.carry_is_tuple:
+        return args[options.carry_nums[0]]
+    return tuple(args[i] for i in options.carry_nums)
+
+
+def _with_carry(args: list[Any], carry: Any, options: _Options) -> list[Any]:
+    carries = carry if options.carry_is_tuple else (carry,)
+    for i, c in zip(options.carry_nums, carries, strict=True):
+        args[i] = c
+    return args
+
+
+def _result(value: Any, grads: Any, carry: Any, aux: Any, options: _Options) -> Any:
+    if not options.has_aux:
+        return value, grads
+    return (value, (carry, aux) if options.carry_nums else aux), grads
+
+
+# --- accumulators -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Accumulator:
+    """How one output of `fun` is combined over the micro-batches.
+
+    With `K` micro-batches, the result is
+
+        total = init()
+        for i in range(K):
+            total, emitted[i] = update(total, output_i, weight_i, keep_i)
+        result = finalize(total, stack(emitted), sum_i weight_i)
+
+    where `keep_i` says that micro-batch `i` has a positive weight. Reductions
+    keep a running total and emit `None`; per-micro-batch outputs are emitted
+    and stacked by the scan, so they keep the batch's sharding. `whole(output)`
+    is the result when the batch is a single micro-batch.
+    """
+
+    init: Callable[[], Any]
+    update: Callable[[Any, Any, jax.Array, jax.Array], tuple[Any, Any]]
+    finalize: Callable[[Any, Any, jax.Array], Any]
+    whole: Callable[[Any], Any]
+
+
+def _match_varying(x: jax.Array, like: Any) -> jax.Array:
+    # Inside shard_map a scan carry must keep its varying axes from one
+    # iteration to the next: widen an initial value to those of its successor.
+    missing = varying_axes(like) - varying_axes(x)
+    return pcast_to_varying(x, tuple(missing)) if missing else x
+
+
+def _zeros(like: jax.ShapeDtypeStruct, dtype: Any) -> jax.Array:
+    return _match_varying(jnp.zeros(like.shape, dtype), like)
+
+
+def _mean_accumulator(
+    like: jax.ShapeDtypeStruct, dtype: Any, *, scaled: bool, masked: bool
+) -> _Accumulator:
+    """Sum of (weight ×) output over micro-batches, divided by the total weight."""
+
+    def update(total: jax.Array, x: Any, weight: jax.Array, keep: jax.Array) -> tuple[Any, None]:
+        term = jnp.asarray(x).astype(dtype)
+        if scaled:
+            term = term * weight.astype(dtype)
+        if masked:
+            # A micro-batch of zero weight (all padding) may hold 0/0 = NaN:
+            # select it away, since 0 * NaN would still be NaN.
+            term = jnp.where(keep, term, jnp.zeros_like(term))
+        return total + term, None
+
+    def finalize(total: jax.Array, _: None, weight_sum: jax.Array) -> jax.Array:
+        return (total / weight_sum.astype(dtype)).astype(like.dtype)
+
+    return _Accumulator(lambda: _zeros(like, dtype), update, finalize, lambda x: x)
+
+
+def _sum_accumulator(like: jax.ShapeDtypeStruct) -> _Accumulator:
+    # Booleans are counted, as jnp.sum would; at every K, so the dtype does not depend on K.
+    dtype = jnp.dtype(jnp.int32) if like.dtype == jnp.bool_ else like.dtype
+
+    def update(total: jax.Array, x: Any, weight: jax.Array, keep: jax.Array) -> tuple[Any, None]:
+        return total + jnp.asarray(x).astype(dtype), None
+
+    return _Accumulator(
+        lambda: _zeros(like, dtype),
+        update,
+        lambda total, _, weight_sum: total,
+        lambda x: jnp.asarray(x).astype(dtype),
     )
 
 
-def _leaf_reductions(aux_reduction: Any, aux: Any) -> list[Any]:
-    """Broadcasts the reduction spec (a pytree prefix of aux) to one entry per aux leaf."""
+def _stacking_accumulator(reduce: Callable[[Any], Any]) -> _Accumulator:
+    """Emits every micro-batch's output; `reduce` gets them stacked (leading axis K)."""
+    return _Accumulator(
+        lambda: None,
+        lambda total, x, weight, keep: (None, x),
+        lambda total, stacked, weight_sum: reduce(stacked),
+        lambda x: reduce(x[None]),
+    )
 
-    def is_choice(x: Any) -> bool:
-        return isinstance(x, str) or callable(x)
 
+def _interleave(stacked: jax.Array) -> jax.Array:
+    # Micro-batch i holds examples i, i + K, ...: (K, B/K, ...) back to batch order.
+    return jnp.swapaxes(stacked, 0, 1).reshape((-1, *stacked.shape[2:]))
+
+
+def _concat_accumulator() -> _Accumulator:
+    return dataclasses.replace(_stacking_accumulator(_interleave), whole=lambda x: x)
+
+
+def _aux_accumulator(
+    choice: Any, path: Any, like: jax.ShapeDtypeStruct, micro_size: int, options: _Options
+) -> _Accumulator:
+    where = f"the aux leaf at {jax.tree_util.keystr(path)!r}"
+    if callable(choice):
+        return _stacking_accumulator(choice)
+    per_example = like.ndim >= 1 and like.shape[0] == micro_size
+    if choice == "concat" or (choice == "auto" and per_example):
+        if like.ndim == 0:
+            raise ValueError(
+                f"aux_reduction 'concat' needs a leading batch axis, but {where} is a "
+                "scalar; use 'mean', 'sum' or a callable for it."
+            )
+        return _concat_accumulator()
+    if choice == "sum":
+        return _sum_accumulator(like)
+    if not jnp.issubdtype(like.dtype, jnp.inexact):
+        rule = (
+            "'auto' (the default) averages every leaf that is not per-example"
+            if choice == "auto"
+            else "'mean' averages"
+        )
+        raise TypeError(
+            f"aux_reduction {rule}, which needs floating-point values; {where} is "
+            f"{like.dtype}{list(like.shape)}. Choose 'sum', 'concat' or a callable for it, "
+            "e.g. aux_reduction={'count': 'sum', 'acc': 'auto'}."
+        )
+    return _mean_accumulator(
+        like, jnp.promote_types(like.dtype, jnp.float32), scaled=True, masked=options.weighted
+    )
+
+
+def _aux_spec(aux: Any, micro_size: int, options: _Options) -> Any:
+    """One accumulator per aux leaf, from `aux_reduction` (a pytree prefix of `aux`)."""
     try:
-        per_leaf = jax.tree.map(
-            lambda r, sub: jax.tree.map(lambda _: r, sub), aux_reduction, aux, is_leaf=is_choice
+        choices = jax.tree.map(
+            lambda r, sub: jax.tree.map(lambda _: r, sub),
+            options.aux_reduction,
+            aux,
+            is_leaf=_is_choice,
         )
     except ValueError as err:
         raise ValueError(
             "aux_reduction must be one choice or a pytree prefix of the aux output; "
-            f"{aux_reduction=} does not match the aux structure "
+            f"aux_reduction={options.aux_reduction!r} does not match the aux structure "
             f"{jax.tree_util.tree_structure(aux)}."
         ) from err
-    reductions = jax.tree_util.tree_leaves(per_leaf, is_leaf=is_choice)
-    for (path, leaf), reduction in zip(
-        jax.tree_util.tree_leaves_with_path(aux), reductions, strict=True
-    ):
-        dtype = jnp.result_type(leaf)
-        if isinstance(reduction, str) and reduction == "mean":
-            if not jnp.issubdtype(dtype, jnp.inexact):
-                raise TypeError(
-                    f"aux_reduction 'mean' (the default) needs floating-point leaves; the "
-                    f"aux leaf at {jax.tree_util.keystr(path)!r} has dtype {dtype}. Choose "
-                    "'sum', 'concat' or a callable for it, e.g. "
-                    "aux_reduction={'count': 'sum', 'acc': 'mean'}."
-                )
-        if isinstance(reduction, str) and reduction == "concat" and jnp.ndim(leaf) == 0:
-            raise ValueError(
-                f"aux_reduction 'concat' needs a leading batch axis, but the aux leaf at "
-                f"{jax.tree_util.keystr(path)!r} is a scalar; use 'mean', 'sum' or a "
-                "callable for it."
+    flat_choices = jax.tree_util.tree_leaves(choices, is_leaf=_is_choice)
+    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(aux)
+    accumulators = [
+        _aux_accumulator(choice, path, like, micro_size, options)
+        for choice, (path, like) in zip(flat_choices, paths_and_leaves, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, accumulators)
+
+
+def _output_spec(value: Any, grads: Any, aux: Any, micro_size: int, options: _Options) -> Any:
+    """The accumulators of `(value, grads, aux)`, shaped like those outputs."""
+    # With weight_fn, fun returns a weighted mean: scale it by its weight. With
+    # sum_and_weight it returns a sum already; unweighted, every weight is 1.
+    scaled, masked = options.weight_fn is not None, options.weighted
+    value_dtype = jnp.promote_types(value.dtype, jnp.float32)
+    return (
+        _mean_accumulator(value, value_dtype, scaled=scaled, masked=masked),
+        jax.tree.map(
+            lambda g: _mean_accumulator(
+                g,
+                _window.accumulator_dtype(g, options.accumulator_dtype),
+                scaled=scaled,
+                masked=masked,
+            ),
+            grads,
+        ),
+        _aux_spec(aux, micro_size, options),
+    )
+
+
+def _is_accumulator(x: Any) -> bool:
+    return isinstance(x, _Accumulator)
+
+
+def _compose(spec: Any) -> _Accumulator:
+    """One accumulator over a pytree of outputs, from a pytree of accumulators."""
+    accumulators, treedef = jax.tree_util.tree_flatten(spec, is_leaf=_is_accumulator)
+
+    def update(totals: list[Any], outputs: Any, weight: jax.Array, keep: jax.Array) -> Any:
+        values = treedef.flatten_up_to(outputs)
+        pairs = [
+            a.update(t, x, weight, keep)
+            for a, t, x in zip(accumulators, totals, values, strict=True)
+        ]
+        return [total for total, _ in pairs], [emitted for _, emitted in pairs]
+
+    def finalize(totals: list[Any], emitted: list[Any], weight_sum: jax.Array) -> Any:
+        results = [
+            a.finalize(t, e, weight_sum)
+            for a, t, e in zip(accumulators, totals, emitted, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, results)
+
+    def whole(outputs: Any) -> Any:
+        values = treedef.flatten_up_to(outputs)
+        results = [a.whole(x) for a, x in zip(accumulators, values, strict=True)]
+        return jax.tree_util.tree_unflatten(treedef, results)
+
+    return _Accumulator(lambda: [a.init() for a in accumulators], update, finalize, whole)
+
+
+# --- the micro-batched function -------------------------------------------------
+
+
+def _whole_batch(
+    fun: Callable[..., Any], args: tuple, kwargs: dict, batch_size: int, options: _Options
+) -> Any:
+    """K = 1: `jax.value_and_grad` itself; only `sum_and_weight` divides."""
+    if options.sum_and_weight:
+
+        def normalized(*a: Any, **kw: Any) -> Any:
+            value, weight, aux = _split_output(fun(*a, **kw), options)
+            return (value / weight, aux) if options.has_aux else value / weight
+
+        value_and_grad = jax.value_and_grad(normalized, options.argnums, has_aux=options.has_aux)
+    else:
+        value_and_grad = jax.value_and_grad(fun, options.argnums, has_aux=options.has_aux)
+    out, grads = value_and_grad(*args, **kwargs)
+    if not options.has_aux:
+        return out, grads
+    value, aux = out
+    new_carry, aux = _split_carry(aux, options)
+    if options.carry_nums:
+        _check_carry(new_carry, _carried(args, options), _carry_argnums(options))
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), aux)
+    aux = _compose(_aux_spec(shapes, batch_size, options)).whole(aux)
+    return _result(value, grads, new_carry, aux, options)
+
+
+def _micro_loss(fun: Callable[..., Any], options: _Options) -> Callable[..., Any]:
+    """`fun` on one micro-batch, returning `(value, (weight, new_carry, aux))`."""
+
+    def micro_loss(*args: Any, **kwargs: Any) -> Any:
+        value, weight, aux = _split_output(fun(*args, **kwargs), options)
+        if options.weight_fn is not None:
+            weight = jax.lax.stop_gradient(
+                jnp.sum(jnp.asarray(options.weight_fn(*args, **kwargs), jnp.float32))
             )
-    return reductions
+        if weight is None:
+            weight = jnp.float32(1.0)
+        new_carry, aux = _split_carry(aux, options)
+        return value, (weight, new_carry, aux)
+
+    return micro_loss
 
 
-def _is(reduction: Any, name: str) -> bool:
-    return isinstance(reduction, str) and reduction == name
+def _fold_in(key: jax.Array, i: jax.Array) -> jax.Array:
+    """`jax.random.fold_in` for a key or an array of keys (raw ones: key data last)."""
+    single = () if _is_typed_key(key) else _raw_key_shape()
+    if key.ndim == len(single):
+        return jax.random.fold_in(key, i)
+    flat = key.reshape((-1, *single))
+    return jax.vmap(lambda one: jax.random.fold_in(one, i))(flat).reshape(key.shape)
+
+
+def _fold_keys(tree: Any, i: jax.Array, *, typed_only: bool) -> Any:
+    def fold(x: Any) -> Any:
+        return _fold_in(x, i) if _is_typed_key(x) or not typed_only else x
+
+    return jax.tree.map(fold, tree)
+
+
+def _scan_microbatches(
+    fun: Callable[..., Any], k: int, args: tuple, kwargs: dict, options: _Options
+) -> Any:
+    micro = _batch_size(args, options.batch_nums) // k
+    # (B, ...) -> (B/K, K, ...) moves no data; micro-batch i is column i, so a
+    # sharded leading axis stays the leading axis of every micro-batch.
+    # (optax.microbatching.reshape_batch_axis makes the same split, but its
+    # column-major reshape copies the whole batch.)
+    columns = {
+        j: jax.tree.map(lambda x: x.reshape((micro, k, *x.shape[1:])), args[j])
+        for j in options.batch_nums
+    }
+    whole = {i for i, _ in enumerate(args)} - {n for nums in options.roles.values() for n in nums}
+    value_and_grad = jax.value_and_grad(_micro_loss(fun, options), options.argnums, has_aux=True)
+
+    def micro_step(i: jax.Array, carry: Any) -> Any:
+        """Value, weight, new carry, aux and gradients of micro-batch `i`."""
+        micro_args = list(args)
+        for j, column in columns.items():
+            micro_args[j] = jax.tree.map(
+                lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), column
+            )
+        for j in options.key_nums:
+            micro_args[j] = _fold_keys(args[j], i, typed_only=False)
+        for j in whole:
+            micro_args[j] = _fold_keys(args[j], i, typed_only=True)
+        if options.carry_nums:
+            micro_args = _with_carry(micro_args, carry, options)
+        micro_kwargs = _fold_keys(kwargs, i, typed_only=True)
+        return value_and_grad(*micro_args, **micro_kwargs)
+
+    carry0 = None
+    if options.carry_nums:
+        # Strong dtypes, so that the scan carry keeps one type throughout.
+        carry0 = jax.tree.map(
+            lambda x: jax.lax.convert_element_type(x, jnp.result_type(x)), _carried(args, options)
+        )
+    shapes = jax.eval_shape(lambda c: micro_step(jnp.int32(0), c), carry0)
+    (value_shape, (_, carry_shape, aux_shape)), grad_shape = shapes
+    if options.carry_nums:
+        _check_carry(carry_shape, carry0, _carry_argnums(options))
+        carry0 = jax.tree.map(_match_varying, carry0, carry_shape)
+    accumulator = _compose(_output_spec(value_shape, grad_shape, aux_shape, micro, options))
+
+    def body(state: Any, i: jax.Array) -> Any:
+        carry, totals, weight_sum = state
+        (value, (weight, new_carry, aux)), grads = micro_step(i, carry)
+        totals, emitted = accumulator.update(totals, (value, grads, aux), weight, weight > 0)
+        if options.carry_nums:
+            # Same dtypes, checked above; astype drops a weak type scan would reject.
+            new_carry = jax.tree.map(
+                lambda n, c: _match_varying(n.astype(c.dtype), c), new_carry, carry
+            )
+        return (new_carry, totals, weight_sum + weight), emitted
+
+    state0 = (carry0, accumulator.init(), jnp.zeros((), jnp.float32))
+    (carry, totals, weight_sum), emitted = jax.lax.scan(
+        body, state0, jnp.arange(k, dtype=jnp.int32)
+    )
+    value, grads, aux = accumulator.finalize(totals, emitted, weight_sum)
+    return _result(value, grads, carry, aux, options)
+
+
+def _microbatched(fun: Callable[..., Any], k: int, options: _Options) -> Callable[..., Any]:
+    """`fun`'s value and gradient over K micro-batches, as `microbatch_value_and_grad` returns."""
+
+    def value_and_grad(*args: Any, **kwargs: Any) -> Any:
+        _check_call(args, kwargs, options)
+        batch_size = _batch_size(args, options.batch_nums)
+        _check_divisible(batch_size, k)
+        if k == 1:
+            return _whole_batch(fun, args, kwargs, batch_size, options)
+        _check_shards(args, options.batch_nums, batch_size // k)
+        return _scan_microbatches(fun, k, args, kwargs, options)
+
+    return value_and_grad
 
 
 def microbatch_value_and_grad(
     fun: Callable[..., Any],
-    num_microbatches: int,
+    num_microbatches: int | str,
     *,
     has_aux: bool = False,
     argnums: int | Sequence[int] = 0,
     batch_argnums: int | Sequence[int] = 1,
     weight_fn: Callable[..., Any] | None = None,
     sum_and_weight: bool = False,
-    aux_reduction: Any = "mean",
+    aux_reduction: Any = "auto",
     key_argnums: int | Sequence[int] = (),
     carry_argnums: int | Sequence[int] = (),
     accumulator_dtype: Any = None,
+    memory_budget: float | None = None,
 ) -> Callable[..., Any]:
-    r"""Returns ``jax.value_and_grad(fun)`` computed over the batch in sequential micro-batches.
+    r"""Returns `jax.value_and_grad(fun)` computed over the batch in sequential micro-batches.
 
-    The batch arguments are split along their leading axis into ``K =
-    num_microbatches`` micro-batches, and a ``jax.lax.scan`` evaluates the value
-    and gradient of ``fun`` on one micro-batch at a time, adding the gradient to
-    an accumulator. Activations therefore live for one micro-batch only: peak
-    memory is about that of a batch ``K`` times smaller plus one gradient-sized
-    accumulator, while the optimizer still runs once per (large) batch. Call it
-    inside the jitted train step, in place of ``jax.value_and_grad``.
+    The batch arguments are split along their leading axis into
+    `K = num_microbatches` micro-batches, and a `jax.lax.scan` evaluates the
+    value and gradient of `fun` on one micro-batch at a time, adding the
+    gradient to an accumulator. Activations therefore live for one micro-batch
+    only: peak memory is about that of a batch `K` times smaller plus one
+    gradient-sized accumulator, while the optimizer still runs once per (large)
+    batch. Call it inside the jitted train step, in place of
+    `jax.value_and_grad`.
 
     The result is the full batch's. For a loss that is a mean over examples,
 
-    .. math::
-
-        L = \frac{1}{K}\sum_{i=1}^K L_i,\qquad
-        \nabla L = \frac{1}{K}\sum_{i=1}^K \nabla L_i .
+    $$
+    L = \frac{1}{K}\sum_{i=1}^K L_i,\qquad
+    \nabla L = \frac{1}{K}\sum_{i=1}^K \nabla L_i .
+    $$
 
     When examples carry weights or masks (padding tokens, a ragged last batch)
     the loss is a weighted mean, and a mean of micro-batch means would be
     wrong. Say where the weights are in one of two ways:
 
-    * ``weight_fn``: ``fun`` returns the micro-batch's weighted mean ``L_i``,
-      and ``weight_fn``, called with the same arguments as ``fun``, returns the
-      micro-batch's weights (e.g. ``lambda params, batch: batch["mask"]``),
-      summed to ``W_i``. The result is :math:`\sum_i W_i L_i / \sum_i W_i`,
-      and micro-batches with ``W_i = 0`` are left out (their ``0/0`` loss
-      does not leak NaN).
-    * ``sum_and_weight=True``: ``fun`` returns the pair ``(S_i, W_i)``, the
+    * `weight_fn`: `fun` returns the micro-batch's weighted mean $L_i$, and
+      `weight_fn`, called with the same arguments as `fun`, returns the
+      micro-batch's weights (e.g. `lambda params, batch: batch["mask"]`),
+      summed to $W_i$. The result is $\sum_i W_i L_i / \sum_i W_i$, and
+      micro-batches with $W_i = 0$ are left out (their `0/0` loss does not
+      leak NaN).
+    * `sum_and_weight=True`: `fun` returns the pair `(S_i, W_i)`, the
       micro-batch's weighted loss sum and weight sum, and the result is
-      :math:`\sum_i S_i / \sum_i W_i` (gradients of ``S_i``, the weight taken
-      as a constant). With ``K = 1`` this is ``jax.value_and_grad`` of
-      ``S / W``.
+      $\sum_i S_i / \sum_i W_i$ (gradients of $S_i$, the weight taken as a
+      constant). With `K = 1` this is `jax.value_and_grad` of `S / W`.
 
     Either way the result equals the full batch's weighted mean, and it is the
     same whatever the micro-batch sizes in weight.
 
-    Micro-batch ``i`` holds the examples ``i, i + K, i + 2K, …`` (a strided
+    Micro-batch `i` holds the examples `i, i + K, i + 2K, …` (a strided
     split). A batch sharded along its leading axis over devices thus gives
     every device its share of every micro-batch, without any communication, as
-    long as the micro-batch size ``B/K`` is a multiple of the number of shards.
+    long as the micro-batch size `B/K` is a multiple of the number of shards.
+
+    As a drop-in for `jax.value_and_grad`:
+
+    * Aux outputs come back as `jax.value_and_grad` on the full batch gives
+      them under the default `aux_reduction="auto"`: a leaf whose leading axis
+      is the micro-batch size `B/K` is per-example and is concatenated back
+      into batch order (shape `(B, ...)`); any other leaf is averaged over the
+      micro-batches, weighted like the loss (a mean metric such as accuracy).
+      A non-floating leaf that is not per-example (a count) raises a
+      `TypeError` asking for a choice. Where the rule guesses wrong (a
+      per-class vector whose length happens to equal `B/K`), name the choice
+      for that leaf: `aux_reduction={"per_class": "mean", "logits": "auto"}`.
+    * Typed PRNG keys (`jax.random.key`) anywhere in the arguments that are
+      not batch, carry or differentiated arguments, keyword arguments
+      included, reach micro-batch `i` as `jax.random.fold_in(key, i)`, so
+      every micro-batch draws its own dropout mask. A raw `uint32` key
+      (`jax.random.PRNGKey`) cannot be told apart from integer data, so one
+      passed outside `key_argnums` is refused with a `TypeError`: pass a
+      typed key, or list its position in `key_argnums`.
 
     Args:
-      fun: The function to differentiate, ``fun(*args, **kwargs)``, returning
-        a scalar loss, or ``(loss, aux)`` with ``has_aux``. With
-        ``sum_and_weight`` the loss is the pair ``(loss_sum, weight_sum)``
-        (so ``((loss_sum, weight_sum), aux)`` with ``has_aux``); with
-        ``carry_argnums`` the aux is ``(new_carry, aux)``. Keyword arguments
-        are passed unchanged to every micro-batch.
-      num_microbatches: ``K``, an int ``>= 1``. It must divide the batch size.
-        ``K = 1`` calls ``jax.value_and_grad`` itself and returns its result
-        unchanged.
-      has_aux: As in ``jax.value_and_grad``.
-      argnums: As in ``jax.value_and_grad``: the position(s) to differentiate
+      fun: The function to differentiate, `fun(*args, **kwargs)`, returning a
+        scalar loss, or `(loss, aux)` with `has_aux`. With `sum_and_weight`
+        the loss is the pair `(loss_sum, weight_sum)` (so
+        `((loss_sum, weight_sum), aux)` with `has_aux`); with `carry_argnums`
+        the aux is `(new_carry, aux)`. Keyword arguments go whole to every
+        micro-batch (typed keys among them folded as above).
+      num_microbatches: `K`, an int `>= 1` that divides the batch size, or
+        `"auto"`: then `gradaccum_jax.plan_microbatches` chooses the smallest
+        `K` whose compiled program fits `memory_budget`, when the function is
+        first called (traced) with given shapes, and the function behaves
+        exactly as with that `K`. `K = 1` calls `jax.value_and_grad` itself
+        and returns its result unchanged.
+      has_aux: As in `jax.value_and_grad`.
+      argnums: As in `jax.value_and_grad`: the position(s) to differentiate
         with respect to (the parameters). Gradients come back in the same form.
       batch_argnums: Position(s) of the batch arguments: pytrees whose leaves
-        all have the batch size ``B`` as leading axis. Everything else is
-        passed whole to each micro-batch.
-      weight_fn: Optional callable, taking the same arguments as ``fun`` for a
+        all have the batch size `B` as leading axis. Everything else is
+        passed whole to each micro-batch. Pass the batch by position.
+      weight_fn: Optional callable, taking the same arguments as `fun` for a
         micro-batch and returning its per-example weights (any shape; summed)
         or their sum, for a loss that is a weighted mean (see above).
-      sum_and_weight: If ``True``, ``fun`` returns ``(loss_sum, weight_sum)``
-        in place of the loss (see above). Not together with ``weight_fn``.
+      sum_and_weight: If `True`, `fun` returns `(loss_sum, weight_sum)` in
+        place of the loss (see above). Not together with `weight_fn`.
       aux_reduction: How each aux leaf is combined across micro-batches:
-        ``"mean"`` (default; weighted like the loss, for metrics such as
-        accuracy; floating-point leaves only), ``"sum"`` (counts),
-        ``"concat"`` (per-example outputs with the batch axis first, returned
-        in the batch's order) or a callable receiving the leaf stacked over
-        micro-batches (leading axis ``K``, in micro-batch order). Either one
-        choice for all leaves, or a pytree prefix of aux with a choice per
-        subtree, e.g. ``{"acc": "mean", "logits": "concat"}``.
-      key_argnums: Position(s) of PRNG key arguments (or pytrees of keys).
-        Micro-batch ``i`` receives ``jax.random.fold_in(key, i)``, so dropout
-        masks differ between micro-batches.
+        `"auto"` (default; see above), `"mean"` (weighted like the loss,
+        floating-point leaves only), `"sum"` (counts; a bool leaf is counted
+        as `int32` at every `K`), `"concat"` (per-example outputs with the
+        batch axis first, returned in the batch's order) or a callable
+        receiving the leaf stacked over micro-batches (leading axis `K`, in
+        micro-batch order). Either one choice for all leaves, or a pytree
+        prefix of aux with a choice per subtree, e.g.
+        `{"acc": "mean", "logits": "concat"}`.
+      key_argnums: Position(s) of PRNG key arguments (or pytrees of keys),
+        typed or raw `uint32`: micro-batch `i` receives
+        `jax.random.fold_in(key, i)`. Typed keys elsewhere need no entry.
       carry_argnums: Position(s) of state threaded through the micro-batches
-        in order, such as Flax mutable collections (``batch_stats``). ``fun``
-        must have ``has_aux=True`` and return ``(loss, (new_carry, aux))``,
-        ``new_carry`` shaped like the carried argument (a tuple of them when
-        ``carry_argnums`` is a sequence); micro-batch ``i + 1`` receives
-        micro-batch ``i``'s ``new_carry``. The result's aux is
-        ``(final_carry, reduced_aux)``.
-      accumulator_dtype: dtype in which gradients are summed. ``None``
+        in order, such as Flax mutable collections (`batch_stats`). `fun`
+        must have `has_aux=True` and return `(loss, (new_carry, aux))`,
+        `new_carry` shaped like the carried argument (a tuple of them when
+        `carry_argnums` is a sequence); micro-batch `i + 1` receives
+        micro-batch `i`'s `new_carry`. The result's aux is
+        `(final_carry, reduced_aux)`.
+      accumulator_dtype: dtype in which gradients are summed. `None`
         (default) keeps float32 and wider gradients in their dtype and sums
         float16 and bfloat16 gradients in float32. Returned gradients have the
-        dtype ``jax.value_and_grad`` would give.
+        dtype `jax.value_and_grad` would give.
+      memory_budget: Bytes, only with `num_microbatches="auto"`; `None` there
+        means the device's free memory (see
+        `gradaccum_jax.plan_microbatches`).
 
     Returns:
-      A function with the signature of ``fun`` returning what
-      ``jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)`` returns:
-      ``(loss, grads)`` or ``((loss, aux), grads)``.
+      A function with the signature of `fun` returning what
+      `jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)` returns:
+      `(loss, grads)` or `((loss, aux), grads)`.
 
     Raises:
-      TypeError: If ``fun`` or ``weight_fn`` is not callable, an argnums value
-        is not an int or a sequence of ints, or a key argument holds no keys.
-      ValueError: If ``num_microbatches < 1``, the argnums overlap, options
-        conflict, or (when called) the batch size is not divisible by
-        ``num_microbatches`` or the batch leaves disagree in size.
+      TypeError: If `fun` or `weight_fn` is not callable, `num_microbatches`
+        is neither an int nor `"auto"`, an argnums value is not an int or a
+        sequence of ints, a key argument holds no keys, or (when called) a raw
+        `uint32` key is passed outside `key_argnums`.
+      ValueError: If `num_microbatches < 1`, the argnums overlap, options
+        conflict, or (when called) a positional argument named by the
+        argnums is missing, the batch size is not divisible by
+        `num_microbatches` or the batch leaves disagree in size.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -340,252 +855,179 @@ def microbatch_value_and_grad(
       Goyal et al., *Accurate, Large Minibatch SGD*, 2017,
       https://arxiv.org/abs/1706.02677
     """
-    if not callable(fun):
-        raise TypeError(f"fun must be callable; got {fun!r} of type {type(fun).__name__}.")
-    k = _validation.check_int("num_microbatches", num_microbatches)
-    grad_nums = _as_index_tuple("argnums", argnums, allow_empty=False)
-    batch_nums = _as_index_tuple("batch_argnums", batch_argnums, allow_empty=False)
-    key_nums = _as_index_tuple("key_argnums", key_argnums, allow_empty=True)
-    carry_nums = _as_index_tuple("carry_argnums", carry_argnums, allow_empty=True)
-    roles = {
-        "argnums": grad_nums,
-        "batch_argnums": batch_nums,
-        "key_argnums": key_nums,
-        "carry_argnums": carry_nums,
-    }
-    seen: dict[int, str] = {}
-    for role, nums in roles.items():
-        for i in nums:
-            if i in seen:
-                raise ValueError(
-                    f"position {i} is in both {seen[i]} and {role}; each positional "
-                    f"argument has one role. Got argnums={argnums!r}, "
-                    f"batch_argnums={batch_argnums!r}, key_argnums={key_argnums!r}, "
-                    f"carry_argnums={carry_argnums!r}."
-                )
-            seen[i] = role
-    if weight_fn is not None and not callable(weight_fn):
-        raise TypeError(f"weight_fn must be callable or None; got {weight_fn=}.")
-    if weight_fn is not None and sum_and_weight:
-        raise ValueError(
-            "weight_fn and sum_and_weight=True are two ways to give the weights; use one. "
-            f"Got {weight_fn=} and {sum_and_weight=}."
+    options = _check_options(
+        fun,
+        has_aux=has_aux,
+        argnums=argnums,
+        batch_argnums=batch_argnums,
+        weight_fn=weight_fn,
+        sum_and_weight=sum_and_weight,
+        aux_reduction=aux_reduction,
+        key_argnums=key_argnums,
+        carry_argnums=carry_argnums,
+        accumulator_dtype=accumulator_dtype,
+    )
+    k = _check_num_microbatches(num_microbatches, memory_budget)
+    if k != "auto":
+        return _microbatched(fun, k, options)
+
+    def planned(*args: Any, **kwargs: Any) -> Any:
+        plan = _plan(fun, args, kwargs, memory_budget, options)
+        return _microbatched(fun, plan.num_microbatches, options)(*args, **kwargs)
+
+    return planned
+
+
+# --- planning K ----------------------------------------------------------------
+
+
+def _frozen(tree: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_choice)
+    return tuple(leaves), treedef
+
+
+def _plan(
+    fun: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    memory_budget: float | None,
+    options: _Options,
+) -> _planning.MicrobatchPlan:
+    _check_call(args, kwargs, options)
+    batch_size = _batch_size(args, options.batch_nums)
+    shards = math.lcm(
+        *(
+            _explicit_shards(leaf)[0]
+            for j in options.batch_nums
+            for leaf in jax.tree_util.tree_leaves(args[j])
         )
-    if carry_nums and not has_aux:
-        raise ValueError(
-            f"carry_argnums={carry_argnums!r} needs has_aux=True: fun returns "
-            "(loss, (new_carry, aux)), aux may be None."
+    )
+    candidates = [
+        k
+        for k in range(1, batch_size + 1)
+        if batch_size % k == 0 and (batch_size // k) % shards == 0
+    ]
+    cache_key = (
+        fun,
+        options._replace(
+            argnums=_frozen(options.argnums), aux_reduction=_frozen(options.aux_reduction)
+        ),
+    )
+    return _planning.plan(
+        lambda k: _microbatched(fun, k, options),
+        args,
+        kwargs,
+        candidates=candidates,
+        batch_size=batch_size,
+        memory_budget=memory_budget,
+        cache_key=cache_key,
+    )
+
+
+# The keyword options of microbatch_value_and_grad that a plan passes on.
+_PLAN_OPTIONS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(microbatch_value_and_grad).parameters.items()
+    if parameter.kind is parameter.KEYWORD_ONLY and name != "memory_budget"
+}
+
+
+def plan_microbatches(
+    fun: Callable[..., Any],
+    *args: Any,
+    memory_budget: float | None = None,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] = 1,
+    has_aux: bool = False,
+    **options: Any,
+) -> _planning.MicrobatchPlan:
+    r"""Chooses the number of micro-batches from the compiled program's memory.
+
+    Compiles `microbatch_value_and_grad(fun, K, ...)` for the arguments'
+    shapes, for candidate values of `K`, and returns the smallest `K` whose
+    program fits `memory_budget`: the fewest sequential micro-batches, hence
+    the fastest step that fits. Only shapes, dtypes and shardings of `args`
+    are read (arrays or `jax.ShapeDtypeStruct`); nothing runs, so nothing can
+    run out of memory.
+
+    The memory of a program is its peak bytes from
+    `compiled.memory_analysis()`:
+
+    $$
+        \text{peak} = \text{temp} + \text{argument} + \text{output} - \text{alias},
+    $$
+
+    the temporaries, the inputs (parameters, batch) and the outputs (loss,
+    gradients, aux) of the value-and-gradient program alone. Leave room in
+    the budget for what the rest of the train step holds (optimizer state,
+    updates), or plan the whole step with your own search.
+
+    The candidates are the divisors of the batch size (with a batch sharded
+    over devices with explicit sharding, those that leave a micro-batch size
+    divisible by the number of shards). Peak memory falls as `K` grows, so a
+    binary search over the $d$ candidates finds the smallest `K` that fits
+    with at most $\lceil \log_2(d + 1) \rceil$ compilations; the next smaller
+    candidate is always among them, and does not fit. For a batch of 1024
+    (11 divisors) that is 3 or 4 compilations. Peaks are cached per function,
+    options, argument shapes and `K`, so a second plan (another budget, or
+    `num_microbatches="auto"` tracing again) compiles only what is new.
+
+    Args:
+      fun: The loss function, as for `microbatch_value_and_grad`.
+      *args: Its positional arguments, as arrays or `jax.ShapeDtypeStruct`
+        (other values, such as Python flags, are passed as constants).
+      memory_budget: Bytes the program may use. `None` takes 90 % of the
+        free memory the device reports (`device.memory_stats()`:
+        `bytes_limit - bytes_in_use`), the device being that of the first
+        array argument, leaving the runtime room beyond the compiled buffers;
+        on a device that reports no limit (CPU) it raises a `ValueError`
+        asking for `memory_budget=`.
+      argnums: As in `microbatch_value_and_grad`.
+      batch_argnums: As in `microbatch_value_and_grad`.
+      has_aux: As in `microbatch_value_and_grad`.
+      **options: Other keyword options of `microbatch_value_and_grad`
+        (`weight_fn`, `sum_and_weight`, `aux_reduction`, `key_argnums`,
+        `carry_argnums`, `accumulator_dtype`). Keyword arguments of `fun`
+        itself cannot be passed here: bind them with `functools.partial`.
+
+    Returns:
+      A `MicrobatchPlan`: `num_microbatches`, `microbatch_size`,
+      `peak_bytes`, `memory_budget` and the `table` of peak bytes by `K`.
+
+    Raises:
+      ValueError: If no candidate `K` fits (the message names the smallest
+        peak found and its `K`), `memory_budget` is `None` on a device that
+        reports no memory limit, or an option or argument is invalid as for
+        `microbatch_value_and_grad`.
+      TypeError: For an unknown option, or as for `microbatch_value_and_grad`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import gradaccum_jax as ga
+      >>> def loss(w, x):
+      ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+      >>> w = jax.ShapeDtypeStruct((64, 512), jnp.float32)
+      >>> x = jax.ShapeDtypeStruct((2048, 64), jnp.float32)  # 4 MiB of activations
+      >>> plan = ga.plan_microbatches(loss, w, x, memory_budget=2 * 2**20)
+      >>> plan.num_microbatches > 1, plan.peak_bytes <= 2 * 2**20
+      (True, True)
+    """
+    unknown = sorted(set(options) - set(_PLAN_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"plan_microbatches got unknown option(s) {unknown}; it takes the keyword "
+            f"options of microbatch_value_and_grad: {sorted(_PLAN_OPTIONS)}."
         )
-    _check_aux_reduction(aux_reduction)
-    if not has_aux and not (isinstance(aux_reduction, str) and aux_reduction == "mean"):
-        raise ValueError(
-            f"aux_reduction={aux_reduction!r} is given but has_aux=False; set "
-            "has_aux=True or drop aux_reduction."
-        )
-    _validation.check_accumulator_dtype(accumulator_dtype)
-    weighted = weight_fn is not None or sum_and_weight
-
-    def split_output(out: Any) -> tuple[Any, Any, Any]:
-        """Returns (value to differentiate, weight or None, aux) of one call of fun."""
-        loss, aux = out if has_aux else (out, None)
-        if not sum_and_weight:
-            return loss, None, aux
-        if not (isinstance(loss, tuple | list) and len(loss) == 2):
-            raise TypeError(
-                "with sum_and_weight=True, fun must return (loss_sum, weight_sum)"
-                f"{' and aux' if has_aux else ''}; got {loss!r} as its loss."
-            )
-        return loss[0], jax.lax.stop_gradient(jnp.asarray(loss[1], jnp.float32)), aux
-
-    def split_carry(aux: Any) -> tuple[Any, Any]:
-        if not carry_nums:
-            return None, aux
-        if not (isinstance(aux, tuple | list) and len(aux) == 2):
-            raise TypeError(
-                f"with carry_argnums={carry_argnums!r}, fun must return "
-                f"(loss, (new_carry, aux)); got aux {aux!r}."
-            )
-        return aux[0], aux[1]
-
-    def carried(args: Sequence[Any]) -> Any:
-        if _is_index(carry_argnums):
-            return args[carry_argnums]
-        return tuple(args[i] for i in carry_nums)
-
-    def with_carry(args: list[Any], carry: Any) -> list[Any]:
-        if _is_index(carry_argnums):
-            args[carry_argnums] = carry
-        else:
-            for i, c in zip(carry_nums, carry, strict=True):
-                args[i] = c
-        return args
-
-    def check_call(args: tuple[Any, ...]) -> None:
-        for role, nums in roles.items():
-            for i in nums:
-                if i >= len(args):
-                    raise ValueError(
-                        f"{role} names position {i}, but the function was called with "
-                        f"{len(args)} positional argument(s)."
-                    )
-        for i in key_nums:
-            for path, leaf in jax.tree_util.tree_leaves_with_path(args[i]):
-                _check_key(leaf, path, key_argnums)
-
-    def single_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # K = 1 is jax.value_and_grad itself; only sum_and_weight divides.
-        if sum_and_weight:
-
-            def normalized(*a: Any) -> Any:
-                value, weight, aux = split_output(fun(*a, **kwargs))
-                return (value / weight, aux) if has_aux else value / weight
-
-            value_and_grad = jax.value_and_grad(normalized, argnums, has_aux=has_aux)
-        else:
-            value_and_grad = jax.value_and_grad(fun, argnums, has_aux=has_aux)
-        out, grads = value_and_grad(*args, **kwargs)
-        if not has_aux:
-            return out, grads
-        value, aux = out
-        new_carry, aux = split_carry(aux)
-        if carry_nums:
-            _check_carry(new_carry, carried(args), carry_argnums)
-        leaves, treedef = jax.tree_util.tree_flatten(aux)
-        reductions = _leaf_reductions(aux_reduction, aux)
-        # A custom reduction sees its usual stacked input, with K = 1.
-        leaves = [r(x[None]) if callable(r) else x for r, x in zip(reductions, leaves, strict=True)]
-        reduced = jax.tree_util.tree_unflatten(treedef, leaves)
-        return (value, (new_carry, reduced) if carry_nums else reduced), grads
-
-    def microbatched(*args: Any, **kwargs: Any) -> Any:
-        check_call(args)
-        batch_size = _batch_size(args, batch_nums, k)
-        if k == 1:
-            return single_batch(args, kwargs)
-        micro = batch_size // k
-        _check_shards(args, batch_nums, micro)
-        # (B, ...) -> (B/K, K, ...) is free; micro-batch i is column i, so the
-        # sharded leading axis stays the leading axis of every micro-batch.
-        columns = {
-            j: jax.tree.map(lambda x: x.reshape((micro, k, *x.shape[1:])), args[j])
-            for j in batch_nums
-        }
-
-        def micro_args(i: jax.Array, carry: Any) -> list[Any]:
-            new = list(args)
-            for j in batch_nums:
-                new[j] = jax.tree.map(
-                    lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False),
-                    columns[j],
-                )
-            for j in key_nums:
-                new[j] = jax.tree.map(lambda key: jax.random.fold_in(key, i), args[j])
-            if carry_nums:
-                new = with_carry(new, carry)
-            return new
-
-        def inner(*a: Any) -> Any:
-            value, weight, aux = split_output(fun(*a, **kwargs))
-            if weight_fn is not None:
-                weight = jax.lax.stop_gradient(
-                    jnp.sum(jnp.asarray(weight_fn(*a, **kwargs), jnp.float32))
-                )
-            if weight is None:
-                weight = jnp.float32(1.0)
-            new_carry, aux = split_carry(aux)
-            return value, (weight, new_carry, aux)
-
-        value_and_grad = jax.value_and_grad(inner, argnums, has_aux=True)
-        carry0 = None
-        if carry_nums:
-            # Strong dtypes, so that the scan carry keeps one type throughout.
-            carry0 = jax.tree.map(
-                lambda x: jax.lax.convert_element_type(x, jnp.result_type(x)), carried(args)
-            )
-        shapes = jax.eval_shape(lambda c: value_and_grad(*micro_args(jnp.int32(0), c)), carry0)
-        (value_shape, (weight_shape, carry_shape, aux_shape)), grad_shape = shapes
-        if carry_nums:
-            _check_carry(carry_shape, carry0, carry_argnums)
-            carry0 = jax.tree.map(_match_varying, carry0, carry_shape)
-        aux_leaves, aux_def = jax.tree_util.tree_flatten(aux_shape)
-        reductions = _leaf_reductions(aux_reduction, aux_shape)
-        summed = [n for n, r in enumerate(reductions) if _is(r, "sum") or _is(r, "mean")]
-        stacked = [n for n, r in enumerate(reductions) if n not in summed]
-        value_dtype = jnp.promote_types(value_shape.dtype, jnp.float32)
-
-        def sum_dtype(n: int) -> Any:
-            dtype = aux_leaves[n].dtype
-            if _is(reductions[n], "mean"):
-                return jnp.promote_types(dtype, jnp.float32)
-            # Booleans are counted, as sum would do.
-            return jnp.int32 if dtype == jnp.bool_ else dtype
-
-        acc0 = (
-            jax.tree.map(
-                lambda s: _zeros(s, _window.accumulator_dtype(s, accumulator_dtype)), grad_shape
-            ),
-            _zeros(value_shape, value_dtype),
-            _zeros(weight_shape, jnp.float32),
-            [_zeros(aux_leaves[n], sum_dtype(n)) for n in summed],
-        )
-
-        def body(state: Any, i: jax.Array) -> Any:
-            carry, (acc_grad, acc_value, acc_weight, acc_aux) = state
-            (value, (weight, new_carry, aux)), grads = value_and_grad(*micro_args(i, carry))
-            keep = weight > 0
-
-            def add(acc: jax.Array, x: Any, scale: jax.Array | None) -> jax.Array:
-                term = jnp.asarray(x).astype(acc.dtype)
-                if scale is not None:
-                    term = term * scale.astype(acc.dtype)
-                if not weighted:
-                    return acc + term
-                # A micro-batch of zero weight (all padding) may hold 0/0 = NaN:
-                # select it away, since 0 * NaN would still be NaN.
-                return acc + jnp.where(keep, term, jnp.zeros_like(term))
-
-            # With weight_fn, fun returns a weighted mean: scale it by its weight.
-            # With sum_and_weight it returns a sum already.
-            scale = weight if weight_fn is not None else None
-            acc_grad = jax.tree.map(lambda a, g: add(a, g, scale), acc_grad, grads)
-            acc_value = add(acc_value, value, scale)
-            leaves = jax.tree_util.tree_leaves(aux)
-            acc_aux = [
-                add(a, leaves[n], weight) if _is(reductions[n], "mean") else a + leaves[n]
-                for a, n in zip(acc_aux, summed, strict=True)
-            ]
-            if carry_nums:
-                # Same dtypes, checked above; astype drops a weak type scan would reject.
-                new_carry = jax.tree.map(
-                    lambda n, c: _match_varying(n.astype(c.dtype), c), new_carry, carry
-                )
-            new_state = (new_carry, (acc_grad, acc_value, acc_weight + weight, acc_aux))
-            return new_state, [leaves[n] for n in stacked]
-
-        (final_carry, totals), stacks = jax.lax.scan(
-            body, (carry0, acc0), jnp.arange(k, dtype=jnp.int32)
-        )
-        acc_grad, acc_value, acc_weight, acc_aux = totals
-        grads = jax.tree.map(
-            lambda a, s: (a / acc_weight.astype(a.dtype)).astype(s.dtype), acc_grad, grad_shape
-        )
-        value = (acc_value / acc_weight.astype(value_dtype)).astype(value_shape.dtype)
-        if not has_aux:
-            return value, grads
-        leaves: list[Any] = [None] * len(aux_leaves)
-        for n, total in zip(summed, acc_aux, strict=True):
-            if _is(reductions[n], "mean"):
-                total = total / acc_weight.astype(total.dtype)
-            leaves[n] = (
-                total if aux_leaves[n].dtype == jnp.bool_ else total.astype(aux_leaves[n].dtype)
-            )
-        for n, stack in zip(stacked, stacks, strict=True):
-            if _is(reductions[n], "concat"):
-                # Micro-batch i holds examples i, i + K, ...: interleave them back.
-                leaves[n] = jnp.swapaxes(stack, 0, 1).reshape((-1, *stack.shape[2:]))
-            else:
-                leaves[n] = reductions[n](stack)
-        reduced = jax.tree_util.tree_unflatten(aux_def, leaves)
-        return (value, (final_carry, reduced) if carry_nums else reduced), grads
-
-    return microbatched
+    if memory_budget is not None:
+        _validation.check_real("memory_budget", memory_budget, minimum=0, exclusive=True)
+    checked = _check_options(
+        fun,
+        **{
+            **_PLAN_OPTIONS,
+            **options,
+            "argnums": argnums,
+            "batch_argnums": batch_argnums,
+            "has_aux": has_aux,
+        },
+    )
+    return _plan(fun, args, {}, memory_budget, checked)

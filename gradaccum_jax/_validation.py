@@ -51,7 +51,7 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
     """Raises ``ValueError`` unless ``tree`` matches ``reference`` in structure and shapes."""
     tree_def = jax.tree_util.tree_structure(tree)
     ref_def = jax.tree_util.tree_structure(reference)
-    if tree_def != ref_def:
+    if tree_def != ref_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub
         raise ValueError(
             f"{name} does not have the structure of {reference_name}: got {tree_def}, "
             f"expected {ref_def}. Call init with the same parameter tree whose "
@@ -242,23 +242,23 @@ def check_scalar(
         jnp.issubdtype(value_dtype, k) for k in allowed
     ):
         raise TypeError(f"{name} must be {kind}; got {value!r} with dtype {value_dtype}.")
-    if jnp.ndim(value) != 0:
-        raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.{hint}")
+    if jnp.ndim(value) != 0:  # type: ignore[arg-type]
+        raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.{hint}")  # type: ignore[arg-type]
     target = jnp.dtype(jnp.int32 if integer else (dtype or jnp.float32))
     if not isinstance(value, jax.core.Tracer):
-        number = int(value) if integer else float(value)
+        number = int(value) if integer else float(value)  # type: ignore[arg-type]
         check_real(name, number, minimum=minimum, exclusive=exclusive)
         if integer:
             info = jnp.iinfo(target)
             if not info.min <= number <= info.max:
                 raise ValueError(f"{name} must fit in {target}; got {name}={number!r}.")
         else:
-            info = jnp.finfo(target)
-            if abs(number) > float(info.max) or 0 < abs(number) < float(info.tiny):
+            finfo = jnp.finfo(target)
+            if abs(number) > float(finfo.max) or 0 < abs(number) < float(finfo.tiny):
                 raise ValueError(
                     f"{name}={number!r} is not representable in {target}, in which it is "
                     f"used: it would become {'inf' if abs(number) > 1 else '0'} (the normal "
-                    f"range is {float(info.tiny):.3g} to {float(info.max):.3g}). Rescale "
+                    f"range is {float(finfo.tiny):.3g} to {float(finfo.max):.3g}). Rescale "
                     f"it, e.g. divide all values of {name} by a common constant."
                 )
     return jnp.asarray(value, target)
@@ -304,3 +304,32 @@ def check_compensable(name: str, accumulator: Any) -> None:
                 f"{jax.tree_util.keystr(path)} is {leaf.dtype}. Drop compensated=True "
                 "(complex leaves are then summed in complex64 or complex128)."
             )
+
+
+def check_index_tuple(name: str, value: Any, *, allow_empty: bool) -> tuple[int, ...]:
+    """Returns `value` as a tuple of argument positions, or raises.
+
+    Accepts one non-negative int or a sequence of them, without repeats, like
+    the `argnums` of `jax.value_and_grad`.
+    """
+
+    def is_index(x: Any) -> bool:
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
+
+    indices = (value,) if is_index(value) else value
+    try:
+        indices = tuple(indices)
+    except TypeError:
+        indices = None
+    if indices is None or not all(is_index(i) for i in indices):
+        raise TypeError(
+            f"{name} must be a non-negative int or a sequence of them (positions of "
+            f"positional arguments); got {name}={value!r}."
+        )
+    if not indices and not allow_empty:
+        raise ValueError(
+            f"{name} must name at least one positional argument; got {name}={value!r}."
+        )
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"{name} must not repeat a position; got {name}={value!r}.")
+    return tuple(int(i) for i in indices)

@@ -354,7 +354,7 @@ def keep_state_types(new: Any, old: Any, who: str) -> Any:
     float32 gradients) is cast back, as `optax.MultiSteps` does.
     """
     new_def, old_def = jax.tree.structure(new), jax.tree.structure(old)
-    if new_def != old_def:
+    if new_def != old_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub
         raise TypeError(
             f"{who}.update returned a state of another structure than {who}.init: "
             f"{new_def} instead of {old_def}. The accumulating transformation keeps the "

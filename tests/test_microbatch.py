@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
+from gradaccum_jax._compat import pcast_to_varying
 
 RTOL, ATOL = 1e-5, 1e-6
 B = 32
@@ -199,9 +200,10 @@ def _dropout_loss(params, batch, key):
     return loss, jax.random.uniform(key)
 
 
-@pytest.mark.parametrize("key", [jax.random.key(3), jax.random.PRNGKey(3)])
-def test_key_argnums_gives_each_microbatch_its_own_key(key):
+def test_key_argnums_folds_a_raw_key():
+    # Typed keys need no key_argnums (see the test below); raw keys are listed.
     k = 4
+    key = jax.random.PRNGKey(3)
     fn = ga.microbatch_value_and_grad(
         _dropout_loss, k, has_aux=True, key_argnums=2, aux_reduction=lambda draws: draws
     )
@@ -353,7 +355,7 @@ def test_inside_shard_map_one_reduction_per_step():
 
     def local(params, batch):
         # Varying params: no implicit all-reduce of every micro-gradient.
-        params = jax.lax.pcast(params, "data", to="varying")
+        params = pcast_to_varying(params, "data")
         (value, (seen, _)), grads = grad_fn(params, jnp.zeros(6), batch)
         return jax.lax.pmean((value, grads), "data"), jax.lax.psum(seen, "data")
 
@@ -395,13 +397,21 @@ def test_accumulator_dtype_for_16_bit_gradients():
         ga.microbatch_value_and_grad(loss, 8, accumulator_dtype=jnp.int32)
 
 
+def test_complex_gradients_keep_their_imaginary_part_with_a_real_accumulator_dtype():
+    def loss(w, x):
+        return jnp.mean(jnp.abs(x @ w) ** 2)
+
+    w = jnp.array([1.0 + 2.0j, -0.5j])
+    x = BATCH["x"][:, :2].astype(jnp.complex64) * (1 - 1j)
+    fn = ga.microbatch_value_and_grad(loss, 4, accumulator_dtype=jnp.float32)
+    _tree_close(jax.jit(fn)(w, x), jax.value_and_grad(loss)(w, x))
+
+
 def test_construction_errors():
     with pytest.raises(TypeError, match="fun must be callable"):
         ga.microbatch_value_and_grad(3, 2)
     with pytest.raises(ValueError, match="num_microbatches"):
         ga.microbatch_value_and_grad(mean_loss, 0)
-    with pytest.raises(TypeError, match="num_microbatches"):
-        ga.microbatch_value_and_grad(mean_loss, 2.0)
     with pytest.raises(ValueError, match="both argnums and batch_argnums"):
         ga.microbatch_value_and_grad(mean_loss, 2, batch_argnums=0)
     with pytest.raises(TypeError, match="batch_argnums"):
@@ -414,6 +424,115 @@ def test_construction_errors():
         ga.microbatch_value_and_grad(mean_loss, 2, sum_and_weight=True)(PARAMS, BATCH)
 
 
+def test_float_num_microbatches_names_the_fix():
+    # The message once suggested "a callable for a schedule", which is refused.
+    with pytest.raises(TypeError, match="num_microbatches") as error:
+        ga.microbatch_value_and_grad(mean_loss, 4.0)
+    message = str(error.value)
+    assert "num_microbatches=4," in message and "'auto'" in message
+    assert "schedule" not in message and "callable" not in message
+
+
+def test_batch_passed_as_keyword_names_the_fix():
+    with pytest.raises(ValueError, match="batch_argnums names position 1") as error:
+        ga.microbatch_value_and_grad(mean_loss, 4)(PARAMS, batch=BATCH)
+    message = str(error.value)
+    assert "['batch']" in message and "by position" in message
+    assert "grad_fn(params, batch) rather than grad_fn(params, batch=batch)" in message
+
+
+def test_default_aux_is_what_value_and_grad_gives_on_the_full_batch():
+    # No aux_reduction: per-example leaves come back per example (B,), scalar
+    # metrics as their full-batch value, at every K. (Weighted scalars: see
+    # test_aux_default_mean_is_weighted_like_the_loss.)
+    def loss(params, batch):
+        losses, logits = _per_example(params, batch)
+        correct = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
+        return losses.mean(), {"losses": losses, "logits": logits, "accuracy": correct.mean()}
+
+    expected = jax.jit(jax.value_and_grad(loss, has_aux=True))(PARAMS, BATCH)
+    for k in (1, 2, 8):
+        out = jax.jit(ga.microbatch_value_and_grad(loss, k, has_aux=True))(PARAMS, BATCH)
+        _tree_close(out, expected)
+        assert out[0][1]["losses"].shape == (B,) and out[0][1]["logits"].shape == (B, 3)
+
+
+def test_bool_aux_sum_has_the_same_dtype_at_every_k():
+    def loss(params, batch):
+        losses, logits = _per_example(params, batch)
+        return losses.mean(), jnp.any(jnp.argmax(logits, -1) == batch["y"])
+
+    results = [
+        jax.jit(ga.microbatch_value_and_grad(loss, k, has_aux=True, aux_reduction="sum"))(
+            PARAMS, BATCH
+        )[0][1]
+        for k in (1, 2, 4)
+    ]
+    assert [r.dtype for r in results] == [jnp.int32] * 3
+    # Each micro-batch's bool counts once: K=1 sees one.
+    any_correct = jax.jit(lambda batch: loss(PARAMS, batch)[1])
+    expected = [
+        sum(bool(any_correct(jax.tree.map(lambda x, i=i, k=k: x[i::k], BATCH))) for i in range(k))
+        for k in (1, 2, 4)
+    ]
+    assert [int(r) for r in results] == expected
+
+
+def test_typed_key_gets_a_distinct_key_per_microbatch_without_key_argnums():
+    k = 4
+    key = jax.random.key(3)
+
+    def loss(params, batch, key, *, scale):
+        value, draw = _dropout_loss(params, batch, key)
+        return scale * value, draw
+
+    def kw_loss(params, batch, rngs, scale):
+        return loss(params, batch, rngs["dropout"], scale=scale)
+
+    fn = ga.microbatch_value_and_grad(loss, k, has_aux=True, aux_reduction=lambda d: d)
+    (value, draws), grads = jax.jit(fn)(PARAMS, BATCH, key, scale=2.0)
+    assert len(set(np.asarray(draws).tolist())) == k
+    # Reference: a Python loop over the strided micro-batches, key fold_in(key, i).
+    reference = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    results = [
+        reference(PARAMS, jax.tree.map(lambda x, i=i: x[i::k], BATCH), fold, scale=2.0)
+        for i, fold in enumerate(jax.random.fold_in(key, i) for i in range(k))
+    ]
+    np.testing.assert_allclose(draws, [r[0][1] for r in results], rtol=RTOL)
+    _tree_close(
+        (value, grads),
+        jax.tree.map(lambda *xs: sum(xs) / k, *[(r[0][0], r[1]) for r in results]),
+    )
+    # An array of typed keys is folded key by key.
+    keys = jax.random.split(key, 2)
+
+    def two_keys(params, batch, keys):
+        return loss(params, batch, keys[1], scale=2.0)
+
+    two_fn = ga.microbatch_value_and_grad(two_keys, k, has_aux=True, aux_reduction=lambda d: d)
+    (_, two_draws), _ = jax.jit(two_fn)(PARAMS, BATCH, keys)
+    expected = [jax.random.uniform(jax.random.fold_in(keys[1], i)) for i in range(k)]
+    np.testing.assert_allclose(two_draws, expected, rtol=RTOL)
+    # A typed key inside a keyword argument is folded the same way.
+    kw_fn = ga.microbatch_value_and_grad(kw_loss, k, has_aux=True, aux_reduction=lambda d: d)
+    (kw_value, kw_draws), _ = jax.jit(kw_fn)(PARAMS, BATCH, rngs={"dropout": key}, scale=2.0)
+    np.testing.assert_allclose(kw_draws, draws, rtol=RTOL)
+    np.testing.assert_allclose(kw_value, value, rtol=RTOL)
+
+
+def test_raw_key_outside_key_argnums_is_refused_with_the_fix():
+    fn = ga.microbatch_value_and_grad(_dropout_loss, 4, has_aux=True)
+    with pytest.raises(TypeError, match="argument 2") as error:
+        fn(PARAMS, BATCH, jax.random.PRNGKey(3))
+    message = str(error.value)
+    assert "jax.random.key(" in message and "key_argnums" in message
+    with pytest.raises(TypeError, match="keyword argument 'rng'"):
+        ga.microbatch_value_and_grad(lambda p, b, rng: mean_loss(p, b), 4)(
+            PARAMS, BATCH, rng=jax.random.PRNGKey(0)
+        )
+
+
+@pytest.mark.slow
 def test_docs_page_code_runs():
     # Every Python block of the page, in order, in one namespace: the train
     # steps shown there (linen TrainState, NNX, with accumulate) are the tested ones.
