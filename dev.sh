@@ -50,7 +50,7 @@ case "$task" in
     exec "$py" -m mypy
     ;;
   docs) NO_MKDOCS_2_WARNING=1 exec "$VENV/bin/mkdocs" build --strict --quiet "$@" ;;
-  bench) exec "$py" benchmarks/run.py "$@" ;;
+  bench) "$py" benchmarks/run.py "$@" && exec "$py" tools/figures.py ;;
   dist) build_dist && ls dist ;;
   test-oldest)
     old=.venv-oldest

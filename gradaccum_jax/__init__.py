@@ -32,7 +32,7 @@ from gradaccum_jax._clipping import (
 )
 from gradaccum_jax._conditional import (
     ConditionalAccumulateState,
-    ConditionalAccumulatorState,
+    ConditionalAccumulator,
     conditional_accumulate,
     conditional_accumulator_init,
     conditional_apply_grad,
@@ -80,7 +80,7 @@ __all__ = [
     "ClipValueByEMAState",
     "ClipValueGrowthState",
     "ConditionalAccumulateState",
-    "ConditionalAccumulatorState",
+    "ConditionalAccumulator",
     "LossScaleState",
     "MicrobatchPlan",
     "SplitAccumulateState",

@@ -16,7 +16,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._compat import pcast_to_varying, varying_axes
+
+def _varying(x: Any) -> frozenset:
+    return jax.typeof(x).mat.varying
 
 
 def check_axes_bound(arg_name: str, axis_names: tuple[Any, ...]) -> bool:
@@ -33,13 +35,13 @@ def check_axes_bound(arg_name: str, axis_names: tuple[Any, ...]) -> bool:
                 "under jax.jit with sharded arrays, build accumulate without axis_name."
             ) from err
     # An axis index varies along its axis exactly when shard_map checks types.
-    return any(axis in varying_axes(jax.lax.axis_index(axis)) for axis in axis_names)
+    return any(axis in _varying(jax.lax.axis_index(axis)) for axis in axis_names)
 
 
 def check_grads_vary(name: str, tree: Any, axis_names: tuple[Any, ...]) -> None:
     """Raises if a gradient is already replica-invariant, i.e. already reduced."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        missing = [axis for axis in axis_names if axis not in varying_axes(leaf)]
+        missing = [axis for axis in axis_names if axis not in _varying(leaf)]
         if missing:
             axes = missing[0] if len(missing) == 1 else tuple(missing)
             raise ValueError(
@@ -48,14 +50,13 @@ def check_grads_vary(name: str, tree: Any, axis_names: tuple[Any, ...]) -> None:
                 "on every micro-step) and accumulate would sum it again. Differentiating "
                 "with respect to replicated params inside shard_map does that; mark them "
                 "varying first: "
-                f"jax.grad(loss)(jax.lax.pcast(params, {axes!r}, to='varying'), batch) "
-                "(jax.lax.pvary(params, axes) before JAX 0.8.2)."
+                f"jax.grad(loss)(jax.lax.pcast(params, {axes!r}, to='varying'), batch)."
             )
 
 
 def _pvary(x: jax.Array, axes: Any) -> jax.Array:
-    missing = tuple(axis for axis in axes if axis not in varying_axes(x))
-    return pcast_to_varying(x, missing) if missing else x
+    missing = tuple(axis for axis in axes if axis not in _varying(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def psum(tree: Any, axis_names: tuple[Any, ...], typed: bool) -> Any:
@@ -71,7 +72,7 @@ def psum(tree: Any, axis_names: tuple[Any, ...], typed: bool) -> Any:
 
 
 def zeros_without_axes(leaf: jax.Array, dtype: Any = None) -> jax.Array:
-    """Zeros shaped like ``leaf`` that vary along no axis (``zeros_like`` would keep them)."""
+    """Zeros shaped like `leaf` that vary along no axis (`zeros_like` would keep them)."""
     dtype = jnp.result_type(leaf) if dtype is None else dtype
     return jnp.zeros(jnp.shape(leaf), dtype, out_sharding=jax.typeof(leaf).sharding)
 
@@ -87,7 +88,7 @@ def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands, type
         return jax.lax.cond(pred, true_fn, false_fn, *operands)
     true_out = jax.eval_shape(true_fn, *operands)
     false_out = jax.eval_shape(false_fn, *operands)
-    joint = jax.tree.map(lambda a, b: varying_axes(a) | varying_axes(b), true_out, false_out)
+    joint = jax.tree.map(lambda a, b: _varying(a) | _varying(b), true_out, false_out)
 
     def raised(fn: Callable) -> Callable:
         def branch(*args):
