@@ -23,7 +23,14 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-BENCHMARKS = ["accumulate", "microbatch", "distributed", "mixed_precision", "clipping"]
+BENCHMARKS = [
+    "accumulate",
+    "microbatch",
+    "distributed",
+    "global_view",
+    "mixed_precision",
+    "clipping",
+]
 MARKER = "@@ROWS@@"
 CHILD = (
     "import json, sys; sys.path.insert(0, {here!r}); import {name} as b; "
@@ -106,6 +113,10 @@ def headline_panels(results: dict[str, list[dict]]) -> list[tuple[str, list[tupl
             for r in dist
         ]
         panels.append(("distributed, 8 host devices: time per window / usual pattern", bars))
+    view = results.get("global_view", [])
+    if view:
+        bars = [(f"K={r['k']}: {r['candidate']}", r["time_over_multisteps"]) for r in view]
+        panels.append(("global-view jit, 8 host devices: time per window / MultiSteps", bars))
     mixed = [r for r in results.get("mixed_precision", []) if r.get("regime") == "trained"]
     if mixed:
         bars = [(f"{r['accumulator']} K={r['K']}", r["rel_l2_error"]) for r in mixed]
