@@ -71,10 +71,18 @@ def psum(tree: Any, axis_names: tuple[Any, ...], typed: bool) -> Any:
     return jax.lax.psum(tree, axis_names)
 
 
-def zeros_without_axes(leaf: jax.Array, dtype: Any = None) -> jax.Array:
-    """Zeros shaped like `leaf` that vary along no axis (`zeros_like` would keep them)."""
+def zeros_without_axes(leaf: jax.Array, dtype: Any = None, zero: Any = None) -> jax.Array:
+    """Zeros shaped like `leaf` that vary along no axis (`zeros_like` would keep them).
+
+    A scalar `zero` that varies along no axis either is broadcast instead of
+    the constant 0 (see `_window.distinct_zero`); one that varies is ignored,
+    as it would make the zeros vary.
+    """
     dtype = jnp.result_type(leaf) if dtype is None else dtype
-    return jnp.zeros(jnp.shape(leaf), dtype, out_sharding=jax.typeof(leaf).sharding)
+    zeros = jnp.zeros(jnp.shape(leaf), dtype, out_sharding=jax.typeof(leaf).sharding)
+    if zero is None or _varying(zero):
+        return zeros
+    return zeros + jnp.asarray(zero).astype(dtype)
 
 
 def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands, typed: bool) -> Any:

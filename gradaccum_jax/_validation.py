@@ -231,7 +231,17 @@ def check_real(
     """Returns a Python real number as a float, or raises unless it is finite and in range.
 
     `minimum` is excluded when `exclusive` is set; `maximum` is always included.
+    A JAX array (traced or not) is refused with the fix for its usual origin,
+    `optax.inject_hyperparams`, which turns every numeric argument into one.
     """
+    if isinstance(value, jax.Array):
+        raise TypeError(
+            f"{name} must be a Python number such as 1.0, fixed when the transformation "
+            f"is built; got {name}={value!r}, a JAX array. optax.inject_hyperparams "
+            f"passes every numeric argument as an array: keep {name!r} static with "
+            f"optax.inject_hyperparams(..., static_args=({name!r},)), or pass "
+            f"{name}=float(...)."
+        )
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{name} must be a real number such as 1.0; got {name}={value!r} of type "

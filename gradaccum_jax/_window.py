@@ -237,13 +237,15 @@ class Gate(NamedTuple):
       decides_locally: Whether "anything accepted in the window" is known
         before `reduce` (on one device), or only after it (across replicas,
         where another replica may have accepted what this one dropped).
-      zeros_like: `(leaf, dtype) -> zeros` for the skip branch's updates.
+      zeros_like: `(leaf, dtype, zero) -> zeros` for the skip branch's
+        updates: `zero` (a `float32[]` zero, see `distinct_zero`) broadcast to
+        the leaf's shape in `dtype`.
     """
 
     cond: Callable[..., Any]
     reduce: Callable[[Window], Window]
     decides_locally: bool
-    zeros_like: Callable[[jax.Array, Any], jax.Array]
+    zeros_like: Callable[[jax.Array, Any, jax.Array], jax.Array]
 
 
 def local_gate() -> Gate:
@@ -252,7 +254,8 @@ def local_gate() -> Gate:
         cond=jax.lax.cond,
         reduce=lambda window: window,
         decides_locally=True,
-        zeros_like=lambda leaf, dtype: jnp.zeros_like(leaf, dtype),
+        # full_like keeps the leaf's sharding, as zeros_like does.
+        zeros_like=lambda leaf, dtype, zero: jnp.full_like(leaf, zero, dtype),
     )
 
 
@@ -293,6 +296,22 @@ def replica_gate(axis_names: tuple[Any, ...], typed: bool) -> Gate:
 Step = Callable[[Window, Any], tuple[Any, Any]]
 
 
+def distinct_zero(seed: jax.Array, index: int) -> jax.Array:
+    """A `float32[]` zero computed from `seed` and `index`, which XLA cannot fold.
+
+    The skip branch returns one zero tree per update leaf, each in its own
+    output buffer of the conditional. Zeros broadcast from the constant 0 are
+    all equal for equal-shaped leaves: XLA merges them into one buffer and
+    then copies it into every output but one, an extra parameter-sized pass
+    per duplicate. `(seed + index) * 0` differs for each `index`, and XLA does
+    not fold a float product with zero (`NaN * 0` is NaN), so each leaf's
+    zeros are written straight into its output. `seed` must be a traced
+    boolean or integer scalar, so that its float value is finite and the
+    product an exact `+0.0`.
+    """
+    return (jnp.abs(seed.astype(jnp.float32)) + index) * 0.0
+
+
 def close(
     gate: Gate,
     closes: jax.Array,
@@ -325,8 +344,13 @@ def close(
       whether `step` ran on an accepted window.
     """
 
-    def skip_like(spec):
-        return jax.tree.map(lambda g, s: gate.zeros_like(g, s.dtype), like, spec)
+    def skip_like(spec, seed):
+        leaves, treedef = jax.tree.flatten(like)
+        zeros = [
+            gate.zeros_like(g, s.dtype, distinct_zero(seed, i))
+            for i, (g, s) in enumerate(zip(leaves, treedef.flatten_up_to(spec), strict=True))
+        ]
+        return treedef.unflatten(zeros)
 
     def apply_branch(operand, inner_state, closes, weight, unit):
         del closes
@@ -336,7 +360,8 @@ def close(
             return updates, new_inner, jnp.array(True), jnp.array(True)
 
         def nothing(window, inner_state):
-            return skip_like(jax.eval_shape(step, window, inner_state)[0]), inner_state
+            spec = jax.eval_shape(step, window, inner_state)[0]
+            return skip_like(spec, window.weight > 0), inner_state
 
         accepted = window.weight > 0
         updates, new_inner = gate.cond(accepted, step, nothing, window, inner_state)
@@ -348,7 +373,7 @@ def close(
     def skip_branch(operand, inner_state, closes, weight, unit):
         del operand, weight, unit
         # A window with nothing accepted still ends on schedule (reset = closes).
-        return skip_like(spec), inner_state, closes, jnp.array(False)
+        return skip_like(spec, closes), inner_state, closes, jnp.array(False)
 
     # On one device a window with nothing accepted is known before the branch
     # and takes the skip branch.

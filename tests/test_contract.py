@@ -303,6 +303,14 @@ def test_donated_carry_equals_undonated(row):
     chex.assert_trees_all_equal((updates, carry), _reference(row.name))
 
 
+@row_ids
+def test_eager_init_shares_no_buffer(row):
+    # Donating (params, state) fails on a buffer held twice, between fields or with params.
+    state = row.make().init(PARAMS)
+    buffers = [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves((PARAMS, state))]
+    assert len(buffers) == len(set(buffers))
+
+
 # --- the donated train step of an MLP: no parameter-sized copy -----------------------------
 
 MLP_SIZES = [16, 16, 16]  # two (16, 16) weights, two 16-wide biases
