@@ -568,8 +568,10 @@ def unreduced_gate(specs: Any) -> _window.Gate:
         total = jax.tree.map(jax.reshard, window.total, specs)
         return window._replace(total=total, weight=jax.reshard(window.weight, jax.P()))
 
-    def zeros_like(leaf: jax.Array, dtype: Any) -> jax.Array:
-        return jnp.zeros(jnp.shape(leaf), dtype, out_sharding=_dense(_spec(leaf)))
+    def zeros_like(leaf: jax.Array, dtype: Any, zero: jax.Array) -> jax.Array:
+        # Adding the leaf's own zero keeps equal-shaped leaves' zeros apart (no CSE, no copy).
+        zeros = jnp.zeros(jnp.shape(leaf), dtype, out_sharding=_dense(_spec(leaf)))
+        return zeros + zero.astype(dtype)
 
     return _window.Gate(
         cond=jax.lax.cond, reduce=reduce, decides_locally=False, zeros_like=zeros_like
