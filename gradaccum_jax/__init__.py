@@ -56,6 +56,11 @@ from gradaccum_jax._mixed_precision import (
     scale_loss,
     static_loss_scale,
 )
+from gradaccum_jax._noise_scale import (
+    GradientNoiseScale,
+    NoiseScaleState,
+    gradient_noise_scale,
+)
 from gradaccum_jax._planning import (
     MicrobatchPlan,
 )
@@ -75,8 +80,10 @@ __all__ = [
     "ClipValueGrowthState",
     "ConditionalAccumulateState",
     "ConditionalAccumulatorState",
+    "GradientNoiseScale",
     "LossScaleState",
     "MicrobatchPlan",
+    "NoiseScaleState",
     "SplitAccumulateState",
     "accumulate",
     "adaptive_grad_clip",
@@ -100,6 +107,7 @@ __all__ = [
     "conditional_take_grad",
     "current_loss_scale",
     "dynamic_loss_scale",
+    "gradient_noise_scale",
     "has_updated",
     "microbatch_value_and_grad",
     "normalize",

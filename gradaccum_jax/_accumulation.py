@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _collectives, _validation, _window
+from gradaccum_jax import _collectives, _noise_scale, _validation, _window
 
 AxisName = Hashable | Sequence[Hashable]
 
@@ -58,6 +58,10 @@ class AccumulateState(NamedTuple):
       acc_compensation: `None` unless `compensated=True`; then a tree like
         `acc_grads`, in the same dtype, holding the rounding error of
         `acc_grads`: the window's sum is `acc_grads + acc_compensation`.
+      noise_scale: `None` unless `track_noise_scale=True`; then a
+        `NoiseScaleState` (float32 scalars) holding the window's sum of the
+        micro-gradients' squared norms and the averages that
+        `gradient_noise_scale` reads.
     """
 
     micro_step: jax.Array
@@ -70,6 +74,7 @@ class AccumulateState(NamedTuple):
     num_skipped: jax.Array
     inner_state: optax.OptState
     acc_compensation: optax.Updates | None = None
+    noise_scale: _noise_scale.NoiseScaleState | None = None
 
 
 def _check_weight(weight: Any) -> jax.Array:
@@ -92,6 +97,9 @@ def accumulate(
     compensated: bool = False,
     skip_nonfinite: bool = True,
     axis_name: AxisName | None = None,
+    track_noise_scale: bool = False,
+    noise_scale_decay: float = 0.99,
+    micro_batch_size: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Accumulates micro-gradients over a window and applies ``inner`` once per window.
 
@@ -168,6 +176,28 @@ def accumulate(
         params, whose gradient is already summed; the returned updates are
         replica-invariant. Hold the state across calls with
         `replica_state_specs`. See the distributed-training guide.
+      track_noise_scale: If `True`, measure the gradient noise scale
+        (McCandlish et al. 2018) for free: each micro-step also sums its
+        micro-gradient's squared norm (one scalar), each window with at least
+        two accepted micro-gradients (across replicas) estimates $|G|^2$ and
+        $\operatorname{tr}(\Sigma)$ from the micro-gradients' and the window
+        mean's squared norms, and `gradient_noise_scale` reads their averages.
+        The extra sums travel in the window's one reduction. With an int
+        `every_k_schedule`, `K = 1` without `axis_name` is an error (there is
+        no small batch to compare with); a scheduled window with a single
+        micro-gradient leaves the averages unchanged. `False` (default) leaves
+        the state (`noise_scale=None`) and the compiled program as without it.
+      noise_scale_decay: Decay $\beta \in [0, 1)$ of the averages, per
+        window that yields an estimate (the estimates of single windows are
+        very noisy: keep it close to 1).
+      micro_batch_size: The unit of batch size for the noise scale when
+        `update` gets no `weight`: each micro-batch counts as
+        `micro_batch_size` examples, and `b_simple` is in examples. `None`
+        (default) counts micro-batches: `b_simple` is then in micro-batches,
+        directly comparable with `K` (times replicas). With `weight=` the
+        weight is the unit (e.g. tokens) and `micro_batch_size` must be
+        `None`; the estimates assume each weight is proportional to its
+        micro-batch's number of examples.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``update`` accepts
@@ -180,7 +210,11 @@ def accumulate(
         ``accumulator_dtype`` is not a floating-point dtype, or ``axis_name``
         is neither a name nor a tuple of names.
       ValueError: If ``every_k_schedule`` is an int below 1, or
-        ``compensated=True`` without a 16-bit ``accumulator_dtype``; at trace
+        ``compensated=True`` without a 16-bit ``accumulator_dtype``, or
+        `noise_scale_decay` is outside `[0, 1)`, `micro_batch_size` is not a
+        positive int, or `track_noise_scale=True` with `every_k_schedule=1`
+        and no `axis_name`; at trace time, if `weight=` is passed together
+        with `micro_batch_size`; at trace
         time, if an ``axis_name`` is not bound where ``update`` runs, or
         (under ``shard_map``) the gradients are already replica-invariant.
 
@@ -211,6 +245,9 @@ def accumulate(
         axis_names = None
     else:
         axis_names = _validation.check_axis_name("axis_name", axis_name)
+    _check_noise_scale_args(
+        track_noise_scale, noise_scale_decay, micro_batch_size, every_k_schedule, axis_name
+    )
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> AccumulateState:
@@ -230,6 +267,7 @@ def accumulate(
             num_skipped=jnp.zeros([], jnp.int32),
             inner_state=inner.init(params),
             acc_compensation=jax.tree.map(jnp.zeros_like, acc) if compensated else None,
+            noise_scale=_noise_scale.init() if track_noise_scale else None,
         )
 
     def gate(grads: optax.Updates) -> _window.Gate:
@@ -267,29 +305,70 @@ def accumulate(
         micro_step = state.micro_step + 1
         closes = micro_step >= state.window_length
         comp = state.acc_compensation
+        if track_noise_scale:
+            if w is not None and micro_batch_size is not None:
+                raise ValueError(
+                    f"update got weight= but accumulate has {micro_batch_size=}: the noise "
+                    "scale's batch unit is the weight when one is passed. Build accumulate "
+                    "with micro_batch_size=None."
+                )
+            noise = state.noise_scale
+            sq_sum, count = _noise_scale.window_sums(noise, grads, accepted, term_weight)
+            # Absolute units, so that replicas with different units add up.
+            stats = (sq_sum * unit, count)
+            inner_operand = (state.inner_state, noise)
+        else:
+            stats, inner_operand = None, state.inner_state
 
         # Apply or skip.
         def total(acc):
             return _window.window_total(acc[0], acc[1], grads, accepted, scale)
 
-        def step(window: _window.Window, inner_state):
+        def step(window: _window.Window, inner_operand):
+            mean = jax.tree.map(lambda t: t / window.weight.astype(t.dtype), window.total)
             if use_grad_mean:
-                reduced = jax.tree.map(lambda t: t / window.weight.astype(t.dtype), window.total)
+                reduced = mean
             else:
                 reduced = jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
-            return _window.inner_update(inner, reduced, inner_state, grads, params, extra_args)
+            if not track_noise_scale:
+                return _window.inner_update(
+                    inner, reduced, inner_operand, grads, params, extra_args
+                )
+            inner_state, noise = inner_operand
+            sq_sum, count = window.stats
+            noise = _noise_scale.update_averages(
+                noise,
+                big_sq_norm=_noise_scale.sq_norm(mean),
+                small_sq_norm_sum=sq_sum,
+                count=count,
+                total_weight=window.weight * window.unit,
+                batch_unit=1.0 if micro_batch_size is None else float(micro_batch_size),
+                decay=noise_scale_decay,
+            )
+            new_updates, new_inner = _window.inner_update(
+                inner, reduced, inner_state, grads, params, extra_args
+            )
+            return new_updates, (new_inner, noise)
 
         new_updates, new_inner, reset, applied = _window.close(
             gate(grads),
             closes,
             (state.acc_grads, comp),
-            state.inner_state,
+            inner_operand,
             window_weight,
             unit,
             total=total,
             step=step,
             like=grads,
+            stats=stats,
         )
+        new_noise = None
+        if track_noise_scale:
+            new_inner, new_noise = new_inner
+            new_noise = new_noise._replace(
+                acc_sq_norm=jnp.where(reset, 0.0, sq_sum).astype(jnp.float32),
+                acc_count=jnp.where(reset, 0.0, count).astype(jnp.float32),
+            )
 
         # Write: add the micro-gradient, or reset at the window's end.
         new_acc, new_comp = _window.write(state.acc_grads, comp, grads, accepted, scale, reset)
@@ -307,10 +386,30 @@ def accumulate(
             num_skipped=_window.increment_if(state.num_skipped, ~accepted),
             inner_state=new_inner,
             acc_compensation=new_comp,
+            noise_scale=new_noise,
         )
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_noise_scale_args(
+    track: Any, decay: Any, micro_batch_size: Any, every_k_schedule: Any, axis_name: Any
+) -> None:
+    if not isinstance(track, bool):
+        raise TypeError(f"track_noise_scale must be True or False; got {track=}.")
+    _validation.check_real("noise_scale_decay", decay, minimum=0.0)
+    if decay >= 1:
+        raise ValueError(
+            f"noise_scale_decay must be in [0, 1), e.g. 0.99; got noise_scale_decay={decay!r}."
+        )
+    if micro_batch_size is not None:
+        _validation.check_int("micro_batch_size", micro_batch_size)
+    if track and axis_name is None and not callable(every_k_schedule) and every_k_schedule == 1:
+        raise ValueError(
+            "track_noise_scale=True needs windows of at least two micro-gradients to compare "
+            f"small and big batches; got {every_k_schedule=} without axis_name. Use K >= 2."
+        )
 
 
 def _find_accumulate_state(opt_state: Any) -> AccumulateState:

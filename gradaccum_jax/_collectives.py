@@ -71,9 +71,10 @@ def psum(tree: Any, axis_names: tuple[Any, ...], typed: bool) -> Any:
     return jax.lax.psum(tree, axis_names)
 
 
-def zeros_without_axes(leaf: jax.Array) -> jax.Array:
-    """Zeros shaped like ``leaf`` that vary along no axis (``zeros_like`` would keep them)."""
-    return jnp.zeros(jnp.shape(leaf), jnp.result_type(leaf), out_sharding=jax.typeof(leaf).sharding)
+def zeros_without_axes(leaf: jax.Array, dtype: Any = None) -> jax.Array:
+    """Zeros shaped like `leaf` that vary along no axis (`zeros_like` would keep them)."""
+    dtype = jnp.result_type(leaf) if dtype is None else dtype
+    return jnp.zeros(jnp.shape(leaf), dtype, out_sharding=jax.typeof(leaf).sharding)
 
 
 def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands, typed: bool) -> Any:

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 from gradaccum_jax import _validation
 from gradaccum_jax._accumulation import AccumulateState, AxisName
 
-_PER_REPLICA = ("acc_grads", "acc_weight", "weight_unit", "num_skipped")
+_PER_REPLICA = ("acc_grads", "acc_weight", "weight_unit", "num_skipped", "noise_scale")
 
 
 def _map_accumulate_states(
