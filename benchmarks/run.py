@@ -23,7 +23,14 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-BENCHMARKS = ["accumulate", "microbatch", "distributed", "mixed_precision", "clipping"]
+BENCHMARKS = [
+    "accumulate",
+    "microbatch",
+    "distributed",
+    "mixed_precision",
+    "clipping",
+    "noise_scale",
+]
 MARKER = "@@ROWS@@"
 CHILD = (
     "import json, sys; sys.path.insert(0, {here!r}); import {name} as b; "

@@ -97,8 +97,8 @@ class GradientNoiseScale(NamedTuple):
 
 def init() -> NoiseScaleState:
     """The empty noise-scale state."""
-    zero = jnp.zeros([], jnp.float32)
-    return NoiseScaleState(zero, zero, zero, zero, zero)
+    # A fresh buffer per field, so that an eagerly created state can be donated.
+    return NoiseScaleState(*(jnp.zeros([], jnp.float32) for _ in NoiseScaleState._fields))
 
 
 def sq_norm(tree: Any) -> jax.Array:
