@@ -1,10 +1,14 @@
-"""Test configuration for tests/ and the doctests: 8 forced host devices.
+"""Test configuration for tests/ and the doctests: 8 forced host devices; the `requires` marker.
 
 This file sits at the repository root so that pytest loads it before it imports
 any module that imports jax.
 """
 
+import importlib.metadata
 import os
+import re
+
+import pytest
 
 # Multi-device tests run on 8 CPU devices; XLA reads this flag once, when the
 # backend starts, so it must be set before anything imports jax.
@@ -12,3 +16,27 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string: "0.8.1" and "0.8.1rc1" give (0, 8, 1)."""
+    return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skips, with its reason, a test marked `requires(reason, jax="0.9.0", ...)` on older stacks.
+
+    The supported stacks reach back to the lower bounds in pyproject.toml; a test of an
+    API that a supported older release lacks says so here, in one place, instead of
+    failing there or being skipped silently.
+    """
+    for marker in item.iter_markers("requires"):
+        if len(marker.args) != 1 or not isinstance(marker.args[0], str) or not marker.kwargs:
+            raise TypeError(
+                f"{item.nodeid}: use @pytest.mark.requires('why', package='minimum version'); "
+                f"got args={marker.args!r}, kwargs={marker.kwargs!r}."
+            )
+        for package, minimum in marker.kwargs.items():
+            installed = importlib.metadata.version(package)
+            if _release(installed) < _release(minimum):
+                pytest.skip(f"needs {package}>={minimum} (installed {installed}): {marker.args[0]}")

@@ -1,7 +1,7 @@
 """gradaccum_jax: exact, fast gradient accumulation for JAX and Optax."""
 
-# The Flax layers live in a subpackage, reached as gradaccum_jax.flax.<name>.
-from gradaccum_jax import flax as flax
+from typing import TYPE_CHECKING, Any
+
 from gradaccum_jax._accumulation import (
     AccumulateState,
     accumulate,
@@ -32,7 +32,7 @@ from gradaccum_jax._clipping import (
 )
 from gradaccum_jax._conditional import (
     ConditionalAccumulateState,
-    ConditionalAccumulatorState,
+    ConditionalAccumulator,
     conditional_accumulate,
     conditional_accumulator_init,
     conditional_apply_grad,
@@ -70,6 +70,9 @@ from gradaccum_jax._split import (
     split_accumulate,
 )
 
+if TYPE_CHECKING:
+    from gradaccum_jax import flax as flax
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -79,7 +82,7 @@ __all__ = [
     "ClipValueByEMAState",
     "ClipValueGrowthState",
     "ConditionalAccumulateState",
-    "ConditionalAccumulatorState",
+    "ConditionalAccumulator",
     "GradientNoiseScale",
     "LossScaleState",
     "MicrobatchPlan",
@@ -121,3 +124,18 @@ __all__ = [
     "split_accumulate",
     "static_loss_scale",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The Flax layers live in a subpackage, reached as gradaccum_jax.flax.<name>. It is
+    # imported on first use so that `import gradaccum_jax` does not import flax (most
+    # of its import time) for users who never touch the Flax layers.
+    if name == "flax":
+        import gradaccum_jax.flax
+
+        return gradaccum_jax.flax
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), "flax"])

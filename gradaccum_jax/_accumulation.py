@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental import checkify
 
 from gradaccum_jax import _collectives, _noise_scale, _validation, _window
 
@@ -55,9 +56,15 @@ class AccumulateState(NamedTuple):
         of `replica_state_specs`).
       inner_state: The inner transformation's state. It changes only when a
         window closes, and keeps the dtypes of the inner `init`.
+      num_short_windows: `int32[]`. Windows for which a traced
+        `every_k_schedule` returned a length below 1, taken as 1 (inside `jit`
+        it cannot raise; see `check_values`). Saturates.
       acc_compensation: `None` unless `compensated=True`; then a tree like
         `acc_grads`, in the same dtype, holding the rounding error of
         `acc_grads`: the window's sum is `acc_grads + acc_compensation`.
+      skip_state: `()` unless `should_skip_update_fn` is given; then the
+        metrics it returned for the last micro-gradient (the structure it
+        returns at `init` for zero gradients), as in `optax.MultiStepsState`.
       noise_scale: `None` unless `track_noise_scale=True`; then a
         `NoiseScaleState` (float32 scalars) holding the window's sum of the
         micro-gradients' squared norms and the averages that
@@ -73,8 +80,40 @@ class AccumulateState(NamedTuple):
     weight_unit: jax.Array
     num_skipped: jax.Array
     inner_state: optax.OptState
+    num_short_windows: jax.Array
     acc_compensation: optax.Updates | None = None
+    skip_state: Any = ()
     noise_scale: _noise_scale.NoiseScaleState | None = None
+
+
+ShouldSkipUpdateFn = Callable[[optax.Updates, jax.Array, optax.Params], tuple[jax.Array, Any]]
+
+
+def _check_skip_options(
+    should_skip_update_fn: Any, count_skipped_steps: Any, check_values: Any, axis_name: Any
+) -> None:
+    if should_skip_update_fn is not None and not callable(should_skip_update_fn):
+        raise TypeError(
+            "should_skip_update_fn must be None or a callable (updates, gradient_step, "
+            "params) -> (should_skip, metrics), such as optax.skip_not_finite; got "
+            f"{should_skip_update_fn=!r}."
+        )
+    flags = (("count_skipped_steps", count_skipped_steps), ("check_values", check_values))
+    for name, value in flags:
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool; got {name}={value!r}.")
+    if axis_name is not None and should_skip_update_fn is not None:
+        raise ValueError(
+            f"should_skip_update_fn is not supported with {axis_name=!r}: its metrics would "
+            "differ between replicas. Drop it (non-finite micro-gradients are already "
+            "dropped by skip_nonfinite=True), or accumulate without axis_name."
+        )
+    if axis_name is not None and not count_skipped_steps:
+        raise ValueError(
+            f"count_skipped_steps=False is not supported with {axis_name=!r}: replicas that "
+            "drop different micro-steps would close their windows at different calls and "
+            "wait for each other's all-reduce forever. Keep count_skipped_steps=True."
+        )
 
 
 def _check_weight(weight: Any) -> jax.Array:
@@ -97,6 +136,9 @@ def accumulate(
     compensated: bool = False,
     skip_nonfinite: bool = True,
     axis_name: AxisName | None = None,
+    should_skip_update_fn: ShouldSkipUpdateFn | None = None,
+    count_skipped_steps: bool = True,
+    check_values: bool = False,
     track_noise_scale: bool = False,
     noise_scale_decay: float = 0.99,
     micro_batch_size: int | None = None,
@@ -127,10 +169,22 @@ def accumulate(
     through without copying them (the compiled program is tested for it).
 
     A micro-gradient with a non-finite leaf (or a non-finite or negative
-    traced ``weight``) is dropped: it is not added, it does not count in the
-    mean's denominator, and ``num_skipped`` grows by one. The window still
-    closes on schedule; a window with nothing accepted applies no inner update
-    and returns zeros.
+    traced ``weight``, or one that ``should_skip_update_fn`` rejects) is
+    dropped: it is not added, it does not count in the mean's denominator,
+    and ``num_skipped`` grows by one. By default the dropped micro-step still
+    counts toward the window, which closes on schedule after ``K`` calls; a
+    window with nothing accepted applies no inner update and returns zeros.
+    With ``count_skipped_steps=False`` it does not count, as in
+    ``optax.MultiSteps``: the window closes after ``K`` accepted
+    micro-gradients.
+
+    Values only known inside ``jit`` cannot raise there: a traced schedule
+    value below 1 is taken as 1 (counted in ``num_short_windows``), and a
+    negative or non-finite traced ``weight`` drops its micro-gradient
+    (counted in ``num_skipped``). With ``check_values=True`` both are also
+    reported through ``jax.experimental.checkify``: run the step as
+    ``checkify.checkify(step, errors=checkify.user_checks)`` and call
+    ``err.throw()`` on the error it returns.
 
     Step counting: ``gradient_step`` counts inner updates. Schedules inside
     ``inner`` (``optax.adam(optax.cosine_decay_schedule(...))``,
@@ -176,6 +230,20 @@ def accumulate(
         params, whose gradient is already summed; the returned updates are
         replica-invariant. Hold the state across calls with
         `replica_state_specs`. See the distributed-training guide.
+      should_skip_update_fn: ``None``, or optax's
+        ``should_skip_update_fn(updates, gradient_step, params) ->
+        (should_skip, metrics)`` (``optax.skip_not_finite``,
+        ``optax.skip_large_updates``, as for ``optax.MultiSteps``): a
+        micro-gradient for which it returns ``True`` is dropped as above;
+        ``metrics`` is kept in ``AccumulateState.skip_state``. Not with
+        ``axis_name``.
+      count_skipped_steps: If ``True`` (default) a dropped micro-step counts
+        toward the window's ``K`` calls; if ``False`` it does not, as in
+        ``optax.MultiSteps``. Not with ``axis_name``, where replicas that drop
+        different micro-steps would close their windows at different calls.
+      check_values: If ``True``, invalid traced values (a schedule value
+        below 1, a negative or non-finite ``weight``) are reported with
+        ``jax.experimental.checkify.check`` besides being counted.
       track_noise_scale: If `True`, measure the gradient noise scale
         (McCandlish et al. 2018) for free: each micro-step also sums its
         micro-gradient's squared norm (one scalar), each window with at least
@@ -211,10 +279,11 @@ def accumulate(
         is neither a name nor a tuple of names.
       ValueError: If ``every_k_schedule`` is an int below 1, or
         ``compensated=True`` without a 16-bit ``accumulator_dtype``, or
-        `noise_scale_decay` is outside `[0, 1)`, `micro_batch_size` is not a
-        positive int, or `track_noise_scale=True` with `every_k_schedule=1`
-        and no `axis_name`; at trace time, if `weight=` is passed together
-        with `micro_batch_size`; at trace
+        ``should_skip_update_fn`` or ``count_skipped_steps=False`` is combined
+        with ``axis_name``, or `noise_scale_decay` is outside `[0, 1)`,
+        `micro_batch_size` is not a positive int, or `track_noise_scale=True`
+        with `every_k_schedule=1` and no `axis_name`; at trace time, if
+        `weight=` is passed together with `micro_batch_size`; at trace
         time, if an ``axis_name`` is not bound where ``update`` runs, or
         (under ``shard_map``) the gradients are already replica-invariant.
 
@@ -245,10 +314,31 @@ def accumulate(
         axis_names = None
     else:
         axis_names = _validation.check_axis_name("axis_name", axis_name)
+    _check_skip_options(should_skip_update_fn, count_skipped_steps, check_values, axis_name)
     _check_noise_scale_args(
         track_noise_scale, noise_scale_decay, micro_batch_size, every_k_schedule, axis_name
     )
     inner = optax.with_extra_args_support(inner)
+
+    def length(step: jax.Array) -> tuple[jax.Array, jax.Array]:
+        k, short = _window.window_length(every_k_schedule, step)
+        if check_values:
+            checkify.check(
+                ~short,
+                "every_k_schedule returned a window length below 1 at gradient_step={}",
+                step,
+            )
+        return k, short
+
+    def skip_decision(grads, gradient_step, params):
+        should_skip, metrics = should_skip_update_fn(grads, gradient_step, params)
+        if jnp.result_type(should_skip) != jnp.bool_ or jnp.shape(should_skip) != ():
+            raise TypeError(
+                "should_skip_update_fn must return (should_skip, metrics) with should_skip a "
+                f"boolean scalar; it returned dtype {jnp.result_type(should_skip)} and shape "
+                f"{jnp.shape(should_skip)}."
+            )
+        return should_skip, metrics
 
     def init_fn(params: optax.Params) -> AccumulateState:
         params = _window.as_arrays(params)
@@ -256,17 +346,23 @@ def accumulate(
         acc = _window.zeros(params, accumulator_dtype)
         if compensated:
             _validation.check_compensable("params", acc)
+        skip_state = ()
+        if should_skip_update_fn is not None:
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            _, skip_state = skip_decision(zeros, _window.counter(), params)
         return AccumulateState(
-            micro_step=jnp.zeros([], jnp.int32),
-            gradient_step=jnp.zeros([], jnp.int32),
-            window_length=_window.window_length(every_k_schedule, jnp.zeros([], jnp.int32)),
+            micro_step=_window.counter(),
+            gradient_step=_window.counter(),
+            window_length=length(_window.counter())[0],
             updated=jnp.array(False),
             acc_grads=acc,
             acc_weight=jnp.zeros([], jnp.float32),
             weight_unit=jnp.ones([], jnp.float32),
-            num_skipped=jnp.zeros([], jnp.int32),
+            num_skipped=_window.counter(),
             inner_state=inner.init(params),
+            num_short_windows=_window.counter(),
             acc_compensation=jax.tree.map(jnp.zeros_like, acc) if compensated else None,
+            skip_state=skip_state,
             noise_scale=_noise_scale.init() if track_noise_scale else None,
         )
 
@@ -293,17 +389,26 @@ def accumulate(
 
         # Accept.
         accepted = _window.all_finite(grads) if skip_nonfinite else jnp.array(True)
+        skip_state = state.skip_state
+        if should_skip_update_fn is not None:
+            should_skip, skip_state = skip_decision(grads, state.gradient_step, params)
+            skip_state = _window.keep_state_types(skip_state, state.skip_state, "skip")
+            accepted = accepted & ~should_skip
         if w is None:
             scale, unit, term_weight = None, state.weight_unit, jnp.float32(1.0)
         else:
+            valid = jnp.isfinite(w) & (w >= 0)
+            if check_values:
+                checkify.check(valid, "weight must be finite and >= 0; got weight={}", w)
             if skip_nonfinite:
-                accepted = accepted & jnp.isfinite(w) & (w >= 0)
+                accepted = accepted & valid
             first = accepted & (state.acc_weight == 0) & (w > 0)
             unit = jnp.where(first, w, state.weight_unit)
             scale = term_weight = w / unit
         window_weight = state.acc_weight + jnp.where(accepted, term_weight, 0.0)
-        micro_step = state.micro_step + 1
-        closes = micro_step >= state.window_length
+        counted = jnp.array(True) if count_skipped_steps else accepted
+        micro_step = state.micro_step + counted.astype(jnp.int32)
+        closes = counted & (micro_step >= state.window_length)
         comp = state.acc_compensation
         if track_noise_scale:
             if w is not None and micro_batch_size is not None:
@@ -373,19 +478,20 @@ def accumulate(
         # Write: add the micro-gradient, or reset at the window's end.
         new_acc, new_comp = _window.write(state.acc_grads, comp, grads, accepted, scale, reset)
         gradient_step = _window.increment_if(state.gradient_step, applied)
+        next_length, short = length(gradient_step)
         new_state = AccumulateState(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
             gradient_step=gradient_step,
-            window_length=jnp.where(
-                reset, _window.window_length(every_k_schedule, gradient_step), state.window_length
-            ).astype(jnp.int32),
+            window_length=jnp.where(reset, next_length, state.window_length).astype(jnp.int32),
             updated=applied,
             acc_grads=new_acc,
             acc_weight=jnp.where(reset, 0.0, window_weight).astype(jnp.float32),
             weight_unit=jnp.where(reset, 1.0, unit).astype(jnp.float32),
             num_skipped=_window.increment_if(state.num_skipped, ~accepted),
             inner_state=new_inner,
+            num_short_windows=_window.increment_if(state.num_short_windows, reset & short),
             acc_compensation=new_comp,
+            skip_state=skip_state,
             noise_scale=new_noise,
         )
         return new_updates, new_state
@@ -447,7 +553,7 @@ def optimizer_step(opt_state: optax.OptState) -> jax.Array:
     return _find_accumulate_state(opt_state).gradient_step
 
 
-def closes_window(opt_state: optax.OptState) -> jax.Array:
+def closes_window(opt_state: optax.OptState, *removed: Any) -> jax.Array:
     """Returns whether the next `update` call closes the current window.
 
     Useful for work that must happen once per window beside the optimizer,
@@ -458,12 +564,15 @@ def closes_window(opt_state: optax.OptState) -> jax.Array:
     Args:
       opt_state: An optimizer state that contains exactly one
         `AccumulateState`.
+      *removed: Nothing: the window length argument of earlier versions,
+        refused with a `TypeError` that says to drop it.
 
     Returns:
       A boolean scalar.
 
     Raises:
       ValueError: If `opt_state` contains no or several `AccumulateState`.
+      TypeError: If a window length is passed as well.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -476,6 +585,13 @@ def closes_window(opt_state: optax.OptState) -> jax.Array:
       >>> bool(ga.closes_window(state))
       True
     """
+    if removed:
+        raise TypeError(
+            f"closes_window takes only the optimizer state; got a window length {removed[0]!r} "
+            "as well. The state carries its window's length (AccumulateState.window_length, "
+            "which follows a schedule), so a repeated one could only disagree: call "
+            "closes_window(opt_state)."
+        )
     state = _find_accumulate_state(opt_state)
     return state.micro_step + 1 >= state.window_length
 

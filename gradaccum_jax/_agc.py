@@ -111,7 +111,7 @@ def _resolve(spec: Any, path: jax.tree_util.KeyPath, shape: tuple[int, ...]) -> 
     axes = (spec,) if isinstance(spec, numbers.Integral) else spec
     resolved = []
     for axis in axes:
-        if not -ndim <= axis < ndim:
+        if not -ndim <= axis < ndim:  # type: ignore[operator]
             raise ValueError(
                 f"{where} holds axis {axis}, out of range for a rank-{ndim} leaf; allowed "
                 f"axes are {-ndim}..{ndim - 1}, or None for the whole leaf."

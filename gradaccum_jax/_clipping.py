@@ -123,7 +123,7 @@ def _check_min_size(min_size: Any, dims: Any, static: tuple[str, ...]) -> int:
         )
     if min_size < 0:
         raise ValueError(f"min_size must be an int >= 0; got {min_size=}.")
-    if dims == "global" and min_size > 1:
+    if dims == "global" and min_size > 1:  # type: ignore[operator]
         # torchzero ignores min_size for the global norm; ignoring it silently
         # here would hide that the whole tree is always one unit.
         raise ValueError(
@@ -228,7 +228,7 @@ def _rescale_units(
     for leaf in leaves:
         x = jnp.reshape(leaf, jnp.shape(leaf) or (1,)).astype(compute_dtype(leaf.dtype))
         xs.append(x)
-        axes_list.append(_unit_axes(x.shape, dim, inverse_dims))
+        axes_list.append(_unit_axes(x.shape, dim, inverse_dims))  # type: ignore[arg-type]
     nonempty = [i for i, x in enumerate(xs) if x.size]
     sizes = dict(
         zip(nonempty, measure([[(xs[i], axes_list[i])] for i in nonempty], m), strict=True)
@@ -569,7 +569,7 @@ def centralize(
             return tuple(range(1, leaf.ndim)) if leaf.ndim > 1 else ()
         if leaf.ndim == 0:
             return ()
-        return _unit_axes(leaf.shape, dims, inverse_dims)
+        return _unit_axes(leaf.shape, dims, inverse_dims)  # type: ignore[arg-type]
 
     def mean(x: jax.Array, axes: tuple[int, ...] | None, count: int) -> jax.Array:
         # Dividing before summing cannot overflow: every partial sum is at
@@ -840,7 +840,7 @@ class ClipNormByEMAState(NamedTuple):
         in the real dtype of `ema`. Variances are kept as standard deviations.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count
     ema: optax.Updates
     prev_ema_norm: Any
 
@@ -1063,7 +1063,7 @@ class ClipValueByEMAState(NamedTuple):
         updates' magnitudes.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count
     ema: optax.Updates
 
 
@@ -1161,7 +1161,7 @@ class ClipNormGrowthState(NamedTuple):
         deviations.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count
     prev_norm: Any
 
 
@@ -1289,7 +1289,7 @@ class ClipValueGrowthState(NamedTuple):
         wider): the tracked values that bound the next update.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count
     prev: optax.Updates
 
 

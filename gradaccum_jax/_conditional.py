@@ -15,7 +15,7 @@ _REDUCTIONS = ("mean", "sum")
 StalenessWeight = Callable[[jax.Array], Any]
 
 
-class ConditionalAccumulatorState(NamedTuple):
+class ConditionalAccumulator(NamedTuple):
     """State of a conditional accumulator (the pure functions and `conditional_accumulate`).
 
     Every field keeps its shape and dtype, so the state can be carried through
@@ -52,26 +52,26 @@ class ConditionalAccumulateState(NamedTuple):
     """State of `conditional_accumulate`.
 
     Attributes:
-      accumulator: A `ConditionalAccumulatorState`; its ``global_step``
+      accumulator: A `ConditionalAccumulator`; its ``global_step``
         is the step to stamp new gradients with, and it counts the dropped
         gradients.
       inner_state: The inner transformation's state. It changes only when
         ``num_required`` gradients are in.
     """
 
-    accumulator: ConditionalAccumulatorState
+    accumulator: ConditionalAccumulator
     inner_state: optax.OptState
 
 
 def _unwrap(
-    state: ConditionalAccumulatorState | ConditionalAccumulateState,
-) -> tuple[ConditionalAccumulatorState, Callable[[ConditionalAccumulatorState], Any]]:
+    state: ConditionalAccumulator | ConditionalAccumulateState,
+) -> tuple[ConditionalAccumulator, Callable[[ConditionalAccumulator], Any]]:
     if isinstance(state, ConditionalAccumulateState):
         return state.accumulator, lambda acc: state._replace(accumulator=acc)
-    if isinstance(state, ConditionalAccumulatorState):
+    if isinstance(state, ConditionalAccumulator):
         return state, lambda acc: acc
     raise TypeError(
-        "state must be a ConditionalAccumulatorState (from conditional_accumulator_init) "
+        "state must be a ConditionalAccumulator (from conditional_accumulator_init) "
         "or the ConditionalAccumulateState of conditional_accumulate; got "
         f"{type(state).__name__}."
     )
@@ -98,7 +98,7 @@ class _Verdict(NamedTuple):
 
 
 def _judge(
-    acc: ConditionalAccumulatorState,
+    acc: ConditionalAccumulator,
     grad: optax.Updates,
     local_step: Any,
     max_staleness: int,
@@ -133,7 +133,7 @@ def _reduce(total: optax.Updates, count: jax.Array, reduction: str) -> optax.Upd
     return jax.tree.map(lambda t: t / count.astype(t.dtype), total)
 
 
-def _counted(acc: ConditionalAccumulatorState, verdict: _Verdict) -> ConditionalAccumulatorState:
+def _counted(acc: ConditionalAccumulator, verdict: _Verdict) -> ConditionalAccumulator:
     return acc._replace(
         num_accumulated=_window.increment_if(acc.num_accumulated, verdict.accepted),
         num_stale=_window.increment_if(acc.num_stale, verdict.stale),
@@ -143,7 +143,7 @@ def _counted(acc: ConditionalAccumulatorState, verdict: _Verdict) -> Conditional
 
 def conditional_accumulator_init(
     params: optax.Params, *, accumulator_dtype: Any = None
-) -> ConditionalAccumulatorState:
+) -> ConditionalAccumulator:
     """Returns an empty conditional accumulator for gradients shaped like ``params``.
 
     The pure counterpart of constructing TensorFlow's ``ConditionalAccumulator``:
@@ -159,7 +159,7 @@ def conditional_accumulator_init(
         wider dtypes and sums float16 and bfloat16 gradients in float32.
 
     Returns:
-      A `ConditionalAccumulatorState` at ``global_step = 0``.
+      A `ConditionalAccumulator` at ``global_step = 0``.
 
     Raises:
       TypeError: If a leaf of ``params`` is not floating point, or
@@ -175,26 +175,25 @@ def conditional_accumulator_init(
     _validation.check_accumulator_dtype(accumulator_dtype)
     params = _window.as_arrays(params)
     _validation.check_float_tree("params", params)
-    zero = jnp.zeros([], jnp.int32)
-    return ConditionalAccumulatorState(
-        global_step=zero,
-        num_accumulated=zero,
+    return ConditionalAccumulator(
+        global_step=_window.counter(),
+        num_accumulated=_window.counter(),
         acc_grads=_window.zeros(params, accumulator_dtype),
-        num_stale=zero,
-        num_skipped=zero,
-        num_ignored_steps=zero,
+        num_stale=_window.counter(),
+        num_skipped=_window.counter(),
+        num_ignored_steps=_window.counter(),
     )
 
 
 def conditional_apply_grad(
-    state: ConditionalAccumulatorState,
+    state: ConditionalAccumulator,
     grad: optax.Updates,
     local_step: jax.typing.ArrayLike,
     *,
     max_staleness: int = 0,
     staleness_weight: StalenessWeight | None = None,
     skip_nonfinite: bool = True,
-) -> ConditionalAccumulatorState:
+) -> ConditionalAccumulator:
     r"""Adds ``grad`` to the accumulator unless it is stale; returns the new state.
 
     ``grad`` is stale when it was computed too long ago,
@@ -210,7 +209,7 @@ def conditional_apply_grad(
     ``τ = max(global_step - local_step, 0)``, or ``1`` without a weight.
 
     Args:
-      state: A `ConditionalAccumulatorState` (or the
+      state: A `ConditionalAccumulator` (or the
         `ConditionalAccumulateState` of `conditional_accumulate`,
         whose accumulator is then updated and whose inner state is kept).
       grad: A tree with the structure and shapes of the accumulator.
@@ -254,12 +253,12 @@ def conditional_apply_grad(
 
 
 def conditional_num_accumulated(
-    state: ConditionalAccumulatorState | ConditionalAccumulateState,
+    state: ConditionalAccumulator | ConditionalAccumulateState,
 ) -> jax.Array:
     """Returns the number of gradients accepted since the last take.
 
     Args:
-      state: A `ConditionalAccumulatorState` or
+      state: A `ConditionalAccumulator` or
         `ConditionalAccumulateState`.
 
     Returns:
@@ -277,9 +276,9 @@ def conditional_num_accumulated(
 
 
 def conditional_set_global_step(
-    state: ConditionalAccumulatorState | ConditionalAccumulateState,
+    state: ConditionalAccumulator | ConditionalAccumulateState,
     new_global_step: jax.typing.ArrayLike,
-) -> ConditionalAccumulatorState | ConditionalAccumulateState:
+) -> ConditionalAccumulator | ConditionalAccumulateState:
     """Raises the accumulator's ``global_step`` to ``new_global_step``.
 
     A value lower than the current ``global_step`` is ignored, so that
@@ -290,7 +289,7 @@ def conditional_set_global_step(
     sum.
 
     Args:
-      state: A `ConditionalAccumulatorState` or
+      state: A `ConditionalAccumulator` or
         `ConditionalAccumulateState`.
       new_global_step: Integer scalar.
 
@@ -321,11 +320,11 @@ def conditional_set_global_step(
 
 
 def conditional_take_grad(
-    state: ConditionalAccumulatorState | ConditionalAccumulateState,
+    state: ConditionalAccumulator | ConditionalAccumulateState,
     num_required: int | jax.Array,
     *,
     reduction: str = "mean",
-) -> tuple[optax.Updates, jax.Array, ConditionalAccumulatorState | ConditionalAccumulateState]:
+) -> tuple[optax.Updates, jax.Array, ConditionalAccumulator | ConditionalAccumulateState]:
     r"""Takes the accumulated gradient if at least ``num_required`` are in.
 
     When ``n = num_accumulated >= num_required`` it returns the mean
@@ -335,7 +334,7 @@ def conditional_take_grad(
     unchanged; TensorFlow blocks instead, which a pure function cannot do.
 
     Args:
-      state: A `ConditionalAccumulatorState` or
+      state: A `ConditionalAccumulator` or
         `ConditionalAccumulateState`.
       num_required: Number of gradients needed, an int ``>= 1`` (a traced
         integer below 1 counts as 1).
@@ -365,7 +364,7 @@ def conditional_take_grad(
             _validation.check_scalar("num_required", num_required, integer=True), 1
         )
     else:
-        required = _validation.check_int("num_required", num_required, minimum=1)
+        required = _validation.check_int("num_required", num_required, minimum=1)  # type: ignore[assignment]
     acc, rewrap = _unwrap(state)
     ready = acc.num_accumulated >= required
     count = jnp.maximum(acc.num_accumulated, 1)

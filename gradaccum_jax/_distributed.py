@@ -107,7 +107,13 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
     return _map_accumulate_states(
         opt_state,
         lambda state: _map_per_replica(
-            state._replace(micro_step=PartitionSpec(), gradient_step=PartitionSpec()),
+            state._replace(
+                micro_step=PartitionSpec(),
+                gradient_step=PartitionSpec(),
+                window_length=PartitionSpec(),
+                updated=PartitionSpec(),
+                num_short_windows=PartitionSpec(),
+            ),
             lambda _, x: replica_spec,
         ),
         lambda _: PartitionSpec(),

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradaccum_jax import _planning, _validation, _window
+from gradaccum_jax._compat import pcast_to_varying, varying_axes
 
 _AUX_REDUCTIONS = ("auto", "mean", "sum", "concat")
 
@@ -369,19 +370,11 @@ class _Accumulator:
     whole: Callable[[Any], Any]
 
 
-def _varying(x: Any) -> frozenset:
-    """Returns the mesh axes along which `x` varies inside `shard_map` (none outside)."""
-    manual = getattr(x, "manual_axis_type", None)
-    if manual is None and not isinstance(x, jax.ShapeDtypeStruct):
-        manual = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(getattr(manual, "varying", None) or ())
-
-
 def _match_varying(x: jax.Array, like: Any) -> jax.Array:
     # Inside shard_map a scan carry must keep its varying axes from one
     # iteration to the next: widen an initial value to those of its successor.
-    missing = _varying(like) - _varying(x)
-    return jax.lax.pcast(x, tuple(missing), to="varying") if missing else x
+    missing = varying_axes(like) - varying_axes(x)
+    return pcast_to_varying(x, tuple(missing)) if missing else x
 
 
 def _zeros(like: jax.ShapeDtypeStruct, dtype: Any) -> jax.Array:

@@ -29,7 +29,7 @@ class SplitAccumulateState(NamedTuple):
     Attributes:
       micro_step: ``int32[]``. Calls already taken in the current window, in
         ``[0, K)``.
-      update_step: ``int32[]``. Windows that returned an update (closed with
+      gradient_step: ``int32[]``. Windows that returned an update (closed with
         at least one accepted contribution); the argument of a callable
         ``every_k_schedule``. Saturates at the int32 maximum.
       positive: The positive component's running reduction, a tree shaped like
@@ -47,7 +47,7 @@ class SplitAccumulateState(NamedTuple):
     """
 
     micro_step: jax.Array
-    update_step: jax.Array
+    gradient_step: jax.Array
     positive: optax.Updates
     negative: optax.Updates
     positive_count: jax.Array
@@ -116,6 +116,67 @@ def _buffer_finish(fn: WindowReduction, buffer: jax.Array, count: jax.Array, k: 
     return jnp.where(count > 0, value, jnp.zeros_like(value))
 
 
+class _Running(NamedTuple):
+    """A running reduction: one params-sized array per component, written after the gate.
+
+    The shape of `optax.microbatching`'s accumulators: `init`, `add` one
+    contribution, `finalize` the window's value.
+    """
+
+    reduction: str
+
+    # Added inside the branch (read) and again after it (write, or reset).
+    adds_before_gate = False
+
+    def init(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+        return jnp.zeros(shape, dtype)
+
+    def add(self, acc: jax.Array, x: jax.Array, count: jax.Array, present: jax.Array):
+        return jnp.where(present, _combine(self.reduction, acc, x, count), acc)
+
+    def finalize(self, acc: jax.Array, count: jax.Array) -> jax.Array:
+        return _finish(self.reduction, acc, count)
+
+
+class _Buffered(NamedTuple):
+    """A buffer of the window's `K` contributions, reduced by `fn` at the window's end.
+
+    The contribution is stored in its slot before the gate, in place (a dropped
+    call rewrites the slot's old value). Slots past the count are masked out,
+    so the buffer never needs a reset.
+    """
+
+    fn: WindowReduction
+    length: int
+
+    adds_before_gate = True
+
+    def init(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+        return jnp.zeros((self.length, *shape), dtype)
+
+    def add(self, buffer: jax.Array, x: jax.Array, count: jax.Array, present: jax.Array):
+        slot = jnp.minimum(count, self.length - 1)
+        old = jax.lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
+        new = jnp.where(present, x.astype(buffer.dtype), old)
+        return jax.lax.dynamic_update_index_in_dim(buffer, new, slot, 0)
+
+    def finalize(self, buffer: jax.Array, count: jax.Array) -> jax.Array:
+        return _buffer_finish(self.fn, buffer, count, self.length)
+
+
+class _Component(NamedTuple):
+    """One component's contribution in this call.
+
+    The source tree, how to take the component from it, whether it is present,
+    and the component's count before it.
+    """
+
+    source: Any
+    part: Callable[[jax.Array], jax.Array]
+    present: jax.Array
+    count: jax.Array
+
+
 def _bound_factor(bound: str, distance: jax.Array, exponent: float, span: float | None):
     """The factor multiplying one component, given its distance to the limit."""
     if bound == "sharp":
@@ -136,10 +197,10 @@ def split_accumulate(
     *,
     reduction: str | WindowReduction = "sum",
     bound: str | None = None,
-    upper: float | None = None,
     lower: float | None = None,
-    upper_exponent: float | None = None,
+    upper: float | None = None,
     lower_exponent: float | None = None,
+    upper_exponent: float | None = None,
     paired: bool = False,
     accumulator_dtype: Any = None,
     skip_nonfinite: bool = True,
@@ -191,11 +252,20 @@ def split_accumulate(
 
     This transform acts on the final increment and reads the current params:
     it must be the last transform in an ``optax.chain`` (only
-    `clamp_params` may follow), and ``update`` needs ``params``.
+    `clamp_params` may follow), and ``update`` needs ``params``. A transform
+    placed after it cannot be detected (``optax.chain`` tells no transform
+    what follows it); one that rescales the increment breaks its relation
+    to the limits.
+
+    The two strategies are accumulators with the same ``init`` / ``add`` /
+    ``finalize`` operations: running reductions (one params-sized array per
+    component, written after the window's conditional) and buffered ones
+    (``"median"`` and custom functions: a ``K``-slot buffer written before
+    it). A traced ``every_k_schedule`` value below 1 is taken as 1.
 
     Args:
       every_k_schedule: The window length ``K``: an int ``>= 1`` or a callable
-        of ``update_step`` returning an integer scalar. ``"median"`` and custom
+        of ``gradient_step`` returning an integer scalar. ``"median"`` and custom
         reductions need an int.
       reduction: ``"sum"`` (default), ``"mean"``, ``"max"``, ``"min"``,
         ``"geometric_mean"`` (of magnitudes; a zero contribution gives zero),
@@ -208,11 +278,11 @@ def split_accumulate(
         end needs ``2K`` more as temporaries).
       bound: ``None`` (default), or one of ``"power"``, ``"scaled_power"``,
         ``"multiplicative"``, ``"scaled_multiplicative"``, ``"sharp"``.
-      upper: Upper limit ``p_max`` (acts on the positive part), or ``None``.
       lower: Lower limit ``p_min`` (acts on the negative part), or ``None``.
         Scaled bounds need both; a bound needs at least one.
-      upper_exponent: ``μ+`` for the power bounds, ``> 0`` (default 1).
+      upper: Upper limit ``p_max`` (acts on the positive part), or ``None``.
       lower_exponent: ``μ-`` for the power bounds, ``> 0`` (default 1).
+      upper_exponent: ``μ+`` for the power bounds, ``> 0`` (default 1).
       paired: If ``True``, ``update`` takes ``updates=(positive, negative)``,
         two trees shaped like the params holding magnitudes (``None`` for a
         component without a contribution in that call).
@@ -235,7 +305,7 @@ def split_accumulate(
     Examples:
       >>> import jax.numpy as jnp
       >>> import gradaccum_jax as ga
-      >>> tx = ga.split_accumulate(2, bound="multiplicative", upper=1.0, lower=0.0)
+      >>> tx = ga.split_accumulate(2, bound="multiplicative", lower=0.0, upper=1.0)
       >>> params = {"w": jnp.array([0.25, 0.75])}
       >>> state = tx.init(params)
       >>> u, state = tx.update({"w": jnp.array([0.4, -0.4])}, state, params)
@@ -261,29 +331,36 @@ def split_accumulate(
             "fixed window length; pass an int every_k_schedule, or a running reduction "
             f"({', '.join(_RUNNING_REDUCTIONS)}) with a schedule."
         )
-    upper_exponent, lower_exponent, span = _check_bound(
-        bound, upper, lower, upper_exponent, lower_exponent
+    lower_exponent, upper_exponent, span = _check_bound(
+        bound, lower, upper, lower_exponent, upper_exponent
     )
     _validation.check_accumulator_dtype(accumulator_dtype)
-    buffered = window_fn is not None
-    buffer_len = every_k_schedule if buffered else 0
+    if window_fn is None:
+        accumulator: _Running | _Buffered = _Running(reduction)
+    else:
+        accumulator = _Buffered(window_fn, every_k_schedule)
 
     def empty_component(p):
-        dtype = _window.accumulator_dtype(p, accumulator_dtype)
-        shape = ((buffer_len,) if buffered else ()) + jnp.shape(p)
-        return jnp.zeros(shape, dtype)
+        return accumulator.init(jnp.shape(p), _window.accumulator_dtype(p, accumulator_dtype))
 
     def init_fn(params: optax.Params) -> SplitAccumulateState:
+        params = _window.as_arrays(params)
         _validation.check_float_tree("params", params)
-        zero = jnp.zeros([], jnp.int32)
         return SplitAccumulateState(
-            micro_step=zero,
-            update_step=zero,
+            micro_step=_window.counter(),
+            gradient_step=_window.counter(),
             positive=jax.tree.map(empty_component, params),
             negative=jax.tree.map(empty_component, params),
-            positive_count=zero,
-            negative_count=zero,
-            num_skipped=zero,
+            positive_count=_window.counter(),
+            negative_count=_window.counter(),
+            num_skipped=_window.counter(),
+        )
+
+    def added(acc: Any, c: _Component) -> Any:
+        if c.source is None:
+            return acc
+        return jax.tree.map(
+            lambda a, x: accumulator.add(a, c.part(x), c.count, c.present), acc, c.source
         )
 
     def split(updates, params):
@@ -330,14 +407,31 @@ def split_accumulate(
             for part in given:
                 for leaf in jax.tree.leaves(part):
                     accepted = accepted & jnp.all(leaf >= 0)
-        pos_in = accepted & (positive is not None)
-        neg_in = accepted & (negative is not None)
-        pos_count = state.positive_count + pos_in.astype(jnp.int32)
-        neg_count = state.negative_count + neg_in.astype(jnp.int32)
-
-        k = _window.window_length(every_k_schedule, state.update_step)
+        pos = _Component(
+            positive, pos_part, accepted & (positive is not None), state.positive_count
+        )
+        neg = _Component(
+            negative, neg_part, accepted & (negative is not None), state.negative_count
+        )
+        pos_count = state.positive_count + pos.present.astype(jnp.int32)
+        neg_count = state.negative_count + neg.present.astype(jnp.int32)
+        # A traced schedule value below 1 is taken as 1 (documented, not counted).
+        k, _ = _window.window_length(every_k_schedule, state.gradient_step)
         micro_step = state.micro_step + 1
         closes = micro_step >= k
+
+        # A buffer takes this call's contribution before the gate, in place; a
+        # running reduction is only read in the branch and written after it.
+        pos_acc, neg_acc = state.positive, state.negative
+        if accumulator.adds_before_gate:
+            pos_acc, neg_acc = added(pos_acc, pos), added(neg_acc, neg)
+
+        def total(accs):
+            if not accumulator.adds_before_gate:
+                accs = (added(accs[0], pos), added(accs[1], neg))
+            big_p = jax.tree.map(lambda a: accumulator.finalize(a, pos_count), accs[0])
+            big_n = jax.tree.map(lambda a: accumulator.finalize(a, neg_count), accs[1])
+            return big_p, big_n
 
         def bounded(big_p, big_n, p):
             if upper is not None:
@@ -345,50 +439,6 @@ def split_accumulate(
             if lower is not None:
                 big_n = _bound_factor(bound, p - lower, lower_exponent, span) * big_n
             return big_p - big_n
-
-        if buffered:
-            # This call's slot is written before the conditional, in place (a
-            # dropped call rewrites the slot's old value). Slots past the count
-            # are masked out, so the buffers never need a reset.
-            def store(buffer, x, count, present):
-                slot = jnp.minimum(count, buffer_len - 1)
-                old = jax.lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
-                new = jnp.where(present, x.astype(buffer.dtype), old)
-                return jax.lax.dynamic_update_index_in_dim(buffer, new, slot, 0)
-
-            def stored(acc, src, part, count, present):
-                if src is None:
-                    return acc
-                return jax.tree.map(lambda b, x: store(b, part(x), count, present), acc, src)
-
-            pos_acc = stored(state.positive, positive, pos_part, state.positive_count, pos_in)
-            neg_acc = stored(state.negative, negative, neg_part, state.negative_count, neg_in)
-
-            def window_value(acc, src, part, count, present, old_count):
-                del src, part, present, old_count
-                return jax.tree.map(lambda b: _buffer_finish(window_fn, b, count, buffer_len), acc)
-        else:
-            pos_acc, neg_acc = state.positive, state.negative
-
-            def window_value(acc, src, part, count, present, old_count):
-                if src is not None:
-                    acc = jax.tree.map(
-                        lambda a, x: jnp.where(
-                            present, _combine(reduction, a, part(x), old_count), a
-                        ),
-                        acc,
-                        src,
-                    )
-                return jax.tree.map(lambda a: _finish(reduction, a, count), acc)
-
-        def total(accs):
-            big_p = window_value(
-                accs[0], positive, pos_part, pos_count, pos_in, state.positive_count
-            )
-            big_n = window_value(
-                accs[1], negative, neg_part, neg_count, neg_in, state.negative_count
-            )
-            return big_p, big_n
 
         def step(window: _window.Window, no_state):
             big_p, big_n = window.total
@@ -412,33 +462,19 @@ def split_accumulate(
             like=params,
         )
 
-        if buffered:
-            new_pos, new_neg = pos_acc, neg_acc
-        else:
-            # Written after the conditional and ordered by its `reset` output,
-            # so the in-place pass runs after the branch has read the old
-            # values (see gradaccum_jax.accumulate).
-            def advance(acc, src, part, present, old_count):
-                if src is None:
-                    return jax.tree.map(lambda a: jnp.where(reset, jnp.zeros_like(a), a), acc)
-                return jax.tree.map(
-                    lambda a, x: jnp.where(
-                        reset,
-                        jnp.zeros_like(a),
-                        jnp.where(present, _combine(reduction, a, part(x), old_count), a),
-                    ),
-                    acc,
-                    src,
-                )
+        if not accumulator.adds_before_gate:
+            # Ordered after the branch by its `reset` output (see _window.write).
+            def written(acc, c):
+                acc = added(acc, c)
+                return jax.tree.map(lambda a: jnp.where(reset, jnp.zeros_like(a), a), acc)
 
-            new_pos = advance(state.positive, positive, pos_part, pos_in, state.positive_count)
-            new_neg = advance(state.negative, negative, neg_part, neg_in, state.negative_count)
+            pos_acc, neg_acc = written(state.positive, pos), written(state.negative, neg)
 
         new_state = SplitAccumulateState(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
-            update_step=_window.increment_if(state.update_step, applied),
-            positive=new_pos,
-            negative=new_neg,
+            gradient_step=_window.increment_if(state.gradient_step, applied),
+            positive=pos_acc,
+            negative=neg_acc,
             positive_count=jnp.where(reset, 0, pos_count).astype(jnp.int32),
             negative_count=jnp.where(reset, 0, neg_count).astype(jnp.int32),
             num_skipped=_window.increment_if(state.num_skipped, ~accepted),
@@ -450,18 +486,18 @@ def split_accumulate(
 
 def _check_bound(
     bound: str | None,
-    upper: Any,
     lower: Any,
-    upper_exponent: Any,
+    upper: Any,
     lower_exponent: Any,
+    upper_exponent: Any,
 ) -> tuple[float, float, float | None]:
-    """Validates the bound arguments; returns the exponents and the span for scaled bounds."""
+    """Validates the bound arguments; returns the lower and upper exponents and the span."""
     if bound is None:
         given = {
-            "upper": upper,
             "lower": lower,
-            "upper_exponent": upper_exponent,
+            "upper": upper,
             "lower_exponent": lower_exponent,
+            "upper_exponent": upper_exponent,
         }
         extra = [f"{k}={v!r}" for k, v in given.items() if v is not None]
         if extra:
@@ -491,7 +527,7 @@ def _check_bound(
             )
         span = upper - lower
     exponents = []
-    for name, value in (("upper_exponent", upper_exponent), ("lower_exponent", lower_exponent)):
+    for name, value in (("lower_exponent", lower_exponent), ("upper_exponent", upper_exponent)):
         if value is None:
             exponents.append(1.0)
             continue

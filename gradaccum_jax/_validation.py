@@ -41,9 +41,12 @@ def check_float_tree(name: str, tree: Any) -> None:
         if not jnp.issubdtype(dtype, jnp.inexact):
             raise TypeError(
                 f"{name} must contain floating-point arrays; the leaf at "
-                f"{jax.tree_util.keystr(path)} has dtype {dtype}. Gradients of "
-                "integer inputs are not accumulated: cast to a float dtype, or mask "
-                "those leaves out with optax.masked."
+                f"{jax.tree_util.keystr(path)} has dtype {dtype}. An integer or boolean "
+                "leaf has no gradient to accumulate (jax.grad refuses it, or returns "
+                "float0 zeros with allow_int=True), so it is refused rather than given a "
+                "float buffer that only ever holds zeros. Keep such leaves out of the "
+                "optimized tree, cast them to a float dtype, or wrap the transformation "
+                "in optax.masked with a mask that is False for them."
             )
 
 
@@ -51,7 +54,7 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
     """Raises ``ValueError`` unless ``tree`` matches ``reference`` in structure and shapes."""
     tree_def = jax.tree_util.tree_structure(tree)
     ref_def = jax.tree_util.tree_structure(reference)
-    if tree_def != ref_def:
+    if tree_def != ref_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub
         raise ValueError(
             f"{name} does not have the structure of {reference_name}: got {tree_def}, "
             f"expected {ref_def}. Call init with the same parameter tree whose "
@@ -71,8 +74,19 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
             )
 
 
+def _looks_like(node: Any, state_type: type) -> bool:
+    # Restoring may drop empty fields (None, ()), so a subset of the fields counts.
+    fields = set(state_type._fields)
+    return isinstance(node, dict) and len(node) >= 3 and set(node) <= fields
+
+
 def find_unique_state(opt_state: Any, state_type: type, made_by: str) -> Any:
-    """Returns the one ``state_type`` value inside ``opt_state``, or raises ``ValueError``."""
+    """Returns the one `state_type` value inside `opt_state`, or raises `ValueError`.
+
+    A checkpoint restored without a target (orbax with no abstract state) holds
+    dicts and lists where the optimizer state had NamedTuples; the message says
+    so when it finds a dict with the fields of `state_type`.
+    """
     found = [
         leaf
         for leaf in jax.tree_util.tree_leaves(
@@ -80,13 +94,30 @@ def find_unique_state(opt_state: Any, state_type: type, made_by: str) -> Any:
         )
         if isinstance(leaf, state_type)
     ]
-    if len(found) != 1:
+    if len(found) == 1:
+        return found[0]
+    lookalikes = []
+    if not found:
+        lookalikes = [
+            node
+            for node in jax.tree_util.tree_leaves(
+                opt_state, is_leaf=lambda x: _looks_like(x, state_type)
+            )
+            if _looks_like(node, state_type)
+        ]
+    if lookalikes:
         raise ValueError(
-            f"opt_state must contain exactly one {state_type.__name__} (the state of "
-            f"{made_by}); found {len(found)}. Pass the optimizer state that holds it, "
-            "e.g. state.opt_state for a Flax TrainState."
+            f"opt_state contains no {state_type.__name__} (the state of {made_by}), but a "
+            f"dict with its fields ({', '.join(sorted(lookalikes[0]))}): it was restored "
+            "from a checkpoint without a target, which gives dicts and lists instead of "
+            "the optimizer's NamedTuples. Restore with the state's structure as target, "
+            "e.g. ocp.StandardCheckpointer().restore(path, jax.eval_shape(tx.init, params))."
         )
-    return found[0]
+    raise ValueError(
+        f"opt_state must contain exactly one {state_type.__name__} (the state of "
+        f"{made_by}); found {len(found)} in a {type(opt_state).__name__}. Pass the "
+        "optimizer state that holds it, e.g. state.opt_state for a Flax TrainState."
+    )
 
 
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -242,23 +273,23 @@ def check_scalar(
         jnp.issubdtype(value_dtype, k) for k in allowed
     ):
         raise TypeError(f"{name} must be {kind}; got {value!r} with dtype {value_dtype}.")
-    if jnp.ndim(value) != 0:
-        raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.{hint}")
+    if jnp.ndim(value) != 0:  # type: ignore[arg-type]
+        raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}.{hint}")  # type: ignore[arg-type]
     target = jnp.dtype(jnp.int32 if integer else (dtype or jnp.float32))
     if not isinstance(value, jax.core.Tracer):
-        number = int(value) if integer else float(value)
+        number = int(value) if integer else float(value)  # type: ignore[arg-type]
         check_real(name, number, minimum=minimum, exclusive=exclusive)
         if integer:
             info = jnp.iinfo(target)
             if not info.min <= number <= info.max:
                 raise ValueError(f"{name} must fit in {target}; got {name}={number!r}.")
         else:
-            info = jnp.finfo(target)
-            if abs(number) > float(info.max) or 0 < abs(number) < float(info.tiny):
+            finfo = jnp.finfo(target)
+            if abs(number) > float(finfo.max) or 0 < abs(number) < float(finfo.tiny):
                 raise ValueError(
                     f"{name}={number!r} is not representable in {target}, in which it is "
                     f"used: it would become {'inf' if abs(number) > 1 else '0'} (the normal "
-                    f"range is {float(info.tiny):.3g} to {float(info.max):.3g}). Rescale "
+                    f"range is {float(finfo.tiny):.3g} to {float(finfo.max):.3g}). Rescale "
                     f"it, e.g. divide all values of {name} by a common constant."
                 )
     return jnp.asarray(value, target)

@@ -42,6 +42,15 @@ from gradaccum_jax import _collectives
 # --- counters and acceptance ------------------------------------------------
 
 
+def counter() -> jax.Array:
+    """A fresh `int32` zero for a counter field.
+
+    Fresh for each field: fields that share one buffer cannot all be donated
+    ("donate the same buffer twice").
+    """
+    return jnp.zeros([], jnp.int32)
+
+
 def increment_if(counter: jax.Array, predicate: jax.Array) -> jax.Array:
     """`counter + 1` where `predicate` holds, saturating at the dtype's maximum."""
     return jnp.where(predicate, optax.safe_increment(counter), counter)
@@ -168,13 +177,17 @@ def write(
 # --- the window length ---------------------------------------------------------
 
 
-def window_length(schedule: int | Callable[[jax.Array], Any], step: jax.Array) -> jax.Array:
-    """The window length `K` as an `int32` scalar: `schedule`, or `schedule(step)`.
+def window_length(
+    schedule: int | Callable[[jax.Array], Any], step: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The window length `K` at `step` as an `int32` scalar, and whether it was clamped.
 
-    A traced length below 1 cannot raise inside `jit`; it is treated as 1.
+    `schedule` is an int or a callable of the optimizer step. A concrete value
+    below 1 raises; a traced one cannot raise inside `jit`, so it is taken as 1
+    and the second output (a boolean scalar) says so, for the caller to count.
     """
     if not callable(schedule):
-        return jnp.int32(schedule)
+        return jnp.int32(schedule), jnp.array(False)
     k = schedule(step)
     k_dtype = jnp.result_type(k)
     if jnp.issubdtype(k_dtype, jnp.bool_) or not jnp.issubdtype(k_dtype, jnp.integer):
@@ -192,7 +205,8 @@ def window_length(schedule: int | Callable[[jax.Array], Any], step: jax.Array) -
             f"every_k_schedule must return a window length >= 1; it returned {int(k)} "
             f"at gradient_step={step!r}."
         )
-    return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
+    k = jnp.asarray(k, jnp.int32)
+    return jnp.maximum(k, 1), k < 1
 
 
 # --- the gate ------------------------------------------------------------------
@@ -265,7 +279,8 @@ def replica_gate(axis_names: tuple[Any, ...], typed: bool) -> Gate:
             typed,
         )
         total = jax.tree.map(lambda t, old: t.astype(old.dtype), total, window.total)
-        return Window(total=total, weight=weight, unit=jnp.ones_like(window.unit), stats=stats)
+        # Fresh ones, not ones_like: they must not vary between replicas.
+        return Window(total=total, weight=weight, unit=jnp.ones([], jnp.float32), stats=stats)
 
     def cond(pred, true_fn, false_fn, *operands):
         return _collectives.cond(pred, true_fn, false_fn, *operands, typed=typed)
@@ -362,7 +377,7 @@ def keep_state_types(new: Any, old: Any, who: str) -> Any:
     float32 gradients) is cast back, as `optax.MultiSteps` does.
     """
     new_def, old_def = jax.tree.structure(new), jax.tree.structure(old)
-    if new_def != old_def:
+    if new_def != old_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub
         raise TypeError(
             f"{who}.update returned a state of another structure than {who}.init: "
             f"{new_def} instead of {old_def}. The accumulating transformation keeps the "

@@ -9,6 +9,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
+from gradaccum_jax._compat import pcast_to_varying
 
 B = 4  # examples per replica and micro-step
 D_IN, D_HID, D_OUT = 6, 8, 3
@@ -48,7 +49,7 @@ def shard_map_fns(tx, params, mesh, axis, check_vma=True):
     specs = ga.replica_state_specs(jax.eval_shape(tx.init, params), axis)
 
     def body(params, state, x, y):
-        varying = jax.lax.pcast(params, axis, to="varying")
+        varying = pcast_to_varying(params, axis)
         params, state = grad_step(tx, params, ga.remove_replica_axis(state), x, y, varying)
         return params, ga.add_replica_axis(state)
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.experimental import checkify
 
 import gradaccum_jax as ga
 
@@ -387,6 +388,12 @@ def test_closes_window_has_updated_and_optimizer_step():
     assert int(ga.optimizer_step(state)) == 2
 
 
+def test_closes_window_refuses_a_repeated_window_length():
+    state = ga.accumulate(optax.sgd(0.1), 4).init({"w": jnp.zeros(2)})
+    with pytest.raises(TypeError, match=r"window length 3 as well.*closes_window\(opt_state\)"):
+        ga.closes_window(state, 3)
+
+
 def test_closes_window_follows_a_schedule_from_the_state():
     params = {"w": jnp.zeros(2)}
     tx = ga.accumulate(optax.sgd(0.1), lambda step: jnp.where(step < 1, 1, 3))
@@ -683,7 +690,9 @@ def test_gradient_tree_mismatch():
 
 def test_integer_gradients_and_params():
     tx = ga.accumulate(optax.sgd(0.1), 2)
-    with pytest.raises(TypeError, match=r"params must contain floating.*\['n'\].*int32"):
+    with pytest.raises(
+        TypeError, match=r"params must contain floating.*\['n'\].*int32.*optax\.masked"
+    ):
         tx.init({"n": jnp.zeros(2, jnp.int32)})
     state = tx.init({"w": jnp.zeros(2)})
     with pytest.raises(TypeError, match=r"updates must contain floating.*\['w'\]"):
@@ -874,3 +883,176 @@ def test_weight_outside_float32_or_not_a_number_is_refused(weight, pattern):
 def test_bad_accumulator_dtype_string_in_every_transform(make):
     with pytest.raises(TypeError, match=r"accumulator_dtype must be None or a floating.*'foo'"):
         make("foo")
+
+
+# ---------------------------------------------------------------------------
+# optax.MultiSteps' options: should_skip_update_fn, has_updated, counting.
+
+
+@pytest.mark.parametrize("count_skipped_steps", [True, False])
+def test_should_skip_update_fn_with_both_counting_behaviours(count_skipped_steps):
+    params = {"a": jnp.zeros([])}
+    tx = ga.accumulate(
+        optax.sgd(1.0),
+        2,
+        should_skip_update_fn=optax.skip_not_finite,
+        count_skipped_steps=count_skipped_steps,
+        skip_nonfinite=False,  # only should_skip_update_fn decides
+    )
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    micro_steps = []
+    for g in (1.0, float("inf"), float("nan"), 1.0):
+        u, state = update({"a": jnp.asarray(g)}, state, params)
+        params = optax.apply_updates(params, u)
+        micro_steps.append(int(state.micro_step))
+    assert int(state.num_skipped) == 2
+    assert int(state.skip_state["num_not_finite"]) == 0  # metrics of the last call
+    if count_skipped_steps:
+        # The inf closes the first window (only the 1.0 in it), the nan opens the second.
+        assert micro_steps == [1, 0, 1, 0]
+        assert float(params["a"]) == -2.0
+    else:
+        # As optax.MultiSteps (its test_multi_steps_skip_not_finite, mini_step):
+        # dropped micro-steps do not count toward the window.
+        assert micro_steps == [1, 1, 1, 0]
+        assert float(params["a"]) == -1.0
+        assert bool(ga.has_updated(state))
+
+
+def test_should_skip_update_fn_large_updates_and_bad_return():
+    params = {"a": jnp.zeros(2)}
+    skip = functools.partial(optax.skip_large_updates, max_squared_norm=10.0)
+    tx = ga.accumulate(optax.sgd(1.0), 1, should_skip_update_fn=skip)
+    state = tx.init(params)
+    u, state = tx.update({"a": jnp.full(2, 3.0)}, state, params)  # norm² 18 > 10
+    np.testing.assert_array_equal(u["a"], [0.0, 0.0])
+    assert int(state.num_skipped) == 1 and not bool(ga.has_updated(state))
+    bad = ga.accumulate(optax.sgd(1.0), 1, should_skip_update_fn=lambda u, s, p: (1, ()))
+    with pytest.raises(TypeError, match=r"should_skip a boolean scalar"):
+        bad.init(params)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"should_skip_update_fn": 3}, TypeError, r"should_skip_update_fn must be None or"),
+        ({"count_skipped_steps": 1}, TypeError, r"count_skipped_steps must be a bool"),
+        (
+            {"axis_name": "data", "count_skipped_steps": False},
+            ValueError,
+            r"count_skipped_steps=False is not supported with axis_name.*Keep",
+        ),
+        (
+            {"axis_name": "data", "should_skip_update_fn": optax.skip_not_finite},
+            ValueError,
+            r"should_skip_update_fn is not supported with axis_name.*skip_nonfinite",
+        ),
+    ],
+)
+def test_skip_option_errors(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        ga.accumulate(optax.sgd(1.0), 2, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Traced invalid values: counted, and raised through checkify on request.
+
+
+def _schedule_zero_after_first(step):
+    return jnp.where(step < 1, 1, 0).astype(jnp.int32)
+
+
+def test_traced_schedule_below_one_is_counted():
+    params = {"w": jnp.zeros(2)}
+    tx = ga.accumulate(optax.sgd(1.0), _schedule_zero_after_first)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    for _ in range(3):
+        _, state = update({"w": jnp.ones(2)}, state, params)
+    assert int(state.gradient_step) == 3  # taken as K=1
+    assert int(state.num_short_windows) == 3
+
+
+def test_check_values_raises_through_checkify():
+    params = {"w": jnp.zeros(2)}
+    tx = ga.accumulate(optax.sgd(1.0), _schedule_zero_after_first, check_values=True)
+    checked = jax.jit(checkify.checkify(tx.update, errors=checkify.user_checks))
+    err, _ = checked({"w": jnp.ones(2)}, tx.init(params), params)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"every_k_schedule returned a window"):
+        err.throw()
+    tx = ga.accumulate(optax.sgd(1.0), 2, check_values=True)
+    checked = jax.jit(checkify.checkify(tx.update, errors=checkify.user_checks))
+    err, _ = checked({"w": jnp.ones(2)}, tx.init(params), params, weight=jnp.float32(-1.0))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"weight must be finite and >= 0"):
+        err.throw()
+    err, _ = checked({"w": jnp.ones(2)}, tx.init(params), params, weight=jnp.float32(2.0))
+    err.throw()  # a valid weight passes
+
+
+def test_optimizer_step_on_a_state_restored_without_target_names_the_fix():
+    tx = ga.accumulate(optax.sgd(0.1), 2)
+    state = tx.init({"w": jnp.zeros(2)})
+    # What orbax gives back without a target: dicts, the empty fields dropped.
+    empty = ("acc_compensation", "skip_state")
+    as_dicts = {k: v for k, v in state._asdict().items() if k not in empty}
+    with pytest.raises(ValueError, match=r"restored from a checkpoint without a target.*eval_sha"):
+        ga.optimizer_step(as_dicts)
+
+
+WRAPPERS = {
+    "accumulate": lambda inner: (ga.accumulate(inner, 2), {}),
+    "conditional_accumulate": lambda inner: (
+        ga.conditional_accumulate(inner, 2),
+        {"local_step": jnp.int32(0)},
+    ),
+}
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+@pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"sgd"}))
+def test_every_stateful_optimizer_on_bf16_params_with_f32_gradients(name, wrapper):
+    """jit + scan + donation keep the state's dtypes; the result matches the inner optimizer."""
+    params = {"w": jnp.linspace(-1, 1, 12, dtype=jnp.bfloat16).reshape(3, 4)}
+    tx, extra = WRAPPERS[wrapper](OPTIMIZERS[name]())
+    state0 = tx.init(params)
+    grads = jnp.stack([jnp.full((3, 4), 0.5 * (i + 1), jnp.float32) for i in range(4)])
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def run(carry, gs):
+        def body(carry, g):
+            p, s = carry
+            local = {"local_step": s.accumulator.global_step} if extra else {}
+            u, s = tx.update({"w": g}, s, p, **local)
+            return (optax.apply_updates(p, u), s), None
+
+        return jax.lax.scan(body, carry, gs)[0]
+
+    p_acc, state = run((jax.tree.map(jnp.copy, params), state0), grads)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state, tx.init(params))
+    inner = OPTIMIZERS[name]()
+    p_ref, s_ref = params, inner.init(params)
+    for i in (0, 2):
+        u, s_ref = inner.update({"w": (grads[i] + grads[i + 1]) / 2}, s_ref, p_ref)
+        s_ref = jax.tree.map(lambda new, old: new.astype(old.dtype), s_ref, inner.init(params))
+        p_ref = optax.apply_updates(p_ref, u)
+    chex.assert_trees_all_close(
+        p_acc["w"].astype(jnp.float32), p_ref["w"].astype(jnp.float32), rtol=1e-2, atol=1e-3
+    )
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        ga.accumulate(optax.sgd(0.1), 2, should_skip_update_fn=optax.skip_not_finite),
+        ga.conditional_accumulate(optax.sgd(0.1), 2),
+        ga.split_accumulate(2),
+    ],
+    ids=["accumulate", "conditional_accumulate", "split_accumulate"],
+)
+def test_eagerly_initialised_state_can_be_donated(tx):
+    # Counter fields must not share one buffer: donation would reject it.
+    state = tx.init({"w": jnp.zeros(2)})
+    buffers = [id(x) for x in jax.tree.leaves(state)]
+    assert len(buffers) == len(set(buffers))
+    jax.jit(lambda s: s, donate_argnums=0)(state)

@@ -5,9 +5,14 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.requires(
+    "optax.microbatching (0.2.7), jax.lax.pcast (0.8.2)", optax="0.2.7", jax="0.8.2"
+)
 def test_run_all_benchmarks_quick(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],

@@ -288,3 +288,20 @@ def test_counters_saturate_and_traced_num_required():
     _, ready, acc = jax.jit(ga.conditional_take_grad)(acc, jnp.int32(1))
     assert bool(ready) and int(acc.global_step) == top
     assert all(x.dtype == jnp.int32 for x in (acc.global_step, acc.num_accumulated))
+
+
+def test_complex_gradients_keep_their_imaginary_part_with_a_real_accumulator_dtype():
+    params = {"w": jnp.zeros(2, jnp.complex64)}
+    acc = ga.conditional_accumulator_init(params, accumulator_dtype=jnp.float32)
+    assert acc.acc_grads["w"].dtype == jnp.complex64
+    g = {"w": jnp.array([3 + 4j, 1 - 2j], jnp.complex64)}
+    acc = ga.conditional_apply_grad(acc, g, local_step=0)
+    taken, ready, _ = ga.conditional_take_grad(acc, 1)
+    assert bool(ready)
+    np.testing.assert_array_equal(taken["w"], g["w"])
+
+
+def test_conditional_accumulator_is_the_renamed_pure_state():
+    acc = ga.conditional_accumulator_init({"w": jnp.zeros(2)})
+    assert isinstance(acc, ga.ConditionalAccumulator)
+    assert not hasattr(ga, "ConditionalAccumulatorState")

@@ -27,6 +27,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
+from gradaccum_jax._compat import pcast_to_varying
 
 R = 8  # replicas
 RTOL, ATOL = 1e-5, 1e-6
@@ -162,7 +163,7 @@ def test_weighted_mean_sums_weights_across_replicas():
         return jnp.sum(jnp.where(m, err, 0.0))
 
     def body(params, state, x, y, m):
-        varying = jax.lax.pcast(params, "data", to="varying")
+        varying = pcast_to_varying(params, "data")
         count = jnp.sum(m)
         grads = jax.grad(lambda p: token_loss(p, x, y, m) / jnp.maximum(count, 1))(varying)
         updates, state = tx.update(grads, ga.remove_replica_axis(state), params, weight=count)
@@ -255,7 +256,7 @@ def test_scan_inside_shard_map_keeps_state_types():
     def body(params, state, x, y):
         def micro_step(carry, batch):
             params, state = carry
-            varying = jax.lax.pcast(params, "data", to="varying")
+            varying = pcast_to_varying(params, "data")
             return grad_step(tx, params, state, *batch, varying), None
 
         (params, state), _ = jax.lax.scan(

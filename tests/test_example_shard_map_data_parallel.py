@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 
 def _load(name):
     path = Path(__file__).parent.parent / "examples" / f"{name}.py"
@@ -12,6 +14,7 @@ def _load(name):
     return module
 
 
+@pytest.mark.requires("the example uses jax.lax.pcast, new in JAX 0.8.2", jax="0.8.2")
 def test_shard_map_example_matches_large_batch_without_per_step_all_reduce(capsys):
     result = _load("shard_map_data_parallel").main(["--quick", "--k", "3"])
     out = capsys.readouterr().out

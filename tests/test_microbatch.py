@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
+from gradaccum_jax._compat import pcast_to_varying
 
 RTOL, ATOL = 1e-5, 1e-6
 B = 32
@@ -354,7 +355,7 @@ def test_inside_shard_map_one_reduction_per_step():
 
     def local(params, batch):
         # Varying params: no implicit all-reduce of every micro-gradient.
-        params = jax.lax.pcast(params, "data", to="varying")
+        params = pcast_to_varying(params, "data")
         (value, (seen, _)), grads = grad_fn(params, jnp.zeros(6), batch)
         return jax.lax.pmean((value, grads), "data"), jax.lax.psum(seen, "data")
 

@@ -385,7 +385,7 @@ def test_docs_flax_pattern_with_agc_and_accum_batchnorm_runs_in_bfloat16():
     k = ns["K"]
     assert int(ga.optimizer_step(ns["opt_state"])) == 2
     leaves = jax.tree.leaves((ns["params"], ns["batch_stats"], ns["opt_state"]))
-    assert all(x.dtype in (jnp.float32, jnp.int32) for x in leaves)
+    assert all(x.dtype in (jnp.float32, jnp.int32, jnp.bool_) for x in leaves)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(ns["params"]))
     stats = ns["batch_stats"]["AccumBatchNorm_0"]
     assert float(jnp.max(stats["window_count"])) == 0.0  # committed at the window's end

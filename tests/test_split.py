@@ -36,7 +36,7 @@ def test_no_bound_sum_equals_plain_sum_accumulation():
     for a, b in zip(jax.tree.leaves(split_out), jax.tree.leaves(plain_out), strict=True):
         # Σmax(u, 0) - Σmax(-u, 0) rounds differently from Σu: a few ulps.
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert int(split_state.update_step) == 3
+    assert int(split_state.gradient_step) == 3
     # With values whose sums are exact, the two agree bit for bit.
     dyadic = [jax.tree.map(lambda x: jnp.round(x * 8) / 8, u) for u in inputs]
     split_out, _ = run(ga.split_accumulate(3), params, dyadic)
@@ -96,7 +96,7 @@ def test_reductions_by_hand(reduction, expected):
     out, state = run(tx, params, inputs)
     np.testing.assert_allclose(out[-1]["w"], expected, rtol=1e-6)
     assert int(state.positive_count) == int(state.negative_count) == 0  # reset
-    assert int(state.update_step) == 1
+    assert int(state.gradient_step) == 1
 
 
 # Window of 1, P = 0.4 and N = 0.2 everywhere, limits [-1, 1], exponents
@@ -130,7 +130,7 @@ def test_bounds_by_hand_including_params_at_the_limits(bound):
     exponents = {}
     if "power" in bound:
         exponents = {"upper_exponent": 2.0, "lower_exponent": 0.5}
-    tx = ga.split_accumulate(1, bound=bound, upper=1.0, lower=-1.0, paired=True, **exponents)
+    tx = ga.split_accumulate(1, bound=bound, lower=-1.0, upper=1.0, paired=True, **exponents)
     params = {"w": jnp.array(P_VALUES)}
     pair = ({"w": jnp.full(5, 0.4)}, {"w": jnp.full(5, 0.2)})
     out, _ = run(tx, params, [pair])
@@ -151,10 +151,10 @@ def test_one_sided_bounds_and_exponent_one_is_multiplicative():
     )
     np.testing.assert_allclose(lower_only[0]["w"], [0.4, 0.4], rtol=1e-6)  # Θ(0) at p = 1
     power, _ = run(
-        ga.split_accumulate(1, bound="power", upper=1.0, lower=-1.0, paired=True), params, [pair]
+        ga.split_accumulate(1, bound="power", lower=-1.0, upper=1.0, paired=True), params, [pair]
     )
     mult, _ = run(
-        ga.split_accumulate(1, bound="multiplicative", upper=1.0, lower=-1.0, paired=True),
+        ga.split_accumulate(1, bound="multiplicative", lower=-1.0, upper=1.0, paired=True),
         params,
         [pair],
     )
@@ -173,7 +173,7 @@ def test_empty_components_reduce_to_zero(reduction):
     # A window where only the negative component is fed: -N, P empty.
     out, state = run(tx, params, [(None, pos), (None, pos), (None, None)])
     np.testing.assert_allclose(out[-1]["w"], [-2.0, -2.0], rtol=1e-6)
-    assert int(state.update_step) == 1
+    assert int(state.gradient_step) == 1
 
 
 def test_nonfinite_calls_are_dropped_and_counted():
@@ -195,7 +195,7 @@ def test_nonfinite_calls_are_dropped_and_counted():
     bad = {"w": jnp.array([jnp.nan, 0.0, 0.0])}
     out, state = run(ga.split_accumulate(2), params, [bad, bad])
     np.testing.assert_array_equal(out[-1]["w"], jnp.zeros(3))
-    assert int(state.update_step) == 0 and int(state.micro_step) == 0
+    assert int(state.gradient_step) == 0 and int(state.micro_step) == 0
 
 
 def test_median_of_an_odd_count():
@@ -223,14 +223,14 @@ def test_schedule_changes_the_window_length():
     out, state = run(tx, params, inputs)
     values = [float(u["w"][0]) for u in out]
     assert values == [0.0, 3.0, 0.0, 0.0, 12.0]
-    assert int(state.update_step) == 2
+    assert int(state.gradient_step) == 2
 
 
 @pytest.mark.parametrize("reduction", ["geometric_mean", "median"])
 def test_scan_keeps_state_dtypes(reduction):
     params = {"w": jnp.full((3,), 0.5, jnp.bfloat16), "b": jnp.zeros(2)}
     tx = ga.split_accumulate(
-        3, reduction=reduction, bound="scaled_power", upper=1.0, lower=0.0, upper_exponent=1.5
+        3, reduction=reduction, bound="scaled_power", lower=0.0, upper=1.0, upper_exponent=1.5
     )
     key = jax.random.key(3)
     xs = {
@@ -263,7 +263,7 @@ def test_gate_keeps_no_copies_or_extra_temporaries():
     # temporary is the update that the boundary branch returns.
     big = {"w": jnp.full((256, 256), 0.5)}
     tx = ga.split_accumulate(
-        4, reduction="geometric_mean", bound="power", upper=1.0, lower=0.0, upper_exponent=2.0
+        4, reduction="geometric_mean", bound="power", lower=0.0, upper=1.0, upper_exponent=2.0
     )
 
     def step(state, params, updates):
@@ -381,7 +381,7 @@ def test_clamp_after_split_accumulate_keeps_params_in_the_box():
     # The soft sharp bound overshoots the upper limit from just below it;
     # clamp_params catches that.
     tx = optax.chain(
-        ga.split_accumulate(2, bound="sharp", upper=1.0, lower=0.0), ga.clamp_params(0.0, 1.0)
+        ga.split_accumulate(2, bound="sharp", lower=0.0, upper=1.0), ga.clamp_params(0.0, 1.0)
     )
     params = {"w": jnp.array([0.95, 0.05, 0.5])}
     step = jax.jit(tx.update)

@@ -34,7 +34,7 @@ class _Window(NamedTuple):
 
     # float32 like the sums it divides: exact up to 2**24 entries per feature,
     # and beyond that its rounding stays below the sums' own.
-    count: jax.Array  # unmasked entries seen
+    count: jax.Array  # type: ignore[assignment]  # unmasked entries seen
     total: jax.Array  # Σ (x - shift)
     total_sq: jax.Array  # Σ (x - shift)²
     shift: jax.Array  # constant within a window
@@ -43,7 +43,7 @@ class _Window(NamedTuple):
 def _split_axes(ndim: int, axis: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     axes = tuple(axis) if isinstance(axis, Iterable) else (axis,)
     for a in axes:
-        if isinstance(a, bool) or not isinstance(a, numbers.Integral) or not -ndim <= a < ndim:
+        if isinstance(a, bool) or not isinstance(a, numbers.Integral) or not -ndim <= int(a) < ndim:
             raise ValueError(
                 f"axis must be an int or a tuple of ints in [{-ndim}, {ndim}) for an input "
                 f"of rank {ndim}; got {axis=}."
@@ -395,7 +395,7 @@ class AccumBatchNorm(nn.Module):
         if use_running_average:
             mean, var = ra_mean.value, ra_var.value
         else:
-            window = _Window(*(v.value for v in window_vars))
+            window = _Window(*(v.value for v in window_vars))  # type: ignore[attr-defined]
             sums = _micro_batch_sums(
                 x,
                 reduction_axes,
@@ -411,7 +411,7 @@ class AccumBatchNorm(nn.Module):
             mean, var = _moments(*sums)
             if not self.is_initializing():
                 for variable, value in zip(window_vars, _add_to_window(window, *sums), strict=True):
-                    variable.value = value
+                    variable.value = value  # type: ignore[attr-defined]
                 momentum.value = jnp.asarray(self.momentum, jnp.float32)
 
         scale = bias = None
@@ -836,7 +836,8 @@ def _shared_config(layer: nnx.Module) -> dict[str, Any]:
     return {name: getattr(layer, name) for name in _SHARED_ATTRIBUTES}
 
 
-def _copy_variables(source: nnx.Module, target: nnx.Module) -> None:
+# `Any`: an nnx.BatchNorm or an NNXAccumBatchNorm, which share these variable names.
+def _copy_variables(source: Any, target: Any) -> None:
     target.mean[...] = source.mean[...]
     target.var[...] = source.var[...]
     # Copies keep the parameters' metadata (sharding annotations and the like).

@@ -1,0 +1,39 @@
+"""The few JAX APIs whose spelling changed across the releases this package supports.
+
+The package supports every JAX release from the lower bound in `pyproject.toml`
+on. Code elsewhere in the package calls the helpers here instead of the
+version-specific API, so one module knows which release spells what:
+
+- `jax.lax.pcast(x, axes, to="varying")` (JAX 0.8.2) replaced `jax.lax.pvary`,
+  removed in JAX 0.10.0.
+- The varying mesh axes of a value inside `jax.shard_map` moved from the
+  aval's `vma` field to `manual_axis_type.varying` in JAX 0.10.0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def pcast_to_varying(x: Any, axes: Any) -> Any:
+    """Marks the pytree `x` as varying along the mesh `axes` (a name or a tuple of names).
+
+    Inside `jax.shard_map` only: the values stay as they are, their types change.
+    """
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)  # type: ignore[attr-defined]  # JAX < 0.8.2 only
+
+
+def varying_axes(x: Any) -> frozenset:
+    """Returns the mesh axes along which `x` varies inside `jax.shard_map` (empty elsewhere).
+
+    `x` is an array, a tracer, or a `jax.ShapeDtypeStruct` from `jax.eval_shape`.
+    """
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", None) or ())
