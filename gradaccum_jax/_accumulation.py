@@ -418,21 +418,27 @@ def accumulate(
                     "with micro_batch_size=None."
                 )
             noise = state.noise_scale
-            sq_sum, count = _noise_scale.window_sums(noise, grads, accepted, term_weight)
+            grads_sq = _noise_scale.sq_norm(grads)
+            sq_sum, count = _noise_scale.window_sums(noise, grads_sq, accepted, term_weight)
             # Absolute units, so that replicas with different units add up.
             stats = (sq_sum * unit, count)
             inner_operand = (state.inner_state, noise)
         else:
             stats, inner_operand = None, state.inner_state
 
+        def big_total_sq(window: _window.Window) -> jax.Array:
+            if axis_names is None and comp is None:
+                return _noise_scale.total_sq_norm(state.acc_grads, grads, grads_sq, accepted, scale)
+            # Across replicas the reduced sum is a buffer of its own already.
+            return _noise_scale.sq_norm(window.total)
+
         # Apply or skip.
         def total(acc):
             return _window.window_total(acc[0], acc[1], grads, accepted, scale)
 
         def step(window: _window.Window, inner_operand):
-            mean = jax.tree.map(lambda t: t / window.weight.astype(t.dtype), window.total)
             if use_grad_mean:
-                reduced = mean
+                reduced = jax.tree.map(lambda t: t / window.weight.astype(t.dtype), window.total)
             else:
                 reduced = jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
             if not track_noise_scale:
@@ -443,7 +449,7 @@ def accumulate(
             sq_sum, count = window.stats
             noise = _noise_scale.update_averages(
                 noise,
-                big_sq_norm=_noise_scale.sq_norm(mean),
+                big_sq_norm=big_total_sq(window) / jnp.square(window.weight),
                 small_sq_norm_sum=sq_sum,
                 count=count,
                 total_weight=window.weight * window.unit,

@@ -116,13 +116,37 @@ def sq_norm(tree: Any) -> jax.Array:
     return sum(leaf_sq(x) for x in leaves)
 
 
+def total_sq_norm(
+    acc: Any, grads: Any, grads_sq: jax.Array, accepted: jax.Array, scale: jax.Array | None
+) -> jax.Array:
+    r"""$|a + s g|^2$ of the window's sum, expanded as $|a|^2 + 2 s\,a \cdot g + s^2 |g|^2$.
+
+    Reductions over the accumulator and the gradient that the close runs
+    beside the inner update: squaring the sum itself would make XLA keep the
+    sum in a parameter-sized temporary, since the inner update reads it too.
+    `grads_sq` is $|g|^2$, already taken on the micro-step.
+    """
+    s = jnp.float32(1.0) if scale is None else scale.astype(jnp.float32)
+
+    def dot(a, b):
+        wide = jnp.promote_types(jnp.promote_types(a.dtype, b.dtype), jnp.float32)
+        return jnp.real(jnp.vdot(a.astype(wide), b.astype(wide))).astype(jnp.float32)
+
+    acc_sq = sum((dot(a, a) for a in jax.tree.leaves(acc)), jnp.float32(0.0))
+    acc_g = sum(
+        (dot(a, g) for a, g in zip(jax.tree.leaves(acc), jax.tree.leaves(grads), strict=True)),
+        jnp.float32(0.0),
+    )
+    return jnp.where(accepted, acc_sq + 2.0 * s * acc_g + s * s * grads_sq, acc_sq)
+
+
 def window_sums(
-    state: NoiseScaleState, grads: Any, accepted: jax.Array, term_weight: jax.Array
+    state: NoiseScaleState, grads_sq: jax.Array, accepted: jax.Array, term_weight: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """The window's `(Σ (w/u)|g|², count)` including this micro-step, local to the replica."""
     counted = accepted & (term_weight > 0)
     # where, not a product: a dropped micro-gradient's norm may be NaN.
-    add_sq = jnp.where(counted, term_weight * sq_norm(grads), 0.0)
+    add_sq = jnp.where(counted, term_weight * grads_sq, 0.0)
     return state.acc_sq_norm + add_sq, state.acc_count + counted.astype(jnp.float32)
 
 
