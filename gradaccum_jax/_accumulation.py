@@ -388,7 +388,13 @@ def accumulate(
         w = None if weight is None else _check_weight(weight)
 
         # Accept.
-        accepted = _window.all_finite(grads) if skip_nonfinite else jnp.array(True)
+        grads_sq = _noise_scale.sq_norm(grads) if track_noise_scale else None
+        if not skip_nonfinite:
+            accepted = jnp.array(True)
+        elif track_noise_scale:
+            accepted = _noise_scale.all_finite_given_sq_norm(grads, grads_sq)
+        else:
+            accepted = _window.all_finite(grads)
         skip_state = state.skip_state
         if should_skip_update_fn is not None:
             should_skip, skip_state = skip_decision(grads, state.gradient_step, params)
@@ -418,7 +424,6 @@ def accumulate(
                     "with micro_batch_size=None."
                 )
             noise = state.noise_scale
-            grads_sq = _noise_scale.sq_norm(grads)
             sq_sum, count = _noise_scale.window_sums(noise, grads_sq, accepted, term_weight)
             # Absolute units, so that replicas with different units add up.
             stats = (sq_sum * unit, count)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _validation
+from gradaccum_jax import _validation, _window
 
 
 class NoiseScaleState(NamedTuple):
@@ -116,6 +116,23 @@ def sq_norm(tree: Any) -> jax.Array:
     return sum(leaf_sq(x) for x in leaves)
 
 
+def all_finite_given_sq_norm(grads: Any, grads_sq: jax.Array) -> jax.Array:
+    """Whether every element of `grads` is finite, given their squared norm `grads_sq`.
+
+    A finite squared norm proves it, and saves the pass of `_window.all_finite`
+    over the gradients; only an infinite or NaN norm (a non-finite element, or
+    elements above ~1e19 whose squares overflow) needs that pass.
+    """
+    # Both branches compute from operands, so they vary between replicas alike.
+    return jax.lax.cond(
+        jnp.isfinite(grads_sq),
+        lambda g, q: jnp.isfinite(q),
+        lambda g, q: _window.all_finite(g),
+        grads,
+        grads_sq,
+    )
+
+
 def total_sq_norm(
     acc: Any, grads: Any, grads_sq: jax.Array, accepted: jax.Array, scale: jax.Array | None
 ) -> jax.Array:
@@ -178,6 +195,8 @@ def update_averages(
     n_minus_1 = jnp.where(usable, count - 1.0, 1.0)
     grad_sq = (count * big_sq_norm - small) / n_minus_1
     trace = (small - big_sq_norm) * big_batch / n_minus_1
+    # Squared norms that overflowed float32 give no estimate rather than a NaN average.
+    usable = usable & jnp.isfinite(grad_sq) & jnp.isfinite(trace)
 
     def ema(old, new):
         return jnp.where(usable, decay * old + (1.0 - decay) * new, old).astype(jnp.float32)

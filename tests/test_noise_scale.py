@@ -245,3 +245,17 @@ def test_closed_form_across_replicas_with_one_all_reduce_per_window():
     # The gradient sum, the window weight, and the two noise-scale sums.
     assert sum(_reduced_elements(line) for line in boundary[0]) == D + 1 + 2
     assert len(boundary[0]) == 1, boundary[0]
+
+
+def test_finite_gradients_whose_square_overflows_are_accepted():
+    """The finiteness test reuses |g|²; a finite |g|² = inf must not drop the gradient."""
+    tx = ga.accumulate(optax.sgd(0.0), 2, track_noise_scale=True)
+    state = tx.init(jnp.zeros(2))
+    update = jax.jit(tx.update)
+    for g in ([1e20, 0.0], [jnp.nan, 0.0], [1.0, 0.0]):
+        _, state = update(jnp.array(g), state)
+    assert int(state.num_skipped) == 1  # only the NaN
+    assert int(ga.optimizer_step(state)) == 1
+    # No window had two accepted micro-gradients: no estimate, and nothing poisoned.
+    assert np.isnan(float(ga.gradient_noise_scale(state).b_simple))
+    assert float(state.noise_scale.ema_normalizer) == 0.0
