@@ -57,8 +57,10 @@ from gradaccum_jax._mixed_precision import (
     static_loss_scale,
 )
 from gradaccum_jax._noise_scale import (
+    CriticalBatchSchedule,
     GradientNoiseScale,
     NoiseScaleState,
+    critical_batch_schedule,
     gradient_noise_scale,
 )
 from gradaccum_jax._planning import (
@@ -83,6 +85,7 @@ __all__ = [
     "ClipValueGrowthState",
     "ConditionalAccumulateState",
     "ConditionalAccumulator",
+    "CriticalBatchSchedule",
     "GradientNoiseScale",
     "LossScaleState",
     "MicrobatchPlan",
@@ -108,6 +111,7 @@ __all__ = [
     "conditional_num_accumulated",
     "conditional_set_global_step",
     "conditional_take_grad",
+    "critical_batch_schedule",
     "current_loss_scale",
     "dynamic_loss_scale",
     "gradient_noise_scale",

@@ -490,6 +490,10 @@ def accumulate(
         new_acc, new_comp = _window.write(state.acc_grads, comp, grads, accepted, scale, reset)
         gradient_step = _window.increment_if(state.gradient_step, applied)
         next_length, short = length(gradient_step)
+        if isinstance(every_k_schedule, _noise_scale.CriticalBatchSchedule):
+            next_length = every_k_schedule.next_k(
+                gradient_step, state.window_length, _noise_scale.estimate(new_noise)
+            )
         new_state = AccumulateState(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
             gradient_step=gradient_step,
@@ -522,6 +526,11 @@ def _check_noise_scale_args(
         )
     if micro_batch_size is not None:
         _validation.check_int("micro_batch_size", micro_batch_size)
+    if isinstance(every_k_schedule, _noise_scale.CriticalBatchSchedule) and not track:
+        raise ValueError(
+            "every_k_schedule is a critical_batch_schedule, which reads the measured noise "
+            "scale: pass track_noise_scale=True as well."
+        )
     if track and axis_name is None and not callable(every_k_schedule) and every_k_schedule == 1:
         raise ValueError(
             "track_noise_scale=True needs windows of at least two micro-gradients to compare "

@@ -264,3 +264,102 @@ def gradient_noise_scale(opt_state: optax.OptState) -> GradientNoiseScale:
         opt_state, NoiseScaleState, "gradaccum_jax.accumulate(..., track_noise_scale=True)"
     )
     return estimate(state)
+
+
+class CriticalBatchSchedule(NamedTuple):
+    """A window length that follows the measured noise scale; see `critical_batch_schedule`.
+
+    Attributes:
+      min_k: Smallest window length.
+      max_k: Largest window length.
+      warmup_steps: Optimizer steps during which `K = min_k`.
+      max_change: Largest factor by which `K` may grow or shrink per window.
+      batch_per_micro_step: Units of `b_simple` that one micro-step adds to
+        the window's batch.
+    """
+
+    min_k: int
+    max_k: int
+    warmup_steps: int
+    max_change: float
+    batch_per_micro_step: float
+
+    def __call__(self, gradient_step: jax.Array) -> jax.Array:
+        """The window length before any estimate: `min_k`."""
+        del gradient_step
+        return jnp.int32(self.min_k)
+
+    def next_k(
+        self, gradient_step: jax.Array, current_k: jax.Array, noise: GradientNoiseScale
+    ) -> jax.Array:
+        """The next window's length, from the current one and the measured noise scale."""
+        target = noise.b_simple / self.batch_per_micro_step
+        k = current_k.astype(jnp.float32)
+        limited = jnp.clip(target, k / self.max_change, k * self.max_change)
+        chosen = jnp.clip(jnp.round(limited), self.min_k, self.max_k)
+        # No estimate yet (NaN) keeps K; so does the warm-up.
+        keep = (gradient_step < self.warmup_steps) | ~jnp.isfinite(target)
+        return jnp.where(keep, current_k, chosen.astype(jnp.int32)).astype(jnp.int32)
+
+
+def critical_batch_schedule(
+    min_k: int,
+    max_k: int,
+    *,
+    warmup_steps: int = 0,
+    max_change: float = 1.25,
+    batch_per_micro_step: float = 1.0,
+) -> CriticalBatchSchedule:
+    r"""A window length `K` that tracks the measured noise scale, for `every_k_schedule`.
+
+    Pass it as `accumulate(inner, critical_batch_schedule(...),
+    track_noise_scale=True)`. Each window starts with `K = min_k`; whenever a
+    window closes after the warm-up, the next `K` is chosen from the averaged
+    noise scale of `gradient_noise_scale`:
+
+    $$
+    K_\text{next} = \operatorname{clip}\Big(\operatorname{round}\big(
+    \operatorname{clip}(B_\text{simple} / b,\ K / c,\ K c)\big),\ K_\text{min},\ K_\text{max}\Big),
+    $$
+
+    with $b$ = `batch_per_micro_step` and $c$ = `max_change`, so that the
+    window's batch `K × b` follows $B_\text{simple}$ without jumping with one
+    noisy estimate. While there is no estimate (NaN), `K` stays. Windows are
+    exact whatever `K`: the mean divides by what was accepted.
+
+    Args:
+      min_k: Smallest window length, `>= 2` (one micro-gradient gives no
+        estimate, so a window of 1 could never leave it).
+      max_k: Largest window length, `>= min_k`.
+      warmup_steps: Optimizer steps during which `K` stays `min_k`: the first
+        estimates are few and taken far from the trained parameters.
+      max_change: Factor `> 1` by which `K` may grow or shrink per window.
+      batch_per_micro_step: How many units of `b_simple` one micro-step adds
+        to the window's batch: `1` when `b_simple` counts micro-batches
+        (`micro_batch_size=None`, one device); the number of replicas under
+        `axis_name`; the micro-batch's tokens or examples when `b_simple` is
+        in those units.
+
+    Returns:
+      A `CriticalBatchSchedule`.
+
+    Raises:
+      TypeError, ValueError: If an argument is out of range (the message names
+        it).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import gradaccum_jax as ga
+      >>> sched = ga.critical_batch_schedule(2, 64, max_change=2.0)
+      >>> tx = ga.accumulate(optax.sgd(0.1), sched, track_noise_scale=True)
+      >>> int(tx.init({"w": jnp.zeros(3)}).window_length)
+      2
+    """
+    min_k = _validation.check_int("min_k", min_k, minimum=2)
+    max_k = _validation.check_int("max_k", max_k, minimum=min_k)
+    warmup_steps = _validation.check_int("warmup_steps", warmup_steps, minimum=0)
+    max_change = _validation.check_real("max_change", max_change, minimum=1.0, exclusive=True)
+    batch_per_micro_step = _validation.check_real(
+        "batch_per_micro_step", batch_per_micro_step, minimum=0.0, exclusive=True
+    )
+    return CriticalBatchSchedule(min_k, max_k, warmup_steps, max_change, batch_per_micro_step)
