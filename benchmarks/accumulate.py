@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import argparse
 import platform
-import re
-import time
 from collections.abc import Callable
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,25 +67,6 @@ def fresh(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def parameter_sized_copies(hlo: str, min_elements: int) -> tuple[int, int]:
-    """Counts copies of arrays with at least `min_elements` elements in compiled HLO.
-
-    Returns (copies of state or other computed buffers, copies of broadcast
-    zeros). XLA merges identical zero broadcasts of equal-shaped leaves into one
-    buffer and copies it into each output; those copies write memory that the
-    outputs need anyway.
-    """
-    state, zeros = 0, 0
-    for m in re.finditer(r"= \w+\[([\d,]*)\]\S* copy\(%([\w.\-]+)", hlo):
-        dims = [int(d) for d in m.group(1).split(",") if d]
-        if int(np.prod(dims)) >= min_elements:
-            if "broadcast" in m.group(2):
-                zeros += 1
-            else:
-                state += 1
-    return state, zeros
-
-
 class Candidate:
     """A jitted function with donated state, called repeatedly on its own outputs."""
 
@@ -94,35 +74,33 @@ class Candidate:
         self.name = name
         self.jitted = jax.jit(fn, donate_argnums=donate)
         self.compiled = self.jitted.lower(state, *args).compile()
-        self.state, self.args, self.times = state, args, []
-        self.run()  # warm up
+        self.state, self.args = state, args
 
-    def run(self):
-        t0 = time.perf_counter()
+    def __call__(self):
         out = self.compiled(self.state, *self.args)
-        jax.block_until_ready(out)
-        self.times.append(time.perf_counter() - t0)
         self.state = out[0]
-
-    def median_ms(self) -> float:
-        return float(np.median(self.times[1:])) * 1e3
+        return out
 
     def memory(self, min_elements: int) -> dict[str, float]:
-        mem = self.compiled.memory_analysis()
-        copies = parameter_sized_copies(self.compiled.as_text(), min_elements)
+        mem = harness.compiled_memory(self.compiled)
+        hlo = harness.Hlo(self.compiled)
+        sources = [hlo.source(c) for c in hlo.copies(min_elements)]
         return {
-            "temp_MB": mem.temp_size_in_bytes / 1e6,
-            "argument_MB": mem.argument_size_in_bytes / 1e6,
-            "output_MB": mem.output_size_in_bytes / 1e6,
-            "state_copies": copies[0],
-            "zero_copies": copies[1],
+            "temp_MB": mem.temp_bytes / 1e6,
+            "argument_MB": mem.argument_bytes / 1e6,
+            "output_MB": mem.output_bytes / 1e6,
+            # Copies of state or other computed buffers, and of broadcast zeros:
+            # XLA merges identical zero broadcasts of equal-shaped leaves into
+            # one buffer and copies it into each output, memory the outputs
+            # need anyway.
+            "state_copies": sum(source != "broadcast" for source in sources),
+            "zero_copies": sum(source == "broadcast" for source in sources),
         }
 
 
-def interleave(candidates: list[Candidate], repeats: int) -> None:
-    for _ in range(repeats):
-        for c in candidates:
-            c.run()
+def medians_ms(candidates, repeats: int) -> dict[str, float]:
+    seconds = harness.interleaved_medians({c.name: c for c in candidates}, repeats)
+    return {name: 1e3 * s for name, s in seconds.items()}
 
 
 def transform_step(tx, params):
@@ -186,8 +164,7 @@ def optimizer_tables(label: str, params, repeats: int) -> list[dict]:
             (grads,),
         ),
     ]
-    interleave(candidates, repeats)
-    t = {c.name: c.median_ms() for c in candidates}
+    t = medians_ms(candidates, repeats)
     floor = t["floor (donated add)"]
     rows = []
     for c in candidates:
@@ -244,18 +221,13 @@ def train_step_table(label: str, sizes: list[int], repeats: int, k: int, micro: 
                     (fresh(params), tx.init(params)),
                     (xs[0], ys[0]),
                 )
-                self.name, self.times = self.c.name, []
+                self.name = self.c.name
 
-            def run(self):
-                t0 = time.perf_counter()
+            def __call__(self):
                 for i in range(k):
                     out = self.c.compiled(self.c.state, xs[i], ys[i])
                     self.c.state = out[0]
-                jax.block_until_ready(self.c.state)
-                self.times.append(time.perf_counter() - t0)
-
-            def median_ms(self):
-                return float(np.median(self.times[1:])) * 1e3
+                return self.c.state
 
         return Looped()
 
@@ -315,8 +287,7 @@ def train_step_table(label: str, sizes: list[int], repeats: int, k: int, micro: 
             (x, y),
         ),
     ]
-    interleave(candidates, repeats)
-    t = {c.name: c.median_ms() for c in candidates}
+    t = medians_ms(candidates, repeats)
     scan = t[f"scan over {k} x {micro} in one step"]
     return [
         {"model": label, "candidate": name, "ms": round(ms, 2), "x_scan": round(ms / scan, 3)}

@@ -19,8 +19,9 @@ interleaved (median of repetitions, all under `jit`, inputs donated nowhere):
 from __future__ import annotations
 
 import argparse
-import time
+import functools
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,16 +96,11 @@ def candidates() -> list[tuple[str, object, object]]:
 
 
 def time_pair(new, plain, grads, params, reps: int) -> tuple[float, float]:
-    fns = [jax.jit(new), jax.jit(plain)]
-    for fn in fns:
-        jax.block_until_ready(fn(grads, params))
-    times = [[], []]
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(grads, params))
-            times[i].append(time.perf_counter() - start)
-    return float(np.median(times[0])), float(np.median(times[1]))
+    fns = {"new": jax.jit(new), "plain": jax.jit(plain)}
+    seconds = harness.interleaved_medians(
+        {name: functools.partial(fn, grads, params) for name, fn in fns.items()}, reps
+    )
+    return seconds["new"], seconds["plain"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

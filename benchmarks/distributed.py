@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import re
 import sys
-import time
 
 # XLA reads the device count once, when the CPU backend starts: set it before jax.
 os.environ["XLA_FLAGS"] = " ".join(
@@ -36,6 +34,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,49 +103,18 @@ def build_usual(mesh, params, k):
     return jax.jit(init), jax.jit(step, donate_argnums=(0, 1))
 
 
-_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_CALLEES = re.compile(r"(?:to_apply|calls|body|condition)=%([\w.\-]+)")
-_ALL_REDUCE = re.compile(r"=\s*(.*?)\s+all-reduce(?:-start)?\(")
-_SHAPE = re.compile(r"[a-z]+\d*\[([\d,]*)\]")
+def window_runner(step, carry, k, x, y):
+    """A callable that runs one window of `k` donated micro-steps on from the last carry."""
+    held = [carry]
 
+    def run():
+        p, s = held[0]
+        for _ in range(k):
+            p, s = step(p, s, x, y)
+        held[0] = (p, s)
+        return held[0]
 
-def _branch_targets(line: str) -> list[str]:
-    return [b.strip().lstrip("%") for m in _BRANCHES.finditer(line) for b in m.group(1).split(",")]
-
-
-def all_reduces_per_window(hlo: str, k: int) -> tuple[int, float]:
-    """Returns (all-reduce ops run per window, MB they reduce) for a compiled micro-step."""
-    bodies: dict[str, list[str]] = {}
-    for line in hlo.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            bodies[header.group(1)] = current = []
-        elif bodies:
-            current.append(line)
-    # Computations that run only when a conditional takes that branch: at most
-    # once per window in both candidates (the boundary, or MultiSteps' update).
-    in_branch: set[str] = set()
-    todo = [name for lines in bodies.values() for line in lines for name in _branch_targets(line)]
-    while todo:
-        name = todo.pop()
-        if name not in in_branch:
-            in_branch.add(name)
-            for line in bodies[name]:
-                todo += _CALLEES.findall(line) + _branch_targets(line)
-    ops, megabytes = 0, 0.0
-    for name, lines in bodies.items():
-        runs = 1 if name in in_branch else k
-        for line in lines:
-            match = _ALL_REDUCE.search(line)
-            if match:
-                elements = sum(
-                    int(np.prod([int(d) for d in dims.split(",") if d]))
-                    for dims in _SHAPE.findall(match.group(1))
-                )
-                ops += runs
-                megabytes += runs * 4 * elements / 1e6
-    return ops, megabytes
+    return run
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -181,31 +149,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
         carry, counts = {}, {}
         for name, (init, step) in candidates.items():
             p = jax.device_put(params, NamedSharding(mesh, P()))
-            s = init(p)
-            counts[name] = all_reduces_per_window(step.lower(p, s, x, y).compile().as_text(), k)
-            for _ in range(k):  # one warm-up window
-                p, s = step(p, s, x, y)
-            carry[name] = jax.block_until_ready((p, s))
-        times: dict[str, list[float]] = {name: [] for name in candidates}
-        for rep in range(reps):
-            order = list(candidates) if rep % 2 == 0 else list(reversed(candidates))
-            for name in order:
-                step = candidates[name][1]
-                p, s = carry[name]
-                start = time.perf_counter()
-                for _ in range(k):
-                    p, s = step(p, s, x, y)
-                carry[name] = jax.block_until_ready((p, s))
-                times[name].append(time.perf_counter() - start)
-        ms = {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+            carry[name] = (p, init(p))
+            # An op inside a conditional's branch runs once per window, any other op on
+            # every micro-step (harness.Hlo.per_window).
+            compiled = step.lower(*carry[name], x, y).compile()
+            counts[name] = harness.Hlo(compiled).per_window("all-reduce", k)
+
+        runs = {name: window_runner(candidates[name][1], carry[name], k, x, y) for name in carry}
+        seconds = harness.interleaved_medians(runs, reps)
+        ms = {name: 1e3 * t for name, t in seconds.items()}
         for name in candidates:
-            ops, mb = counts[name]
+            ops, nbytes = counts[name]
             rows.append(
                 {
                     "k": k,
                     "candidate": name,
                     "all_reduces_per_window": ops,
-                    "mb_reduced_per_window": round(mb, 3),
+                    "mb_reduced_per_window": round(nbytes / 1e6, 3),
                     "ms_per_window": round(ms[name], 2),
                     "time_ratio_ours_over_usual": round(ms["ours"] / ms["usual"], 3),
                 }

@@ -24,11 +24,11 @@ loss and gradients from the full batch. The targets checked are
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import harness
 import jax
 import jax.numpy as jnp
 import optax
@@ -125,13 +125,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         compiled.append((method, k, exe, out))
     reference = compiled[0][3]
 
-    times: list[list[float]] = [[] for _ in compiled]
-    for _ in range(reps):
-        # Interleaved: every candidate sees the same machine load.
-        for n, (_, _, exe, _) in enumerate(compiled):
-            start = time.perf_counter()
-            jax.block_until_ready(exe(params, batch))
-            times[n].append(time.perf_counter() - start)
+    # Interleaved: every candidate sees the same machine load.
+    times = harness.interleaved_medians(
+        {n: functools.partial(exe, params, batch) for n, (_, _, exe, _) in enumerate(compiled)},
+        reps,
+        warmup=0,  # each was called once above
+    )
 
     rows = []
     for n, (method, k, exe, out) in enumerate(compiled):
@@ -139,8 +138,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             {
                 "method": method,
                 "K": k,
-                "temp_bytes": int(exe.memory_analysis().temp_size_in_bytes),
-                "time_ms": 1e3 * statistics.median(times[n]),
+                "temp_bytes": harness.compiled_memory(exe).temp_bytes,
+                "time_ms": 1e3 * times[n],
                 "loss": float(out[0]),
                 "rel_err": _max_error(out, reference),
             }

@@ -21,10 +21,9 @@ measured interleaved (median of repetitions).
 from __future__ import annotations
 
 import argparse
-import re
-import time
 
 import flax.linen as nn
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,11 +147,11 @@ def accuracy_rows(quick: bool) -> list[dict]:
     return rows
 
 
-def state_copies(hlo: str) -> int:
-    """Counts copies of the entry computation's arguments (state XLA did not update in place)."""
-    entry = hlo[hlo.index("\nENTRY ") :]
-    names = re.findall(r"([\w.]+): ", entry[: entry.index("{")])
-    return sum(entry.count(f" copy(%{name})") for name in names)
+def argument_copies(compiled) -> int:
+    """Copies of the step's arguments: state XLA did not update in place."""
+    hlo = harness.Hlo(compiled)
+    copies = hlo.copies(1, within=[hlo.entry])
+    return sum(hlo.source(c) == "parameter" for c in copies)
 
 
 def memory_rows(quick: bool, reps: int) -> list[dict]:
@@ -171,8 +170,8 @@ def memory_rows(quick: bool, reps: int) -> list[dict]:
             return s, u
 
         c = jax.jit(step, donate_argnums=(1,)).lower(grads, state, params).compile()
-        m = c.memory_analysis()
-        copies = state_copies(c.as_text())
+        m = harness.compiled_memory(c)
+        copies = argument_copies(c)
         acc_bytes = sum(
             x.nbytes for x in jax.tree.leaves((state.acc_grads, state.acc_compensation))
         )
@@ -183,23 +182,21 @@ def memory_rows(quick: bool, reps: int) -> list[dict]:
                 "accumulator": name,
                 "params": n,
                 "accumulator_bytes_per_param": acc_bytes / n,
-                "temp_bytes_per_param": m.temp_size_in_bytes / n,
+                "temp_bytes_per_param": m.temp_bytes / n,
                 "argument_copies": copies,
             }
         )
-    times = {name: [] for name in ACCUMULATORS}
-    for _ in range(reps):
-        for name in ACCUMULATORS:  # interleaved, so drift hits every candidate alike
-            state, _ = compiled[name](grads, states[name], params)
-            jax.block_until_ready(state)
-            start = time.perf_counter()
-            state, _ = compiled[name](grads, state, params)
-            jax.block_until_ready(state)
-            times[name].append(time.perf_counter() - start)
-            states[name] = state
-    base = np.median(times["float32 (default)"])
+
+    def micro_step(name):
+        def call():
+            states[name], _ = compiled[name](grads, states[name], params)
+            return states[name]
+
+        return call
+
+    times = harness.interleaved_medians({name: micro_step(name) for name in ACCUMULATORS}, reps)
     for row in rows:
-        row["micro_step_time_vs_float32"] = float(np.median(times[row["accumulator"]]) / base)
+        row["micro_step_time_vs_float32"] = times[row["accumulator"]] / times["float32 (default)"]
     return rows
 
 

@@ -54,6 +54,7 @@ from gradaccum_jax._mixed_precision import (
     current_loss_scale,
     dynamic_loss_scale,
     scale_loss,
+    scaled_value_and_grad,
     static_loss_scale,
 )
 from gradaccum_jax._noise_scale import (
@@ -125,6 +126,7 @@ __all__ = [
     "remove_replica_axis",
     "replica_state_specs",
     "scale_loss",
+    "scaled_value_and_grad",
     "split_accumulate",
     "static_loss_scale",
 ]

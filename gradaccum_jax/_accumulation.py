@@ -346,6 +346,11 @@ def accumulate(
         acc = _window.zeros(params, accumulator_dtype)
         if compensated:
             _validation.check_compensable("params", acc)
+        inner_state = inner.init(params)
+        # Imported here: _mixed_precision builds on this module.
+        from gradaccum_jax._mixed_precision import refuse_inside_accumulate
+
+        refuse_inside_accumulate(inner_state)
         skip_state = ()
         if should_skip_update_fn is not None:
             zeros = jax.tree.map(jnp.zeros_like, params)
@@ -359,7 +364,7 @@ def accumulate(
             acc_weight=jnp.zeros([], jnp.float32),
             weight_unit=jnp.ones([], jnp.float32),
             num_skipped=_window.counter(),
-            inner_state=inner.init(params),
+            inner_state=inner_state,
             num_short_windows=_window.counter(),
             acc_compensation=jax.tree.map(jnp.zeros_like, acc) if compensated else None,
             skip_state=skip_state,

@@ -1,13 +1,14 @@
-"""Holding an ``accumulate(axis_name=...)`` state across ``jax.shard_map`` calls.
+"""Holding an `accumulate(axis_name=...)` state across `jax.shard_map` calls.
 
-With ``axis_name``, three fields of :class:`AccumulateState` differ between
-replicas: ``acc_grads``, ``acc_weight`` and ``num_skipped`` are each replica's
-partial sums over its own micro-batches (their sum over replicas is the global
-value). ``jax.pmap`` keeps one copy of the whole state per device anyway.
-``jax.shard_map`` needs a global array for every value it returns, and a value
-that differs between replicas must be returned with a ``PartitionSpec`` that
-names the axis; these helpers give those three fields a leading replica axis
-for that, and leave the rest (counters, inner state) replicated.
+With `axis_name`, some fields of `AccumulateState` differ between
+replicas: `acc_grads`, `acc_weight`, `weight_unit`, `num_skipped` (and
+`acc_compensation` with `compensated=True`) describe each replica's own
+micro-batches (the sums over replicas are the global values). `jax.pmap`
+keeps one copy of the whole state per device anyway. `jax.shard_map` needs a
+global array for every value it returns, and a value that differs between
+replicas must be returned with a `PartitionSpec` that names the axis; these
+helpers give those fields a leading replica axis for that, and leave the rest
+(counters, inner state) replicated.
 """
 
 from __future__ import annotations
@@ -23,7 +24,17 @@ from jax.sharding import PartitionSpec
 from gradaccum_jax import _validation
 from gradaccum_jax._accumulation import AccumulateState, AxisName
 
-_PER_REPLICA = ("acc_grads", "acc_weight", "weight_unit", "num_skipped", "noise_scale")
+# The rounding error of a replica's `acc_grads` is its own, like `acc_grads`; the
+# noise-scale window sums are the replica's own too (its averages are equal on
+# every replica, held per replica with them).
+_PER_REPLICA = (
+    "acc_grads",
+    "acc_weight",
+    "weight_unit",
+    "num_skipped",
+    "acc_compensation",
+    "noise_scale",
+)
 
 
 def _map_accumulate_states(
@@ -66,33 +77,44 @@ def _map_per_replica(state: AccumulateState, fn: Callable[[str, Any], Any]) -> A
     )
 
 
-def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
-    """Returns ``PartitionSpec`` s for an accumulate state held across ``shard_map`` calls.
+def _type_checked_manual_axes() -> tuple[Any, ...]:
+    """The `shard_map` axes bound here whose varying types are checked.
 
-    The per-replica fields of every :class:`AccumulateState` in ``opt_state``
-    (``acc_grads``, ``acc_weight``, ``num_skipped``) get ``P(axis_name)``: they
-    carry a leading replica axis (see :func:`add_replica_axis`), one slot per
-    replica. Every other leaf gets ``P()``, replicated, like the params of
+    Empty outside `jax.shard_map`, under `jax.pmap` and with `check_vma=False`:
+    an axis index varies along its axis exactly when types are checked.
+    """
+    axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    return tuple(a for a in axes if a in jax.typeof(jax.lax.axis_index(a)).mat.varying)
+
+
+def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
+    """Returns `PartitionSpec` s for an accumulate state held across `shard_map` calls.
+
+    The per-replica fields of every `AccumulateState` in `opt_state`
+    (`acc_grads`, `acc_weight`, `weight_unit`, `num_skipped` and
+    `acc_compensation`) get `P(axis_name)`: they
+    carry a leading replica axis (see `add_replica_axis`), one slot per
+    replica. Every other leaf gets `P()`, replicated, like the params of
     data-parallel training. Use the result as the state's entry in both
-    ``in_specs`` and ``out_specs`` of ``jax.shard_map``.
+    `in_specs` and `out_specs` of `jax.shard_map`.
 
     For params sharded along other mesh axes as well, build the specs by hand
-    on the same rule: per-replica fields ``P(axis_name, *param_spec)``, the
+    on the same rule: per-replica fields `P(axis_name, *param_spec)`, the
     inner state as you shard it for the params.
 
     Args:
       opt_state: An optimizer state containing at least one
-        :class:`AccumulateState`, or its shape (``jax.eval_shape(tx.init,
-        params)``); only its structure is used.
+        `AccumulateState`, or its shape (`jax.eval_shape(tx.init,
+        params)`); only its structure is used.
       axis_name: The mesh axis name (or tuple of names) given to
-        :func:`accumulate`.
+        `accumulate`.
 
     Returns:
-      A pytree of ``jax.sharding.PartitionSpec`` shaped like ``opt_state``.
+      A pytree of `jax.sharding.PartitionSpec` shaped like `opt_state`.
 
     Raises:
-      TypeError: If ``axis_name`` is not a name or a tuple of names.
-      ValueError: If ``opt_state`` contains no :class:`AccumulateState`.
+      TypeError: If `axis_name` is not a name or a tuple of names.
+      ValueError: If `opt_state` contains no `AccumulateState`.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -107,12 +129,14 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
     return _map_accumulate_states(
         opt_state,
         lambda state: _map_per_replica(
+            # Every other field (counters, flags, the window length) is the
+            # same on all replicas; the inner state was mapped already.
             state._replace(
-                micro_step=PartitionSpec(),
-                gradient_step=PartitionSpec(),
-                window_length=PartitionSpec(),
-                updated=PartitionSpec(),
-                num_short_windows=PartitionSpec(),
+                **{
+                    field: jax.tree.map(lambda _: PartitionSpec(), getattr(state, field))
+                    for field in state._fields
+                    if field not in (*_PER_REPLICA, "inner_state")
+                }
             ),
             lambda _, x: replica_spec,
         ),
@@ -121,24 +145,25 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
 
 
 def add_replica_axis(opt_state: optax.OptState) -> optax.OptState:
-    """Gives the per-replica fields of every :class:`AccumulateState` a leading axis of size 1.
+    """Gives the per-replica fields of every `AccumulateState` a leading axis of size 1.
 
-    Call it on the state a ``jax.shard_map`` body returns (and on
-    ``tx.init(params)`` inside a ``shard_map`` that creates the state): with
-    :func:`replica_state_specs` as ``out_specs``, the global arrays stack the
+    Call it on the state a `jax.shard_map` body returns (and on
+    `tx.init(params)` inside a `shard_map` that creates the state): with
+    `replica_state_specs` as `out_specs`, the global arrays stack the
     replicas' accumulators along that axis, one slot per replica, each on its
     own device. Other fields are returned as they are.
 
     Args:
       opt_state: An optimizer state containing at least one
-        :class:`AccumulateState`.
+        `AccumulateState`.
 
     Returns:
-      ``opt_state`` with ``acc_grads``, ``acc_weight`` and ``num_skipped``
-      expanded to shape ``(1, *shape)``.
+      `opt_state` with its per-replica fields (`acc_grads`, `acc_weight`,
+      `weight_unit`, `num_skipped`, `acc_compensation`)
+      expanded to shape `(1, *shape)`.
 
     Raises:
-      ValueError: If ``opt_state`` contains no :class:`AccumulateState`.
+      ValueError: If `opt_state` contains no `AccumulateState`.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -156,23 +181,25 @@ def add_replica_axis(opt_state: optax.OptState) -> optax.OptState:
 
 
 def remove_replica_axis(opt_state: optax.OptState) -> optax.OptState:
-    """Drops the leading size-1 axis that :func:`add_replica_axis` added.
+    """Drops the leading size-1 axis that `add_replica_axis` added.
 
-    Call it first thing in a ``jax.shard_map`` body that received the state with
-    :func:`replica_state_specs` as ``in_specs``: each replica then sees its own
-    accumulator in the shape of the params, as ``update`` expects.
+    Call it first thing in a `jax.shard_map` body that received the state with
+    `replica_state_specs` as `in_specs`: each replica then sees its own
+    accumulator in the shape of the params, as `update` expects.
 
     Args:
-      opt_state: An optimizer state whose :class:`AccumulateState` per-replica
+      opt_state: An optimizer state whose `AccumulateState` per-replica
         fields have a leading axis of size 1.
 
     Returns:
-      ``opt_state`` with that axis removed.
+      `opt_state` with that axis removed.
 
     Raises:
-      ValueError: If ``opt_state`` contains no :class:`AccumulateState`, or a
-        per-replica field has no leading axis of size 1 (the state did not go
-        through ``shard_map`` with :func:`replica_state_specs`).
+      ValueError: If `opt_state` contains no `AccumulateState`, or a
+        per-replica field has no leading axis of size 1, or (inside
+        `jax.shard_map` with its default `check_vma=True`) does not vary
+        along any mesh axis: the state did not go through `shard_map` with
+        `replica_state_specs`.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -183,7 +210,19 @@ def remove_replica_axis(opt_state: optax.OptState) -> optax.OptState:
       (3,)
     """
 
+    checked_axes = _type_checked_manual_axes()
+
     def squeeze(where: str, x: Any) -> Any:
+        if checked_axes and not jax.typeof(x).mat.varying & set(checked_axes):
+            raise ValueError(
+                f"state.{where} entered jax.shard_map replicated: it does not vary along the "
+                f"mesh axes {checked_axes}, so the state's in_specs entry was P() (and its "
+                "out_specs entry would fail JAX's replication check). The per-replica fields "
+                "need a replica axis: pass in_specs and out_specs entries "
+                "specs = gradaccum_jax.replica_state_specs(jax.eval_shape(tx.init, params), "
+                "axis_name) for the state, here and in the shard_map that creates it with "
+                "add_replica_axis(tx.init(params))."
+            )
         shape = jnp.shape(x)
         if not shape or shape[0] != 1:
             raise ValueError(

@@ -275,7 +275,7 @@ def _check_shards(args: tuple[Any, ...], batch_nums: tuple[int, ...], micro: int
 
 def _check_carry(new: Any, old: Any, carry_argnums: Any) -> None:
     new_def, old_def = jax.tree_util.tree_structure(new), jax.tree_util.tree_structure(old)
-    if new_def != old_def:
+    if new_def != old_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub
         raise ValueError(
             "with carry_argnums, fun must return (loss, (new_carry, aux)) where new_carry "
             f"has the structure of the argument(s) at {carry_argnums=}; got {new_def}, "
@@ -522,7 +522,7 @@ def _compose(spec: Any) -> _Accumulator:
     accumulators, treedef = jax.tree_util.tree_flatten(spec, is_leaf=_is_accumulator)
 
     def update(totals: list[Any], outputs: Any, weight: jax.Array, keep: jax.Array) -> Any:
-        values = treedef.flatten_up_to(outputs)
+        values = treedef.flatten_up_to(outputs)  # type: ignore[attr-defined]
         pairs = [
             a.update(t, x, weight, keep)
             for a, t, x in zip(accumulators, totals, values, strict=True)
@@ -537,7 +537,7 @@ def _compose(spec: Any) -> _Accumulator:
         return jax.tree_util.tree_unflatten(treedef, results)
 
     def whole(outputs: Any) -> Any:
-        values = treedef.flatten_up_to(outputs)
+        values = treedef.flatten_up_to(outputs)  # type: ignore[attr-defined]
         results = [a.whole(x) for a, x in zip(accumulators, values, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, results)
 
@@ -868,7 +868,7 @@ def microbatch_value_and_grad(
         accumulator_dtype=accumulator_dtype,
     )
     k = _check_num_microbatches(num_microbatches, memory_budget)
-    if k != "auto":
+    if not isinstance(k, str):
         return _microbatched(fun, k, options)
 
     def planned(*args: Any, **kwargs: Any) -> Any:

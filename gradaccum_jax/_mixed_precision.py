@@ -3,27 +3,83 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from gradaccum_jax import _validation, _window
-from gradaccum_jax._accumulation import AxisName
+from gradaccum_jax._accumulation import AccumulateState, AxisName
+
+_F32 = np.finfo(np.float32)
+_RIGHT_ORDER = (
+    "optax.chain(ga.dynamic_loss_scale(), ga.accumulate(inner, every_k_schedule)) "
+    "(or static_loss_scale in the same place)"
+)
+
+
+def _check_float32_factor(name: str, value: Any, *, at_most_one: bool = False) -> float:
+    """Returns `value` if it is a normal, finite float32 `> 0`, else raises `ValueError`.
+
+    Scales live in a `float32[]` state, so a Python float that passes as
+    finite and positive can still overflow to `inf` (`1e39`) or flush to `0`
+    (`1e-50`, or a subnormal that XLA:CPU flushes) once it is used.
+    """
+    value = _validation.check_real(name, value, minimum=0.0, exclusive=True)
+    largest, smallest = float(_F32.max), float(_F32.tiny)
+    if not smallest <= value <= largest:
+        becomes = "inf" if value > largest else "0 (or a subnormal that XLA may flush to 0)"
+        raise ValueError(
+            f"{name} must be a normal float32 number, in [{smallest:.4g}, {largest:.4g}], "
+            f"because the loss scale is stored and applied in float32; got {name}={value!r}, "
+            f"which is {becomes} in float32. Use a power of two such as 2.0**15."
+        )
+    if at_most_one and value > 1:
+        raise ValueError(f"{name} must be in (0, 1] (0.5 halves the scale); got {name}={value!r}.")
+    return value
+
+
+def refuse_inside_accumulate(inner_state: Any) -> None:
+    """Raises `ValueError` if `inner_state` (an `accumulate`'s inner state) holds a loss scale.
+
+    Inside `accumulate` a loss scale would see one mean gradient per window
+    instead of every micro-gradient: overflowing micro-gradients are dropped
+    by `accumulate` before it sees them, so a dynamic scale never backs off,
+    and training stalls with the scale stuck.
+    """
+    found = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, LossScaleState))
+    if any(isinstance(x, LossScaleState) for x in found):
+        raise ValueError(
+            "A dynamic_loss_scale or static_loss_scale is inside gradaccum_jax.accumulate "
+            "(in its inner transformation). There it would see one mean gradient per window, "
+            "not each micro-gradient: overflowing micro-gradients are dropped before it sees "
+            "them, so the scale never backs off and no update is applied. Put the loss scale "
+            f"first, before accumulate: {_RIGHT_ORDER}."
+        )
+
+
+def _find_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AccumulateState)):
+        if isinstance(node, AccumulateState):
+            refuse_inside_accumulate(node.inner_state)
+    return _validation.find_unique_state(
+        opt_state, LossScaleState, "gradaccum_jax.dynamic_loss_scale or static_loss_scale"
+    )
 
 
 class LossScaleState(NamedTuple):
-    """State of :func:`dynamic_loss_scale` and :func:`static_loss_scale`.
+    """State of `dynamic_loss_scale` and `static_loss_scale`.
 
     Attributes:
-      loss_scale: ``float32[]``. The factor to multiply the next loss by
-        (read it with :func:`current_loss_scale`); ``update`` divides the
+      loss_scale: `float32[]`. The factor to multiply the next loss by
+        (read it with `current_loss_scale`); `update` divides the
         gradients it receives by this value.
-      growth_count: ``int32[]``. Finite ``update`` calls since the scale last
-        changed, in ``[0, growth_interval)``; always ``0`` for a static scale.
-      num_overflows: ``int32[]``. ``update`` calls whose gradients had a
+      growth_count: `int32[]`. Finite `update` calls since the scale last
+        changed, in `[0, growth_interval)`; always `0` for a static scale.
+      num_overflows: `int32[]`. `update` calls whose gradients had a
         non-finite value. Saturates at the int32 maximum.
     """
 
@@ -38,7 +94,7 @@ _Adjust = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array
 def _loss_scaling(
     initial_scale: float, adjust: _Adjust, axis_name: AxisName | None
 ) -> optax.GradientTransformationExtraArgs:
-    """The transformation shared by both scales; ``adjust(scale, count, finite)``."""
+    """The transformation shared by both scales; `adjust(scale, count, finite)`."""
 
     def init_fn(params: optax.Params) -> LossScaleState:
         del params
@@ -88,55 +144,55 @@ def dynamic_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
     r"""Unscales loss-scaled gradients and adapts the scale, one micro-step at a time.
 
-    float16 has 5 exponent bits: gradients below about ``6e-8`` flush to zero
-    and values above ``65504`` overflow. Multiplying the loss by a scale ``s``
+    float16 has 5 exponent bits: gradients below about `6e-8` flush to zero
+    and values above `65504` overflow. Multiplying the loss by a scale `s`
     moves the backward pass into the representable range; this transformation
-    divides each gradient by the ``s`` it was computed with (into float32, or
-    wider) and then adapts ``s`` for the next call:
+    divides each gradient by the `s` it was computed with (into float32, or
+    wider) and then adapts `s` for the next call:
 
-    .. math::
+    $$
+    s_{t+1} =
+    \begin{cases}
+      \max(\beta s_t,\ s_{\min}) & \text{if } g_t \text{ has a non-finite value,}\\
+      \gamma s_t & \text{if the last } N \text{ calls were finite,}\\
+      s_t & \text{otherwise,}
+    \end{cases}
+    $$
 
-        s_{t+1} =
-        \begin{cases}
-          \max(\beta s_t,\ s_{\min}) & \text{if } g_t \text{ has a non-finite value,}\\
-          \gamma s_t & \text{if the last } N \text{ calls were finite,}\\
-          s_t & \text{otherwise,}
-        \end{cases}
-
-    with ``β = backoff_factor``, ``γ = growth_factor`` and
-    ``N = growth_interval``; growth is skipped if ``γ s_t`` would not be
+    with `β = backoff_factor`, `γ = growth_factor` and
+    `N = growth_interval`; growth is skipped if `γ s_t` would not be
     finite.
 
-    Put it first in an ``optax.chain`` before :func:`accumulate`, and scale
-    each micro-batch's loss by :func:`current_loss_scale` of the state you
-    pass to ``update`` (:func:`scale_loss` does that for any loss function).
-    Every ``update`` call is a micro-step: the scale may change inside a
+    Put it first in an `optax.chain` before `accumulate`, and scale
+    each micro-batch's loss by `current_loss_scale` of the state you
+    pass to `update` (`scale_loss` does that for any loss function).
+    Every `update` call is a micro-step: the scale may change inside a
     window, and each micro-gradient is unscaled by its own scale before it is
     added. An overflowing micro-gradient stays non-finite after unscaling, so
-    :func:`accumulate` drops it from the window's mean (and counts it in
-    ``num_skipped``) while the other micro-gradients still make an update.
-    ``growth_interval`` therefore counts micro-steps.
+    `accumulate` drops it from the window's mean (and counts it in
+    `num_skipped`) while the other micro-gradients still make an update.
+    `growth_interval` therefore counts micro-steps.
 
-    Without :func:`accumulate` downstream, non-finite gradients reach the
-    optimizer; use ``accumulate(inner, 1)`` as a guard that skips them.
+    Without `accumulate` downstream, non-finite gradients reach the
+    optimizer; use `accumulate(inner, 1)` as a guard that skips them.
 
     Args:
-      initial_scale: The first loss scale, finite and ``> 0``. Powers of two
+      initial_scale: The first loss scale, finite and `> 0`. Powers of two
         make unscaling exact.
-      growth_interval: Number ``N >= 1`` of consecutive finite micro-steps
+      growth_interval: Number `N >= 1` of consecutive finite micro-steps
         after which the scale grows.
-      growth_factor: Factor ``γ >= 1`` applied on growth.
-      backoff_factor: Factor ``β`` in ``(0, 1]`` applied on overflow.
-      min_scale: Floor of the scale, finite, ``> 0`` and at most
-        ``initial_scale``.
+      growth_factor: Factor `γ >= 1` applied on growth.
+      backoff_factor: Factor `β` in `(0, 1]` applied on overflow.
+      min_scale: Floor of the scale, finite, `> 0` and at most
+        `initial_scale`.
       axis_name: Name (or tuple of names) of a mapped axis, for use inside
-        ``jax.shard_map`` or ``jax.pmap``: an overflow on any replica then
-        counts on all of them (one scalar ``pmin`` per micro-step), so the
+        `jax.shard_map` or `jax.pmap`: an overflow on any replica then
+        counts on all of them (one scalar `pmin` per micro-step), so the
         replicas keep one scale. Without it each replica adapts its own.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` with state
-      :class:`LossScaleState`. Its ``update`` returns the unscaled gradients,
+      An `optax.GradientTransformationExtraArgs` with state
+      `LossScaleState`. Its `update` returns the unscaled gradients,
       in float32 for 16-bit inputs, and ignores extra arguments.
 
     Raises:
@@ -165,23 +221,15 @@ def dynamic_loss_scale(
       Micikevicius et al., *Mixed Precision Training*, 2017,
       https://arxiv.org/abs/1710.03740
     """
-    initial_scale = _validation.check_real(
-        "initial_scale", initial_scale, minimum=0.0, exclusive=True
-    )
+    initial_scale = _check_float32_factor("initial_scale", initial_scale)
     growth_interval = _validation.check_int("growth_interval", growth_interval)
-    growth_factor = _validation.check_real("growth_factor", growth_factor, minimum=0.0)
+    growth_factor = _check_float32_factor("growth_factor", growth_factor)
     if growth_factor < 1:
         raise ValueError(
             f"growth_factor must be >= 1 (1 never grows the scale); got {growth_factor=}."
         )
-    backoff_factor = _validation.check_real(
-        "backoff_factor", backoff_factor, minimum=0.0, exclusive=True
-    )
-    if backoff_factor > 1:
-        raise ValueError(
-            f"backoff_factor must be in (0, 1] (0.5 halves the scale); got {backoff_factor=}."
-        )
-    min_scale = _validation.check_real("min_scale", min_scale, minimum=0.0, exclusive=True)
+    backoff_factor = _check_float32_factor("backoff_factor", backoff_factor, at_most_one=True)
+    min_scale = _check_float32_factor("min_scale", min_scale)
     if min_scale > initial_scale:
         raise ValueError(
             f"min_scale must be <= initial_scale; got {min_scale=} and {initial_scale=}."
@@ -204,24 +252,24 @@ def static_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
     """Unscales gradients computed with a fixed loss scale.
 
-    The fixed-scale counterpart of :func:`dynamic_loss_scale`, with the same
-    state (:class:`LossScaleState`), so that switching between them keeps
+    The fixed-scale counterpart of `dynamic_loss_scale`, with the same
+    state (`LossScaleState`), so that switching between them keeps
     checkpoints and train steps unchanged. Overflows are counted in
-    ``num_overflows`` but do not change the scale; :func:`accumulate` after it
+    `num_overflows` but do not change the scale; `accumulate` after it
     still drops the overflowing micro-gradients.
 
     Args:
-      loss_scale: The scale, finite and ``> 0``.
-      axis_name: As in :func:`dynamic_loss_scale`: a mapped axis over which
+      loss_scale: The scale, finite and `> 0`.
+      axis_name: As in `dynamic_loss_scale`: a mapped axis over which
         overflows are counted alike.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose ``update`` returns the
-      gradients divided by ``loss_scale``, in float32 for 16-bit inputs.
+      An `optax.GradientTransformationExtraArgs` whose `update` returns the
+      gradients divided by `loss_scale`, in float32 for 16-bit inputs.
 
     Raises:
-      TypeError: If ``loss_scale`` is not a real number.
-      ValueError: If ``loss_scale`` is not finite and ``> 0``.
+      TypeError: If `loss_scale` is not a real number.
+      ValueError: If `loss_scale` is not finite and `> 0`.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -232,26 +280,27 @@ def static_loss_scale(
       >>> g["w"]
       Array([0.5, 2. ], dtype=float32)
     """
-    loss_scale = _validation.check_real("loss_scale", loss_scale, minimum=0.0, exclusive=True)
+    loss_scale = _check_float32_factor("loss_scale", loss_scale)
     return _loss_scaling(loss_scale, lambda scale, count, finite: (scale, count), axis_name)
 
 
 def current_loss_scale(opt_state: optax.OptState) -> jax.Array:
     """Returns the loss scale to multiply the next loss by.
 
-    Reads the :class:`LossScaleState` found anywhere inside ``opt_state``
-    (directly, or in a chain, ``optax.masked`` or ``inject_hyperparams``
+    Reads the `LossScaleState` found anywhere inside `opt_state`
+    (directly, or in a chain, `optax.masked` or `inject_hyperparams`
     state).
 
     Args:
       opt_state: An optimizer state that contains exactly one
-        :class:`LossScaleState`.
+        `LossScaleState`.
 
     Returns:
-      A ``float32`` scalar.
+      A `float32` scalar.
 
     Raises:
-      ValueError: If ``opt_state`` contains no or several ``LossScaleState``.
+      ValueError: If `opt_state` contains no or several `LossScaleState`, or
+        the loss scale is inside `accumulate` (it must come before it).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -260,10 +309,7 @@ def current_loss_scale(opt_state: optax.OptState) -> jax.Array:
       >>> float(ga.current_loss_scale(tx.init({"w": jnp.zeros(3)})))
       256.0
     """
-    state = _validation.find_unique_state(
-        opt_state, LossScaleState, "gradaccum_jax.dynamic_loss_scale or static_loss_scale"
-    )
-    return state.loss_scale
+    return _find_loss_scale_state(opt_state).loss_scale
 
 
 @jax.custom_vjp
@@ -285,34 +331,35 @@ _scale_cotangent.defvjp(_scale_cotangent_fwd, _scale_cotangent_bwd)
 def scale_loss(
     fun: Callable[..., Any], loss_scale: jax.typing.ArrayLike, *, has_aux: bool = False
 ) -> Callable[..., Any]:
-    """Wraps a loss function so that its gradients come out multiplied by ``loss_scale``.
+    """Wraps a loss function so that its gradients come out multiplied by `loss_scale`.
 
-    The wrapped function has ``fun``'s signature and returns ``fun``'s value
-    (and ``aux``) unchanged; only the cotangent entering the backward pass is
+    The wrapped function has `fun`'s signature and returns `fun`'s value
+    (and `aux`) unchanged; only the cotangent entering the backward pass is
     multiplied by the scale, which is what multiplying the loss by it would
-    do. Any gradient maker can take it: ``jax.grad``, ``jax.value_and_grad``,
-    ``nnx.grad``, or a micro-batching loop such as
-    ``gradaccum_jax.microbatch_value_and_grad``.
+    do. Any gradient maker can take it: `jax.grad`, `jax.value_and_grad`,
+    `nnx.grad`, or a micro-batching loop such as
+    `gradaccum_jax.microbatch_value_and_grad`.
 
     The product is formed in the loss's dtype: compute the loss in float32
     (cast the logits up) so that scales above float16's maximum, 65504, stay
     usable.
 
     Args:
-      fun: The loss function. It returns a scalar, or ``(scalar, aux)`` when
-        ``has_aux`` is true.
-      loss_scale: The scale, usually :func:`current_loss_scale` of the
-        optimizer state; a finite scalar ``> 0`` (traced values are checked
-        for shape and dtype only).
-      has_aux: Whether ``fun`` returns ``(loss, aux)``.
+      fun: The loss function. It returns a scalar, or `(scalar, aux)` when
+        `has_aux` is true.
+      loss_scale: The scale, usually `current_loss_scale` of the
+        optimizer state; a normal float32 scalar `> 0` (traced values are
+        checked for shape and dtype only).
+      has_aux: Whether `fun` returns `(loss, aux)`.
 
     Returns:
-      A function with ``fun``'s signature and outputs.
+      A function with `fun`'s signature and outputs.
 
     Raises:
-      TypeError: If ``fun`` is not callable or ``loss_scale`` is not a real
+      TypeError: If `fun` is not callable or `loss_scale` is not a real
         scalar.
-      ValueError: If a concrete ``loss_scale`` is not finite and ``> 0``.
+      ValueError: If a concrete `loss_scale` is not a finite, normal float32
+        number `> 0`.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -339,3 +386,73 @@ def scale_loss(
         return _scale_cotangent(out[0], scale), out[1]
 
     return scaled
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
+    """`jax.value_and_grad` with the loss scaled by the scale in the optimizer state.
+
+    With a loss scale in the optimizer, the loss of every micro-batch must be
+    multiplied by the scale the state holds at that micro-step, or every
+    update is silently divided by it. This wrapper takes the optimizer state
+    as its first argument and reads the scale from it, so the scale the
+    gradients were computed with and the scale `update` divides by are the
+    same by construction:
+
+    ```python
+    grad_fn = ga.scaled_value_and_grad(loss_fn)
+    loss, grads = grad_fn(opt_state, params, batch)  # grads are scaled
+    updates, opt_state = tx.update(grads, opt_state, params)  # unscaled here
+    ```
+
+    The value (and `aux`) come back unscaled; the gradients come back
+    multiplied by the scale, for the loss-scale transformation at the head of
+    the chain to divide. What is checked: the optimizer state holds exactly
+    one loss scale, and it is not inside `accumulate`. What cannot be
+    checked: gradients computed some other way without the scale (for
+    example with plain `jax.value_and_grad`) are indistinguishable from
+    small gradients, so nothing detects them; use this wrapper, or
+    `scale_loss` with `current_loss_scale(opt_state)` for another gradient
+    maker (`nnx.value_and_grad`, `gradaccum_jax.microbatch_value_and_grad`).
+
+    Args:
+      fun: The loss function; a scalar, or `(scalar, aux)` with `has_aux`.
+      argnums: Which of `fun`'s positional arguments to differentiate (the
+        optimizer state is not counted), as in `jax.value_and_grad`.
+      has_aux: Whether `fun` returns `(loss, aux)`.
+
+    Returns:
+      A function `(opt_state, *args, **kwargs) -> (value, grads)`, or
+      `((value, aux), grads)` with `has_aux`, where `args` and `kwargs` are
+      `fun`'s.
+
+    Raises:
+      TypeError: If `fun` is not callable.
+      ValueError: When called, if `opt_state` holds no or several loss
+        scales, or one inside `accumulate`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import gradaccum_jax as ga
+      >>> tx = optax.chain(ga.static_loss_scale(1024.0), ga.accumulate(optax.sgd(1.0), 1))
+      >>> params = jnp.array([1.0, 2.0])
+      >>> opt_state = tx.init(params)
+      >>> loss, grads = ga.scaled_value_and_grad(lambda w: jnp.sum(w**2))(opt_state, params)
+      >>> float(loss), grads  # the gradient 2w, times the scale
+      (5.0, Array([2048., 4096.], dtype=float32))
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
+      >>> updates  # unscaled before the optimizer: -1.0 * 2w
+      Array([-2., -4.], dtype=float32)
+    """
+    if not callable(fun):
+        raise TypeError(f"fun must be a callable loss function; got {fun!r}.")
+
+    @functools.wraps(fun)
+    def value_and_scaled_grad(opt_state: optax.OptState, *args: Any, **kwargs: Any) -> Any:
+        scaled = scale_loss(fun, current_loss_scale(opt_state), has_aux=has_aux)
+        return jax.value_and_grad(scaled, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
+
+    return value_and_scaled_grad

@@ -181,7 +181,7 @@ def plan(
             low = middle
     table = dict(sorted(table.items()))
     if high == len(candidates):
-        smallest = min(table, key=table.get)
+        smallest = min(table, key=lambda k: table[k])
         raise ValueError(
             f"no number of micro-batches fits memory_budget={budget} bytes "
             f"({budget / 2**20:.1f} MiB): the smallest peak found is {table[smallest]} bytes "

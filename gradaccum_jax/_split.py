@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -116,7 +117,8 @@ def _buffer_finish(fn: WindowReduction, buffer: jax.Array, count: jax.Array, k: 
     return jnp.where(count > 0, value, jnp.zeros_like(value))
 
 
-class _Running(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _Running:
     """A running reduction: one params-sized array per component, written after the gate.
 
     The shape of `optax.microbatching`'s accumulators: `init`, `add` one
@@ -126,7 +128,7 @@ class _Running(NamedTuple):
     reduction: str
 
     # Added inside the branch (read) and again after it (write, or reset).
-    adds_before_gate = False
+    adds_before_gate: ClassVar[bool] = False
 
     def init(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
         return jnp.zeros(shape, dtype)
@@ -138,7 +140,8 @@ class _Running(NamedTuple):
         return _finish(self.reduction, acc, count)
 
 
-class _Buffered(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _Buffered:
     """A buffer of the window's `K` contributions, reduced by `fn` at the window's end.
 
     The contribution is stored in its slot before the gate, in place (a dropped
@@ -149,7 +152,7 @@ class _Buffered(NamedTuple):
     fn: WindowReduction
     length: int
 
-    adds_before_gate = True
+    adds_before_gate: ClassVar[bool] = True
 
     def init(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
         return jnp.zeros((self.length, *shape), dtype)
@@ -174,7 +177,7 @@ class _Component(NamedTuple):
     source: Any
     part: Callable[[jax.Array], jax.Array]
     present: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count on purpose
 
 
 def _bound_factor(bound: str, distance: jax.Array, exponent: float, span: float | None):
@@ -336,9 +339,10 @@ def split_accumulate(
     )
     _validation.check_accumulator_dtype(accumulator_dtype)
     if window_fn is None:
-        accumulator: _Running | _Buffered = _Running(reduction)
+        accumulator: _Running | _Buffered = _Running(str(reduction))
     else:
-        accumulator = _Buffered(window_fn, every_k_schedule)
+        # Checked above: a buffered reduction has an int window length.
+        accumulator = _Buffered(window_fn, int(every_k_schedule))  # type: ignore[arg-type]
 
     def empty_component(p):
         return accumulator.init(jnp.shape(p), _window.accumulator_dtype(p, accumulator_dtype))

@@ -66,6 +66,15 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
         strict=True,
     )
     for (path, leaf), ref_leaf in pairs:
+        if jnp.shape(ref_leaf) == (1, *jnp.shape(leaf)) and reference_name.startswith("state."):
+            raise ValueError(
+                f"{reference_name} leaf {jax.tree_util.keystr(path)} has shape "
+                f"{jnp.shape(ref_leaf)}, the shape of {name} {jnp.shape(leaf)} with a leading "
+                "replica axis of size 1: the state still has the replica axis that "
+                "add_replica_axis gives it for jax.shard_map. Call "
+                "gradaccum_jax.remove_replica_axis(opt_state) first thing in the shard_map "
+                "body and pass that state to update (and add_replica_axis on the way out)."
+            )
         if jnp.shape(leaf) != jnp.shape(ref_leaf):
             raise ValueError(
                 f"{name} leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, "
@@ -76,7 +85,7 @@ def check_same_structure(name: str, tree: Any, reference_name: str, reference: A
 
 def _looks_like(node: Any, state_type: type) -> bool:
     # Restoring may drop empty fields (None, ()), so a subset of the fields counts.
-    fields = set(state_type._fields)
+    fields = set(getattr(state_type, "_fields", ()))
     return isinstance(node, dict) and len(node) >= 3 and set(node) <= fields
 
 
@@ -345,7 +354,7 @@ def check_index_tuple(name: str, value: Any, *, allow_empty: bool) -> tuple[int,
     """
 
     def is_index(x: Any) -> bool:
-        return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) >= 0
 
     indices = (value,) if is_index(value) else value
     try:

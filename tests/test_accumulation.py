@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import re
 
 import chex
 import jax
@@ -14,6 +13,7 @@ import pytest
 from jax.experimental import checkify
 
 import gradaccum_jax as ga
+from benchmarks import harness
 
 # ---------------------------------------------------------------------------
 # A small regression problem shared by the equivalence tests.
@@ -538,42 +538,6 @@ def test_nnx_optimizer_matches_large_batch():
 # Compiled program: gating and memory.
 
 
-def _computations(hlo: str) -> dict[str, str]:
-    """Splits HLO text into {computation name: body}."""
-    comps, name, lines = {}, None, []
-    for line in hlo.splitlines():
-        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if header and not line.startswith(" "):
-            name, lines = header.group(1), []
-            if line.startswith("ENTRY"):
-                comps["__entry__"] = name
-        elif line.startswith("}") and name is not None:
-            comps[name] = "\n".join(lines)
-            name = None
-        elif name is not None:
-            lines.append(line)
-    return comps
-
-
-def _outside_conditionals(comps: dict[str, str]) -> set[str]:
-    """Computations reachable from ENTRY without entering a conditional branch."""
-    seen, todo = set(), [comps["__entry__"]]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        for line in comps[name].splitlines():
-            if " conditional(" in line:
-                continue
-            todo.extend(
-                callee
-                for callee in re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
-                if callee in comps
-            )
-    return seen
-
-
 def _micro_step_program(tx, params):
     def step(state, g):
         u, state = tx.update(g, state, params)
@@ -583,41 +547,34 @@ def _micro_step_program(tx, params):
     return jax.jit(step, donate_argnums=0).lower(tx.init(params), grads).compile()
 
 
-def _state_copies(hlo: str, min_elements: int) -> list[str]:
+def _state_copies(compiled, min_elements: int) -> list[str]:
     """Copies of parameter-sized buffers other than freshly broadcast zeros."""
-    copies = []
-    for line in hlo.splitlines():
-        m = re.search(r"= f32\[([\d,]+)\]\S* copy\(%([\w.\-]+)\)", line)
-        if m and np.prod([int(d) for d in m.group(1).split(",")]) >= min_elements:
-            if "broadcast" not in m.group(2):
-                copies.append(line.strip())
-    return copies
+    hlo = harness.Hlo(compiled)
+    return [c.line for c in hlo.copies(min_elements) if hlo.source(c) != "broadcast"]
 
 
 BIG = {"w1": jnp.ones((256, 512)), "b1": jnp.ones(512), "w2": jnp.ones((512, 256))}
 
 
 def test_inner_optimizer_runs_only_inside_the_conditional():
-    compiled = _micro_step_program(ga.accumulate(optax.adam(1e-3), 4), BIG)
-    comps = _computations(compiled.as_text())
-    outside = _outside_conditionals(comps)
-    inside = set(comps) - outside - {"__entry__"}
+    hlo = harness.Hlo(_micro_step_program(ga.accumulate(optax.adam(1e-3), 4), BIG))
+    every_step = hlo.every_step()
     # adam's denominator sqrt(nu) + eps is the marker of the inner optimizer.
-    assert not [c for c in outside if re.search(r" sqrt\(", comps[c])]
-    assert [c for c in inside if re.search(r" sqrt\(", comps[c])]
-    assert " conditional(" in comps[comps["__entry__"]]
+    assert hlo.ops("sqrt", every_step) == []
+    assert hlo.ops("sqrt", set(hlo.computations) - every_step)
+    assert hlo.ops("conditional", [hlo.entry])
 
 
 def test_no_copy_of_state_buffers_unlike_multisteps():
-    ours = _micro_step_program(ga.accumulate(optax.adam(1e-3), 4), BIG).as_text()
-    theirs = _micro_step_program(optax.MultiSteps(optax.adam(1e-3), 4), BIG).as_text()
+    ours = _micro_step_program(ga.accumulate(optax.adam(1e-3), 4), BIG)
+    theirs = _micro_step_program(optax.MultiSteps(optax.adam(1e-3), 4), BIG)
     assert _state_copies(ours, 512 * 256) == []
     assert _state_copies(theirs, 512 * 256)  # the check can see a copy
 
 
 def test_temp_memory_no_more_than_adam_alone():
     def temp_bytes(tx):
-        return _micro_step_program(tx, BIG).memory_analysis().temp_size_in_bytes
+        return harness.compiled_memory(_micro_step_program(tx, BIG)).temp_bytes
 
     ours = temp_bytes(ga.accumulate(optax.adam(1e-3), 4))
     adam = temp_bytes(optax.adam(1e-3))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import re
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -211,7 +212,7 @@ def test_layer_used_twice_pools_both_calls_into_one_window():
     stats = variables["batch_stats"]
     for x in xs:
         stats = step({**variables, "batch_stats": stats}, x)
-    layer = stats["AccumBatchNorm_0"]
+    layer = stats["BatchNorm_0"]
     # Both calls of every micro-batch are in the window: no early commit.
     np.testing.assert_array_equal(layer["window_count"], np.full(FEATURES, 2 * 6 * 4.0))
     np.testing.assert_array_equal(layer["mean"], np.zeros(FEATURES))
@@ -219,10 +220,10 @@ def test_layer_used_twice_pools_both_calls_into_one_window():
     inputs = [*xs, *(2.0 * x + 3.0 for x in xs)]
     reference = _flax_windows(
         MOMENTUM,
-        {"params": variables["params"]["AccumBatchNorm_0"], "batch_stats": layer},
+        {"params": variables["params"]["BatchNorm_0"], "batch_stats": layer},
         [(inputs, None)],
     )
-    _assert_stats(stats["AccumBatchNorm_0"], reference)
+    _assert_stats(stats["BatchNorm_0"], reference)
 
 
 def _mesh():
@@ -531,16 +532,16 @@ def test_stacked_layers_under_nn_scan_commit_with_their_own_momentum():
     (xs, _) = _data(9, (2, 4))
     variables = stack.init(jax.random.key(0), xs[0], None)
     stats = variables["batch_stats"]
-    assert stats["AccumBatchNorm_0"]["momentum"].shape == (3,)
+    assert stats["BatchNorm_0"]["momentum"].shape == (3,)
     for x in xs:
         _, new = stack.apply({**variables, "batch_stats": stats}, x, None, mutable=["batch_stats"])
         stats = new["batch_stats"]
-    stats = _commit(stats, True)["AccumBatchNorm_0"]
+    stats = _commit(stats, True)["BatchNorm_0"]
     # Layer l sees 2·y + 1 of layer l-1, whose inputs it normalised with the
     # micro-batch statistics: rebuild each layer's inputs and compare.
     inputs = list(xs)
     for layer in range(3):
-        params = jax.tree.map(lambda a, i=layer: a[i], variables["params"]["AccumBatchNorm_0"])
+        params = jax.tree.map(lambda a, i=layer: a[i], variables["params"]["BatchNorm_0"])
         start = {"mean": jnp.zeros(FEATURES), "var": jnp.ones(FEATURES)}
         reference = _flax_windows(
             MOMENTUM, {"params": params, "batch_stats": start}, [(inputs, None)]
@@ -655,3 +656,244 @@ def test_bad_arguments_raise_with_the_argument_named():
         ga.flax.commit_nnx_batch_stats(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     with pytest.raises(TypeError, match=re.escape("nnx.BatchNorm")):
         NNXAccumBatchNorm.from_batchnorm(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+# --- The Flax ImageNet example's ResNet with the norm class swapped (issue 14, item 1) ---
+
+_DEVICES, _K, _LOCAL = 8, 2, 2  # replicas, micro-batches per window, examples per replica
+
+
+class _ResNetBlock(nn.Module):
+    """The ImageNet example's ResNetBlock, auto-named norms included."""
+
+    filters: int
+    norm: functools.partial
+    strides: tuple[int, int] = (1, 1)
+
+    @nn.compact
+    def __call__(self, x):
+        residual = x
+        y = nn.Conv(self.filters, (3, 3), self.strides, use_bias=False)(x)
+        y = nn.relu(self.norm()(y))
+        y = nn.Conv(self.filters, (3, 3), use_bias=False)(y)
+        y = self.norm(scale_init=nn.initializers.zeros_init())(y)
+        if residual.shape != y.shape:
+            residual = nn.Conv(self.filters, (1, 1), self.strides, use_bias=False)(residual)
+            residual = self.norm(name="norm_proj")(residual)
+        return nn.relu(residual + y)
+
+
+class _ResNet(nn.Module):
+    norm_cls: type
+    train: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        # As in examples/imagenet/models.py: the norm is injected with partial.
+        norm = functools.partial(
+            self.norm_cls,
+            use_running_average=not self.train,
+            momentum=0.9,
+            epsilon=1e-5,
+            axis_name="batch",
+        )
+        x = nn.relu(norm(name="bn_init")(nn.Conv(4, (3, 3), use_bias=False, name="conv_init")(x)))
+        x = _ResNetBlock(4, norm)(x)
+        x = _ResNetBlock(8, norm, strides=(2, 2))(x)
+        return nn.Dense(3)(jnp.mean(x, axis=(1, 2)))
+
+
+def _resnet_data(windows):
+    rng = np.random.default_rng(7)
+    images = rng.normal(size=(windows, _K, _DEVICES, _LOCAL, 6, 6, 2)) * 2.0 + 0.5
+    labels = rng.integers(0, 3, size=(windows, _K, _DEVICES, _LOCAL))
+    return jnp.asarray(images, jnp.float32), jnp.asarray(labels)
+
+
+def _resnet_loss(model, params, stats, x, y):
+    logits, new = model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, new["batch_stats"]
+
+
+@pytest.mark.slow
+def test_resnet_variable_paths_are_those_of_nn_batchnorm():
+    x = jnp.zeros((1, 6, 6, 2))
+    flax_vars = jax.jit(_ResNet(nn.BatchNorm).init)(jax.random.key(0), x)
+    accum_vars = jax.jit(_ResNet(AccumBatchNorm).init)(jax.random.key(0), x)
+    assert "BatchNorm_0" in flax_vars["params"]["_ResNetBlock_0"]
+    assert repr(AccumBatchNorm(momentum=0.9)).startswith("AccumBatchNorm(\n")  # still its name
+    # Same parameter tree (values too: same initialisers, same paths, same keys).
+    assert jax.tree.structure(accum_vars["params"]) == jax.tree.structure(flax_vars["params"])
+    jax.tree.map(np.testing.assert_array_equal, accum_vars["params"], flax_vars["params"])
+    # The statistics convert both ways between the two layers' structures.
+    flax_stats, accum_stats = flax_vars["batch_stats"], accum_vars["batch_stats"]
+    converted = ga.flax.batch_stats_to_flax(accum_stats)
+    assert jax.tree.structure(converted) == jax.tree.structure(flax_stats)
+    back = ga.flax.batch_stats_from_flax(flax_stats)
+    assert jax.tree.structure(back) == jax.tree.structure(accum_stats)
+    jax.tree.map(np.testing.assert_array_equal, converted, flax_stats)
+    # An nn.BatchNorm checkpoint's parameters and converted statistics run as they are.
+    logits = jax.jit(_ResNet(AccumBatchNorm, train=False).apply)(
+        {"params": flax_vars["params"], "batch_stats": back}, x
+    )
+    expected = jax.jit(_ResNet(nn.BatchNorm, train=False).apply)(flax_vars, x)
+    np.testing.assert_allclose(logits, expected, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_resnet_drop_in_without_commit_fails_on_the_first_evaluation_call():
+    # The user swaps nn.BatchNorm for AccumBatchNorm and pmean + optimizer for
+    # accumulate(..., axis_name=...), and changes nothing else: no commit.
+    model, eval_model = _ResNet(AccumBatchNorm), _ResNet(AccumBatchNorm, train=False)
+    images, labels = _resnet_data(2)
+    variables = jax.jit(model.init)(jax.random.key(0), images[0, 0, 0])
+    tx = ga.accumulate(optax.sgd(0.1, momentum=0.9), _K, axis_name="batch")
+
+    @functools.partial(jax.pmap, axis_name="batch")
+    def train_step(params, stats, opt_state, x, y):
+        grad_fn = jax.grad(functools.partial(_resnet_loss, model), has_aux=True)
+        grads, stats = grad_fn(params, stats, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state
+
+    @functools.partial(jax.pmap, axis_name="batch")
+    def eval_step(params, stats, x):
+        return eval_model.apply({"params": params, "batch_stats": stats}, x)
+
+    replicate = functools.partial(jax.tree.map, lambda a: jnp.broadcast_to(a, (_DEVICES, *a.shape)))
+    params, stats = replicate(variables["params"]), replicate(variables["batch_stats"])
+    opt_state = replicate(tx.init(variables["params"]))
+    # Mid-window evaluation is legitimate: the parameters have not moved yet.
+    params, stats, opt_state = train_step(params, stats, opt_state, images[0, 0], labels[0, 0])
+    eval_step(params, stats, images[0, 0]).block_until_ready()
+    for w in range(2):
+        for i in range(_K - (w == 0)):
+            params, stats, opt_state = train_step(
+                params, stats, opt_state, images[w, i + (w == 0)], labels[w, i + (w == 0)]
+            )
+    np.testing.assert_array_equal(stats["bn_init"]["mean"], 0.0)  # never moved
+    with pytest.raises(jax.errors.JaxRuntimeError, match="commit_batch_stats") as error:
+        eval_step(params, stats, images[0, 0]).block_until_ready()
+    assert "AccumBatchNorm bn_init" in str(error.value) or "AccumBatchNorm _ResNetBlock" in str(
+        error.value
+    )
+    # The error names the fix; with it (here, a late commit) evaluation runs, and
+    # this clean run also replaces the failed run's runtime tokens.
+    logits = eval_step(params, ga.flax.commit_batch_stats(stats), images[0, 0])
+    assert bool(jnp.all(jnp.isfinite(logits)))
+    # Outside jit the same check raises a plain ValueError.
+    one = jax.tree.map(lambda a: a[0], (params, stats))
+    with pytest.raises(ValueError, match=r"closes=gradaccum_jax\.closes_window\(opt_state"):
+        eval_model.apply({"params": one[0], "batch_stats": one[1]}, images[0, 0, 0])
+
+
+@pytest.mark.slow
+def test_resnet_with_commit_running_statistics_equal_the_large_batch():
+    # The same pmap train step, with the one added line that commits.
+    model, eval_model = _ResNet(AccumBatchNorm), _ResNet(AccumBatchNorm, train=False)
+    windows = 3
+    images, labels = _resnet_data(windows)
+    variables = jax.jit(model.init)(jax.random.key(0), images[0, 0, 0])
+    tx = ga.accumulate(optax.sgd(0.1, momentum=0.9), _K, axis_name="batch")
+
+    @functools.partial(jax.pmap, axis_name="batch")
+    def train_step(params, stats, opt_state, x, y):
+        grad_fn = jax.grad(functools.partial(_resnet_loss, model), has_aux=True)
+        grads, stats = grad_fn(params, stats, x, y)
+        stats = ga.flax.commit_batch_stats(stats, closes=ga.closes_window(opt_state))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state
+
+    # Reference: every layer's statistics are nn.BatchNorm's on the concatenation
+    # of the inputs that layer received in the window, over micro-batches and
+    # replicas. (Deeper layers' inputs depend on how earlier layers normalised,
+    # with micro-batch statistics here, so a whole nn.BatchNorm model on the
+    # concatenated batch would see different inputs; see docs/batchnorm.md.)
+    @functools.partial(jax.pmap, axis_name="batch")
+    def norm_inputs(params, stats, x):
+        seen = {}
+
+        def record(next_fun, args, kwargs, context):
+            if isinstance(context.module, AccumBatchNorm):
+                seen[context.module.path] = args[0]
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(record):
+            _resnet_loss(model, params, stats, x, jnp.zeros(x.shape[0], jnp.int32))
+        return seen
+
+    @functools.partial(jax.pmap, axis_name="batch")
+    def reference_stats(ref, x):
+        bn = nn.BatchNorm(
+            momentum=0.9, epsilon=1e-5, axis_name="batch", use_scale=False, use_bias=False
+        )
+        return bn.apply({"batch_stats": ref}, x, use_running_average=False, mutable=True)[1][
+            "batch_stats"
+        ]
+
+    replicate = functools.partial(jax.tree.map, lambda a: jnp.broadcast_to(a, (_DEVICES, *a.shape)))
+    params, stats = replicate(variables["params"]), replicate(variables["batch_stats"])
+    opt_state = replicate(tx.init(variables["params"]))
+    flat = flax.traverse_util.flatten_dict(ga.flax.batch_stats_to_flax(stats))
+    ref = {path[:-1]: {key: flat[(*path[:-1], key)] for key in ("mean", "var")} for path in flat}
+    for w in range(windows):
+        seen = [norm_inputs(params, stats, images[w, i]) for i in range(_K)]
+        ref = {
+            path: reference_stats(ref[path], jnp.concatenate([s[path] for s in seen], axis=1))
+            for path in ref
+        }
+        for x, y in zip(images[w], labels[w], strict=True):
+            params, stats, opt_state = train_step(params, stats, opt_state, x, y)
+        flat = flax.traverse_util.flatten_dict(stats)
+        for path, expected in ref.items():
+            for key in ("mean", "var"):
+                np.testing.assert_allclose(
+                    flat[(*path, key)], expected[key], rtol=2e-5, atol=2e-6, err_msg=f"{path}/{key}"
+                )
+    assert float(jnp.max(jnp.abs(stats["bn_init"]["mean"]))) > 0.1  # the statistics moved
+    logits = jax.pmap(lambda p, s, x: eval_model.apply({"params": p, "batch_stats": s}, x))(
+        params, stats, images[0, 0]
+    )
+    assert bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_evaluation_after_a_missed_commit_raises_and_names_the_fix():
+    xs, _ = _data(12, (2, 2))
+    bn = AccumBatchNorm(momentum=MOMENTUM)
+    variables = _init(bn, xs[0])
+    params, stats = variables["params"], variables["batch_stats"]
+    for x in xs:
+        _, stats = _train_call(bn, {"params": params, "batch_stats": stats}, x, None)
+    # Mid-window (parameters unchanged since the window opened) is legitimate.
+    _eval_call(bn, {"params": params, "batch_stats": stats}, xs[0]).block_until_ready()
+    # An optimizer step without a commit: eager and jitted evaluation both refuse.
+    stepped = jax.tree.map(lambda p: p - 0.01, params)
+    with pytest.raises(ValueError, match=r"AccumBatchNorm \(top level\).*commit_batch_stats"):
+        bn.apply({"params": stepped, "batch_stats": stats}, xs[0], use_running_average=True)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="commit_batch_stats"):
+        _eval_call(bn, {"params": stepped, "batch_stats": stats}, xs[0]).block_until_ready()
+    # Committed: the evaluation runs, and equals nn.BatchNorm's on the window.
+    committed = ga.flax.commit_batch_stats(stats)
+    out = _eval_call(bn, {"params": stepped, "batch_stats": committed}, xs[0])
+    reference = _flax_windows(MOMENTUM, variables, [(xs, None)])
+    expected = nn.BatchNorm(use_running_average=True).apply(
+        {"params": stepped, "batch_stats": reference}, xs[0]
+    )
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+    # The NNX layer: same check, eager and under nnx.jit.
+    layer = NNXAccumBatchNorm(FEATURES, momentum=MOMENTUM, rngs=nnx.Rngs(0))
+    for x in xs:
+        layer(x)
+    layer.bias[...] = layer.bias[...] + 0.01
+    layer.eval()
+    with pytest.raises(ValueError, match="commit_nnx_batch_stats"):
+        layer(xs[0])
+    with pytest.raises(jax.errors.JaxRuntimeError, match="commit_nnx_batch_stats"):
+        nnx.jit(lambda m, x: m(x))(layer, xs[0]).block_until_ready()
+    layer.commit()
+    # A clean run on the same device also replaces the failed run's runtime token.
+    np.testing.assert_allclose(
+        nnx.jit(lambda m, x: m(x))(layer, xs[0]), layer(xs[0]), rtol=1e-6, atol=1e-6
+    )

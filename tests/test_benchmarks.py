@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the benchmark runner end to end
+
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

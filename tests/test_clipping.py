@@ -3,6 +3,7 @@
 import functools
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,14 +111,6 @@ def ref_normalize(tree, target, ord=2, dim=None, inverse_dims=False, min_size=1)
     return ref_scale_units(tree, ord, dim, inverse_dims, min_size, factor)
 
 
-def assert_tree_close(actual, expected, rtol=RTOL, atol=1e-7):
-    assert set(actual) == set(expected)
-    for k in expected:
-        np.testing.assert_allclose(
-            np.asarray(actual[k], np.float64), expected[k], rtol=rtol, atol=atol, err_msg=k
-        )
-
-
 def _stateless_update(tx, grads):
     return jax.jit(lambda g: tx.update(g, tx.init(g))[0])(grads)
 
@@ -165,9 +158,11 @@ def test_clip_norm_and_normalize_match_reference_for_all_ords():
         ]
 
     for ord, (clipped, normalized) in zip(ORDS, every_ord(tree), strict=True):
-        assert_tree_close(clipped, ref_clip(tree, 1.5, ord))
+        chex.assert_trees_all_close(clipped, ref_clip(tree, 1.5, ord), rtol=RTOL, atol=1e-7)
         if ord not in (0, "l0"):
-            assert_tree_close(normalized, ref_normalize(tree, 0.7, ord), rtol=1e-4)
+            chex.assert_trees_all_close(
+                normalized, ref_normalize(tree, 0.7, ord), rtol=1e-4, atol=1e-7
+            )
 
 
 @pytest.mark.parametrize(
@@ -182,11 +177,15 @@ def test_units_follow_dim_and_inverse_dims(dim, inverse_dims):
             t, 1.0, 2, dim=dim, inverse_dims=inverse_dims, min_size=min_size
         )
     )(tree)
-    assert_tree_close(clipped, ref_clip(tree, 1.0, 2, dim, inverse_dims, min_size=min_size))
+    chex.assert_trees_all_close(
+        clipped, ref_clip(tree, 1.0, 2, dim, inverse_dims, min_size=min_size), rtol=RTOL, atol=1e-7
+    )
     normalized = jax.jit(
         lambda t: ga.normalize_grads(t, 2.0, "mad", dim=dim, inverse_dims=inverse_dims)
     )(tree)
-    assert_tree_close(normalized, ref_normalize(tree, 2.0, "mad", dim, inverse_dims), rtol=1e-4)
+    chex.assert_trees_all_close(
+        normalized, ref_normalize(tree, 2.0, "mad", dim, inverse_dims), rtol=1e-4, atol=1e-7
+    )
     if dim == "global":
         flat = np.concatenate([np.ravel(v) for v in tree.values()])
         np.testing.assert_allclose(norms, np.linalg.norm(flat), rtol=RTOL)
@@ -238,10 +237,10 @@ def test_clip_value_and_optax_equivalents():
     tree = _tree(2, scale=3.0)
     out = _stateless_update(ga.clip_value(1.0), tree)
     ref = _stateless_update(optax.clip(1.0), tree)
-    assert_tree_close(out, jax.tree.map(np.asarray, ref), rtol=0)
+    chex.assert_trees_all_close(out, jax.tree.map(np.asarray, ref), rtol=0, atol=1e-7)
     out = _stateless_update(ga.clip_norm(1.0, dim="global"), tree)
     ref = _stateless_update(optax.clip_by_global_norm(1.0), tree)
-    assert_tree_close(out, jax.tree.map(np.asarray, ref), rtol=RTOL)
+    chex.assert_trees_all_close(out, jax.tree.map(np.asarray, ref), rtol=RTOL, atol=1e-7)
 
 
 def test_centralize_flax_pytorch_and_global():
@@ -390,7 +389,7 @@ def test_ema_norm_clippers_over_several_steps(normalize_, ord, tensorwise, growt
     outs, state = _run_steps(tx, grads, grads[0])
     expected = ref_by_ema(grads, 0.8, ord, 1e-6, tensorwise, growth, init, normalize_)
     for got, want in zip(outs, expected, strict=True):
-        assert_tree_close(got, want, rtol=1e-4, atol=1e-6)
+        chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
     assert int(state.count) == len(scales)
 
 
@@ -424,7 +423,9 @@ def test_clip_value_by_ema_over_several_steps():
             if step == 0 and init == "update":
                 ema = {k: np.abs(v) for k, v in g.items()}
             ema = {k: 0.7 * ema[k] + 0.3 * np.abs(g[k]) for k in g}
-            assert_tree_close(out, {k: np.clip(g[k], -ema[k], ema[k]) for k in g})
+            chex.assert_trees_all_close(
+                out, {k: np.clip(g[k], -ema[k], ema[k]) for k in g}, rtol=RTOL, atol=1e-7
+            )
 
 
 def test_clip_norm_growth_hand_sequences():
@@ -741,7 +742,7 @@ def test_one_finite_spike_does_not_poison_the_ema_clippers(factory, ema_init):
     normalize_ = factory is ga.normalize_by_ema
     expected = ref_by_ema(grads, 0.5, 2, 1e-6, True, 1.5, ema_init, normalize_)
     for got, want in zip(outs, expected, strict=True):
-        assert_tree_close(got, want, rtol=1e-4)
+        chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-7)
     # Updates as large as the largest float: the state still stays finite.
     big = np.finfo(np.float32).max
     outs, state = _run_steps(tx, [{"w": jnp.array([big, big])}] * 2, grads[0])
@@ -775,7 +776,7 @@ def test_centralize_default_is_optax_centralize():
     }
     ours = _stateless_update(ga.centralize(), tree)
     theirs = _stateless_update(optax.centralize(), tree)
-    assert_tree_close(ours, jax.tree.map(np.asarray, theirs), rtol=1e-6)
+    chex.assert_trees_all_close(ours, jax.tree.map(np.asarray, theirs), rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(ours["column"], 0)
 
 
@@ -783,10 +784,10 @@ def test_clip_norm_default_is_optax_clip_by_global_norm():
     tree = _tree(5, scale=2.0)
     ours = _stateless_update(ga.clip_norm(2.0), tree)
     theirs = _stateless_update(optax.clip_by_global_norm(2.0), tree)
-    assert_tree_close(ours, jax.tree.map(np.asarray, theirs), rtol=RTOL)
+    chex.assert_trees_all_close(ours, jax.tree.map(np.asarray, theirs), rtol=RTOL, atol=1e-7)
     # torchzero's per-leaf ClipNorm stays reachable by name.
     per_leaf = _stateless_update(ga.clip_norm(2.0, dim=None), tree)
-    assert_tree_close(per_leaf, ref_clip(tree, 2.0, dim=None))
+    chex.assert_trees_all_close(per_leaf, ref_clip(tree, 2.0, dim=None), rtol=RTOL, atol=1e-7)
 
 
 def test_min_size_defaults_agree_across_the_family():

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +27,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
+from benchmarks import harness
 from gradaccum_jax._compat import pcast_to_varying
 
 R = 8  # replicas
@@ -54,13 +55,6 @@ def _large_batch(inner, xs, ys, accepted=None):
         updates, state = inner.update(g, state, params)
         params = optax.apply_updates(params, updates)
     return params
-
-
-def _assert_params_close(actual, expected):
-    for name in expected:
-        np.testing.assert_allclose(
-            np.asarray(actual[name]), np.asarray(expected[name]), rtol=RTOL, atol=ATOL, err_msg=name
-        )
 
 
 # --- the two ways to run a data-parallel step ---------------------------------------------
@@ -123,7 +117,9 @@ RUNNERS = {"shard_map": _run_shard_map, "pmap": _run_pmap}
 def test_replicas_times_micro_steps_equal_one_large_batch(mode, opt):
     xs, ys = _data(windows=3, k=3)
     params, state = RUNNERS[mode](opt, xs, ys)
-    _assert_params_close(params, _large_batch(OPTIMIZERS[opt](), xs, ys))
+    chex.assert_trees_all_close(
+        params, _large_batch(OPTIMIZERS[opt](), xs, ys), rtol=RTOL, atol=ATOL
+    )
     np.testing.assert_array_equal(np.asarray(state.gradient_step).reshape(-1)[0], 3)
     np.testing.assert_array_equal(np.asarray(state.micro_step).reshape(-1)[0], 0)
 
@@ -140,8 +136,11 @@ def test_nonfinite_on_one_replica_does_not_poison_the_others(mode):
 
     expected_windows = [accepted[0], accepted[2]]  # the empty window applies nothing
     kept = np.array([0, 2])
-    _assert_params_close(
-        params, _large_batch(optax.adam(1e-2), xs[kept], ys[kept], np.stack(expected_windows))
+    chex.assert_trees_all_close(
+        params,
+        _large_batch(optax.adam(1e-2), xs[kept], ys[kept], np.stack(expected_windows)),
+        rtol=RTOL,
+        atol=ATOL,
     )
     skipped = np.asarray(state.num_skipped).reshape(R)
     np.testing.assert_array_equal(skipped, [3, 3, 3, 3, 3, 4, 3, 3])  # per replica
@@ -205,7 +204,7 @@ def test_weighted_mean_sums_weights_across_replicas():
         g = jax.grad(mean_token_loss)(expected, x, y, m)
         updates, inner_state = inner.update(g, inner_state, expected)
         expected = optax.apply_updates(expected, updates)
-    _assert_params_close(params, expected)
+    chex.assert_trees_all_close(params, expected, rtol=RTOL, atol=ATOL)
 
 
 def test_sum_over_all_replicas_and_micro_steps():
@@ -213,14 +212,16 @@ def test_sum_over_all_replicas_and_micro_steps():
     params, _ = _run_shard_map("sgd", xs, ys, mean=False)
     # SGD is linear in the gradient: the sum of R*K micro-batch means is R*K
     # times the large-batch mean.
-    _assert_params_close(params, _large_batch(optax.sgd(0.1 * R * 2), xs, ys))
+    chex.assert_trees_all_close(
+        params, _large_batch(optax.sgd(0.1 * R * 2), xs, ys), rtol=RTOL, atol=ATOL
+    )
 
 
 def test_shard_map_without_type_checks():
     """check_vma=False: no varying types to join, the same result."""
     xs, ys = _data(windows=2, k=2, seed=7)
     params, _ = _run_shard_map("sgd", xs, ys, check_vma=False)
-    _assert_params_close(params, _large_batch(optax.sgd(0.1), xs, ys))
+    chex.assert_trees_all_close(params, _large_batch(optax.sgd(0.1), xs, ys), rtol=RTOL, atol=ATOL)
 
 
 def test_tuple_of_axis_names_shard_map_and_pmap_of_vmap():
@@ -228,7 +229,7 @@ def test_tuple_of_axis_names_shard_map_and_pmap_of_vmap():
     expected = _large_batch(optax.sgd(0.1), xs, ys)
     mesh = jax.make_mesh((2, 4), ("host", "device"))
     params, _ = _run_shard_map("sgd", xs, ys, mesh=mesh, axis=("host", "device"))
-    _assert_params_close(params, expected)
+    chex.assert_trees_all_close(params, expected, rtol=RTOL, atol=ATOL)
 
     tx = ga.accumulate(optax.sgd(0.1), 2, axis_name=("host", "device"))
 
@@ -243,7 +244,9 @@ def test_tuple_of_axis_names_shard_map_and_pmap_of_vmap():
     for w in range(2):
         for i in range(2):
             params, state = grid(params, state, *to_grid((xs[w, i], ys[w, i])))
-    _assert_params_close(jax.tree.map(lambda a: a[1, 3], params), expected)
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda a: a[1, 3], params), expected, rtol=RTOL, atol=ATOL
+    )
 
 
 def test_scan_inside_shard_map_keeps_state_types():
@@ -280,66 +283,25 @@ def test_scan_inside_shard_map_keeps_state_types():
         x = jax.device_put(xs[w].reshape(k, R * B, D_IN), batch)
         y = jax.device_put(ys[w].reshape(k, R * B, D_OUT), batch)
         params, state = window(params, state, x, y)
-    _assert_params_close(params, _large_batch(optax.adam(1e-2), xs, ys))
+    chex.assert_trees_all_close(
+        params, _large_batch(optax.adam(1e-2), xs, ys), rtol=RTOL, atol=ATOL
+    )
     assert state.acc_weight.dtype == jnp.float32 and state.num_skipped.dtype == jnp.int32
 
 
 # --- the compiled programs ----------------------------------------------------------------
 
-_CALLS = re.compile(
-    r"(?:to_apply|calls|body|condition|true_computation|false_computation)=%([\w.\-]+)"
-)
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_ALL_REDUCE = re.compile(r"=\s*(.*?)\s+all-reduce(?:-start)?\(")
-_SHAPE = re.compile(r"[a-z]+\d*\[([\d,]*)\]")
 
-
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-    comps, entry, name = {}, None, None
-    for line in hlo.splitlines():
-        header = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{$", line)
-        if header:
-            name = header.group(2)
-            comps[name] = []
-            entry = name if header.group(1) else entry
-        elif name is not None and line.startswith("  "):
-            comps[name].append(line)
-    return comps, entry
-
-
-def _reduced_elements(line: str) -> int:
-    shape = _ALL_REDUCE.search(line).group(1)
-    return sum(
-        int(np.prod([int(d) for d in dims.split(",") if d])) for dims in _SHAPE.findall(shape)
-    )
-
-
-def _all_reduces_by_region(hlo: str) -> tuple[list[str], list[list[list[str]]]]:
-    """All-reduces outside any conditional, and per top-level conditional, per branch."""
-    comps, entry = _computations(hlo)
-
-    def walk(name, out, conditionals):
-        for line in comps[name]:
-            if _ALL_REDUCE.search(line):
-                out.append(line)
-            branches = _BRANCHES.search(line)
-            if branches:
-                conditionals.append(
-                    [reachable(b.strip().lstrip("%")) for b in branches.group(1).split(",")]
-                )
-            for callee in _CALLS.findall(line):
-                walk(callee, out, conditionals)
-
-    def reachable(name):
-        out: list[str] = []
-        nested: list = []
-        walk(name, out, nested)
-        return out + [line for cond in nested for branch in cond for line in branch]
-
-    outside: list[str] = []
-    conditionals: list = []
-    walk(entry, outside, conditionals)
-    return outside, conditionals
+def _all_reduces_by_region(compiled) -> tuple[list, list[list]]:
+    """All-reduces on every step, and those of each branch of each every-step conditional."""
+    hlo = harness.Hlo(compiled)
+    every_step = hlo.every_step()
+    branches = [
+        hlo.ops("all-reduce", hlo.reachable([branch]))
+        for branches in hlo.conditionals(every_step)
+        for branch in branches
+    ]
+    return hlo.ops("all-reduce", every_step), branches
 
 
 def _step_args(mode):
@@ -359,19 +321,17 @@ def _step_args(mode):
 @pytest.mark.parametrize("mode", ["shard_map", "pmap"])
 def test_all_reduces_only_in_the_boundary_branch(mode):
     step, args = _step_args(mode)
-    hlo = step.lower(*args).compile().as_text()
-    outside, conditionals = _all_reduces_by_region(hlo)
+    outside, branches = _all_reduces_by_region(step.lower(*args).compile())
     # The micro-step path of the train step (forward, backward, accumulate)
     # runs no collective: the backward pass took the gradient of varying params.
     assert outside == []
-    per_branch = [len(branch) for cond in conditionals for branch in cond]
-    boundary = [branch for cond in conditionals for branch in cond if branch]
-    assert len(boundary) == 1, per_branch
+    boundary = [ops for ops in branches if ops]
+    assert len(boundary) == 1, [len(ops) for ops in branches]
     # One reduction per window of every gradient element plus the window weight
     # (XLA may fuse the leaves into fewer all-reduce ops; count both).
     n_params = sum(int(np.size(p)) for p in jax.tree.leaves(PARAMS))
     assert 1 <= len(boundary[0]) <= len(jax.tree.leaves(PARAMS)) + 1
-    assert sum(_reduced_elements(line) for line in boundary[0]) == n_params + 1
+    assert sum(op.elements for op in boundary[0]) == n_params + 1
 
 
 def test_gradients_of_replicated_params_raise_inside_shard_map():
@@ -397,7 +357,7 @@ def test_gradients_of_replicated_params_raise_inside_shard_map():
             out_specs=P(),
         )
     )
-    outside, _ = _all_reduces_by_region(hlo.lower(PARAMS, x, y).compile().as_text())
+    outside, _ = _all_reduces_by_region(hlo.lower(PARAMS, x, y).compile())
     assert outside
 
 
@@ -434,8 +394,8 @@ def test_without_axis_name_no_collectives_and_no_checks_under_shard_map():
         in_specs=(P(), P()),
         out_specs=P(),
     )
-    hlo = jax.jit(body).lower(PARAMS, tx.init(PARAMS)).compile().as_text()
-    assert "all-reduce" not in hlo
+    hlo = harness.Hlo(jax.jit(body).lower(PARAMS, tx.init(PARAMS)).compile())
+    assert hlo.ops("all-reduce") == []
 
 
 # --- sharded jit (FSDP-style), no axis_name -----------------------------------------------
@@ -462,16 +422,16 @@ def test_sharded_jit_keeps_state_sharded_like_params(axis_type):
             init = jax.jit(tx.init, out_shardings=_state_shardings(tx, params, shardings))
         state = init(params)
         update = jax.jit(tx.update)
-        hlo = update.lower(grads, state, params).compile().as_text()
-        init_hlo = init.lower(params).compile().as_text()
+        hlo = harness.Hlo(update.lower(grads, state, params).compile())
+        init_hlo = harness.Hlo(init.lower(params).compile())
         for _ in range(2):  # a micro-step, then a window boundary
             _assert_state_sharded(state, shardings)
             updates, state = update(grads, state, params)
             _assert_tree_sharded(updates, shardings)
         _assert_state_sharded(state, shardings)
     assert int(state.gradient_step) == 1
-    assert "all-gather" not in hlo
-    assert "all-gather" not in init_hlo
+    assert hlo.ops("all-gather") == []
+    assert init_hlo.ops("all-gather") == []
 
 
 def _state_shardings(tx, params, shardings):
@@ -543,6 +503,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_single_process_large_batch(tmp_path):
     """2 processes x 2 host devices, gloo collectives, a 4-replica global mesh."""
     windows, k, replicas = 3, 2, 4
@@ -589,6 +550,73 @@ def test_two_processes_match_single_process_large_batch(tmp_path):
     expected = _large_batch(optax.adam(1e-2), xs, ys, accepted)
     for pid in range(2):
         result = np.load(tmp_path / f"result_{pid}.npz")
-        _assert_params_close({n: result[f"p_{n}"] for n in PARAMS}, expected)
+        chex.assert_trees_all_close(
+            {n: result[f"p_{n}"] for n in PARAMS}, expected, rtol=RTOL, atol=ATOL
+        )
         assert int(result["gradient_step"]) == windows
         assert int(result["num_skipped_total"]) == 1
+
+
+# --- misuse of the shard_map state helpers: the error names the missing helper ------------
+
+
+def _misused_step(tx, body, state_spec):
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=MESH,
+            in_specs=(P(), state_spec, P("data"), P("data")),
+            out_specs=(P(), state_spec),
+        )
+    )
+
+
+def test_forgetting_remove_replica_axis_names_it():
+    tx = ga.accumulate(optax.sgd(0.1), 2, axis_name="data")
+    init, _ = _shard_map_fns("sgd", 2)
+    specs = ga.replica_state_specs(jax.eval_shape(tx.init, PARAMS), "data")
+
+    def body(params, state, x, y):
+        varying = jax.lax.pcast(params, "data", to="varying")
+        return grad_step(tx, params, state, x, y, varying)  # no remove_replica_axis
+
+    xs, ys = _data(1, 1)
+    batch = NamedSharding(MESH, P("data"))
+    x, y = (jax.device_put(a[0, 0].reshape(R * B, -1), batch) for a in (xs, ys))
+    params = jax.device_put(PARAMS, NamedSharding(MESH, P()))
+    with pytest.raises(ValueError, match=r"leading replica axis.*remove_replica_axis\(opt_state\)"):
+        _misused_step(tx, body, specs)(params, init(params), x, y)
+
+
+def test_forgetting_the_replica_state_specs_names_them():
+    # add_replica_axis and remove_replica_axis are there, but the state's specs
+    # are P(): JAX would only report that out_specs cannot be replicated.
+    tx = ga.accumulate(optax.sgd(0.1), 2, axis_name="data")
+    init = jax.jit(
+        jax.shard_map(
+            lambda p: ga.add_replica_axis(tx.init(p)), mesh=MESH, in_specs=P(), out_specs=P()
+        )
+    )
+
+    def body(params, state, x, y):
+        varying = jax.lax.pcast(params, "data", to="varying")
+        params, state = grad_step(tx, params, ga.remove_replica_axis(state), x, y, varying)
+        return params, ga.add_replica_axis(state)
+
+    xs, ys = _data(1, 1)
+    batch = NamedSharding(MESH, P("data"))
+    x, y = (jax.device_put(a[0, 0].reshape(R * B, -1), batch) for a in (xs, ys))
+    params = jax.device_put(PARAMS, NamedSharding(MESH, P()))
+    with pytest.raises(ValueError, match=r"entered jax.shard_map replicated.*replica_state_specs"):
+        _misused_step(tx, body, P())(params, init(params), x, y)
+    # With check_vma=False nothing is typed, so the helper cannot tell and stays quiet.
+    unchecked = jax.jit(
+        jax.shard_map(
+            lambda s: ga.remove_replica_axis(s).acc_weight,
+            mesh=MESH,
+            in_specs=P(),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    assert float(unchecked(init(params))) == 0.0

@@ -5,6 +5,10 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow  # runs an example end to end
+
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "batchnorm_digits.py"
 

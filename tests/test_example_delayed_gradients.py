@@ -3,6 +3,11 @@
 import importlib.util
 import pathlib
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs an example end to end
+
+
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "delayed_gradients.py"
 
 

@@ -3,10 +3,13 @@
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
 import digits_convnet
-import pytest
+
+pytestmark = pytest.mark.slow  # runs an example end to end
 
 
 @pytest.mark.slow  # four training runs, about 10 s of CPU time

@@ -4,6 +4,10 @@ import importlib.util
 import pathlib
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow  # runs an example end to end
+
 
 _PATH = pathlib.Path(__file__).parents[1] / "examples" / "microbatch_memory.py"
 

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs an example end to end
+
 
 def _load(name):
     path = Path(__file__).parent.parent / "examples" / f"{name}.py"

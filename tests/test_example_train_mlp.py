@@ -3,9 +3,13 @@
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
 import train_mlp
+
+pytestmark = pytest.mark.slow  # runs an example end to end
 
 
 def test_train_mlp_matches_large_batch(capsys):

@@ -7,6 +7,9 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # runs an example end to end
+
+
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "transformer_lm.py"
 
 

@@ -3,6 +3,7 @@
 import pathlib
 import re
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,17 +14,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
+from benchmarks import harness
 from gradaccum_jax._compat import pcast_to_varying
 
 RTOL, ATOL = 1e-5, 1e-6
 B = 32
-
-
-def _tree_close(a, b, rtol=RTOL, atol=ATOL):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert jnp.result_type(x) == jnp.result_type(y)
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
 def _params(key=0):
@@ -88,7 +83,7 @@ MASKED_FULL = jax.jit(jax.value_and_grad(masked_loss))(PARAMS, BATCH)
 @pytest.mark.parametrize("k", [2, 8])
 def test_matches_full_batch(k):
     value, grads = jax.jit(ga.microbatch_value_and_grad(mean_loss, k))(PARAMS, BATCH)
-    _tree_close((value, grads), FULL)
+    chex.assert_trees_all_close((value, grads), FULL, rtol=RTOL, atol=ATOL, strict=True)
 
 
 METRIC_REDUCTIONS = {
@@ -121,13 +116,15 @@ def test_argnums_tuple_and_batch_in_several_arguments():
     expected = jax.jit(jax.value_and_grad(loss, argnums=(1, 3)))(
         BATCH["x"], PARAMS, BATCH["y"], 2.0
     )
-    _tree_close(out, expected)
+    chex.assert_trees_all_close(out, expected, rtol=RTOL, atol=ATOL, strict=True)
 
 
 def test_weight_fn_gives_full_batch_weighted_mean():
     fn = ga.microbatch_value_and_grad(masked_loss, 4, weight_fn=lambda p, b: b["mask"])
     expected = MASKED_FULL
-    _tree_close(jax.jit(fn)(PARAMS, BATCH), expected)
+    chex.assert_trees_all_close(
+        jax.jit(fn)(PARAMS, BATCH), expected, rtol=RTOL, atol=ATOL, strict=True
+    )
     # Without the weights: a mean of micro-batch means, NaN from the empty one.
     naive_value, _ = jax.jit(ga.microbatch_value_and_grad(masked_loss, 4))(PARAMS, BATCH)
     assert not np.isfinite(naive_value)
@@ -137,7 +134,9 @@ def test_sum_and_weight_gives_full_batch_weighted_mean():
     expected = MASKED_FULL
     for k in (1, 4):
         fn = ga.microbatch_value_and_grad(masked_sum_and_weight, k, sum_and_weight=True)
-        _tree_close(jax.jit(fn)(PARAMS, BATCH), expected)
+        chex.assert_trees_all_close(
+            jax.jit(fn)(PARAMS, BATCH), expected, rtol=RTOL, atol=ATOL, strict=True
+        )
 
 
 def test_aux_reductions():
@@ -149,7 +148,7 @@ def test_aux_reductions():
     )
     out = jax.jit(fn)(PARAMS, BATCH)
     expected = jax.jit(jax.value_and_grad(loss_with_metrics, has_aux=True))(PARAMS, BATCH)
-    _tree_close(out, expected)
+    chex.assert_trees_all_close(out, expected, rtol=RTOL, atol=ATOL, strict=True)
     (_, aux), _ = out
     assert aux["num_correct"].dtype == jnp.int32
 
@@ -171,7 +170,9 @@ def test_aux_default_mean_is_weighted_like_the_loss():
 
     fn = ga.microbatch_value_and_grad(as_sum_and_weight, 4, has_aux=True, sum_and_weight=True)
     expected = jax.jit(jax.value_and_grad(full, has_aux=True))(PARAMS, BATCH)
-    _tree_close(jax.jit(fn)(PARAMS, BATCH), expected)
+    chex.assert_trees_all_close(
+        jax.jit(fn)(PARAMS, BATCH), expected, rtol=RTOL, atol=ATOL, strict=True
+    )
 
 
 def test_aux_reduction_errors():
@@ -220,9 +221,12 @@ def test_key_argnums_folds_a_raw_key():
         for i in range(k)
     ]
     np.testing.assert_allclose(draws, [r[0][1] for r in results], rtol=RTOL)
-    _tree_close(
+    chex.assert_trees_all_close(
         (value, grads),
         jax.tree.map(lambda *xs: sum(xs) / k, *[(r[0][0], r[1]) for r in results]),
+        rtol=RTOL,
+        atol=ATOL,
+        strict=True,
     )
     with pytest.raises(TypeError, match="key_argnums"):
         fn(PARAMS, BATCH, jnp.zeros(2))
@@ -276,11 +280,14 @@ def test_flax_batch_stats_thread_through_microbatches_in_order():
             total_loss += loss / k
             total_grads = g if total_grads is None else jax.tree.map(jnp.add, total_grads, g)
         total_grads = jax.tree.map(lambda g: g / k, total_grads)
-        _tree_close(
+        chex.assert_trees_all_close(
             (losses[step], jax.tree.map(lambda g, step=step: g[step], grads)),
             (total_loss, total_grads),
+            rtol=RTOL,
+            atol=ATOL,
+            strict=True,
         )
-    _tree_close(stats, ref_stats)
+    chex.assert_trees_all_close(stats, ref_stats, rtol=RTOL, atol=ATOL, strict=True)
     assert not np.allclose(stats["BatchNorm_0"]["mean"], 0.0)
 
 
@@ -297,11 +304,6 @@ def test_carry_errors():
         fn(_BN_VARS["params"], _BN_VARS["batch_stats"], BATCH)
 
 
-def _collectives(hlo_text):
-    ops = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
-    return {op: len(re.findall(rf"= [^\n]*\b{op}(-start)?\(", hlo_text)) for op in ops}
-
-
 @pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
 def test_sharded_batch_stays_sharded(axis_type):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
@@ -312,14 +314,14 @@ def test_sharded_batch_stays_sharded(axis_type):
             loss_with_metrics, 2, has_aux=True, aux_reduction=METRIC_REDUCTIONS
         )
     )
-    hlo = step.lower(params, batch).compile().as_text()
-    ops = _collectives(hlo)
+    compiled = step.lower(params, batch).compile()
+    ops = harness.Hlo(compiled).collective_counts()
     assert ops["all-gather"] == ops["all-to-all"] == ops["collective-permute"] == 0, ops
     # Each device reads its own 2 rows of the 16-example micro-batch.
-    assert re.search(r"f32\[2,6\][^\n]*dynamic-slice", hlo)
+    assert re.search(r"f32\[2,6\][^\n]*dynamic-slice", compiled.as_text())
     (value, aux), grads = step(params, batch)
     expected = jax.jit(jax.value_and_grad(loss_with_metrics, has_aux=True))(PARAMS, BATCH)
-    _tree_close(((value, aux), grads), expected)
+    chex.assert_trees_all_close(((value, aux), grads), expected, rtol=RTOL, atol=ATOL, strict=True)
     # Per-example outputs come back in batch order and still sharded.
     assert aux["losses"].sharding.is_equivalent_to(batch["y"].sharding, 1)
 
@@ -337,7 +339,7 @@ def test_sharded_batch_stays_sharded(axis_type):
         ]
         return jax.tree.map(lambda a, b: (a + b) / 2, *grads)
 
-    control = _collectives(jax.jit(contiguous).lower(params, batch).compile().as_text())
+    control = harness.Hlo(jax.jit(contiguous).lower(params, batch).compile()).collective_counts()
     assert control["all-gather"] + control["all-to-all"] + control["collective-permute"] > 0
 
 
@@ -360,11 +362,11 @@ def test_inside_shard_map_one_reduction_per_step():
         return jax.lax.pmean((value, grads), "data"), jax.lax.psum(seen, "data")
 
     step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())))
-    ops = _collectives(step.lower(params, batch).compile().as_text())
+    ops = harness.Hlo(step.lower(params, batch).compile()).collective_counts()
     # XLA merges the final mean and sum into one all-reduce; none is left in the loop.
     assert ops["all-reduce"] == 1 and ops["all-gather"] == 0, ops
     out, seen = step(params, batch)
-    _tree_close(out, FULL)
+    chex.assert_trees_all_close(out, FULL, rtol=RTOL, atol=ATOL, strict=True)
     np.testing.assert_allclose(seen, BATCH["x"].sum(0), rtol=RTOL, atol=1e-5)
 
 
@@ -404,7 +406,9 @@ def test_complex_gradients_keep_their_imaginary_part_with_a_real_accumulator_dty
     w = jnp.array([1.0 + 2.0j, -0.5j])
     x = BATCH["x"][:, :2].astype(jnp.complex64) * (1 - 1j)
     fn = ga.microbatch_value_and_grad(loss, 4, accumulator_dtype=jnp.float32)
-    _tree_close(jax.jit(fn)(w, x), jax.value_and_grad(loss)(w, x))
+    chex.assert_trees_all_close(
+        jax.jit(fn)(w, x), jax.value_and_grad(loss)(w, x), rtol=RTOL, atol=ATOL, strict=True
+    )
 
 
 def test_construction_errors():
@@ -453,7 +457,7 @@ def test_default_aux_is_what_value_and_grad_gives_on_the_full_batch():
     expected = jax.jit(jax.value_and_grad(loss, has_aux=True))(PARAMS, BATCH)
     for k in (1, 2, 8):
         out = jax.jit(ga.microbatch_value_and_grad(loss, k, has_aux=True))(PARAMS, BATCH)
-        _tree_close(out, expected)
+        chex.assert_trees_all_close(out, expected, rtol=RTOL, atol=ATOL, strict=True)
         assert out[0][1]["losses"].shape == (B,) and out[0][1]["logits"].shape == (B, 3)
 
 
@@ -499,9 +503,12 @@ def test_typed_key_gets_a_distinct_key_per_microbatch_without_key_argnums():
         for i, fold in enumerate(jax.random.fold_in(key, i) for i in range(k))
     ]
     np.testing.assert_allclose(draws, [r[0][1] for r in results], rtol=RTOL)
-    _tree_close(
+    chex.assert_trees_all_close(
         (value, grads),
         jax.tree.map(lambda *xs: sum(xs) / k, *[(r[0][0], r[1]) for r in results]),
+        rtol=RTOL,
+        atol=ATOL,
+        strict=True,
     )
     # An array of typed keys is folded key by key.
     keys = jax.random.split(key, 2)

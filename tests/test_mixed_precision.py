@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
+from benchmarks import harness
 
 K = 4
 INITIAL_SCALE = 2.0**10
@@ -324,7 +325,7 @@ def test_accumulator_is_updated_in_place(accumulator_dtype):
 
     state = tx.init(params)
     compiled = jax.jit(step, donate_argnums=1).lower(params, state, params).compile()
-    assert compiled.memory_analysis().temp_size_in_bytes < n
+    assert harness.compiled_memory(compiled).temp_bytes < n
 
 
 # --- the documented Flax pattern ----------------------------------------------------------
@@ -379,7 +380,7 @@ def test_flax_bfloat16_compute_with_float32_params_matches_large_batch():
 def test_docs_flax_pattern_with_agc_and_accum_batchnorm_runs_in_bfloat16():
     page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "mixed_precision.md"
     section = page.read_text().split("## Flax: bfloat16 compute")[1].split("## API")[0]
-    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    block, _ = re.findall(r"```python\n(.*?)```", section, re.S)
     ns: dict = {}
     exec(compile(block, "mixed_precision.md[flax]", "exec"), ns)
     k = ns["K"]
@@ -387,7 +388,7 @@ def test_docs_flax_pattern_with_agc_and_accum_batchnorm_runs_in_bfloat16():
     leaves = jax.tree.leaves((ns["params"], ns["batch_stats"], ns["opt_state"]))
     assert all(x.dtype in (jnp.float32, jnp.int32, jnp.bool_) for x in leaves)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(ns["params"]))
-    stats = ns["batch_stats"]["AccumBatchNorm_0"]
+    stats = ns["batch_stats"]["BatchNorm_0"]
     assert float(jnp.max(stats["window_count"])) == 0.0  # committed at the window's end
     assert float(jnp.max(jnp.abs(stats["mean"]))) > 0.0  # and the running mean moved
     # One more micro-step opens a new window without touching the running mean.
@@ -395,9 +396,26 @@ def test_docs_flax_pattern_with_agc_and_accum_batchnorm_runs_in_bfloat16():
     _, new_stats, _, _ = ns["micro_step"](
         ns["params"], ns["batch_stats"], ns["opt_state"], ns["x"][0], ns["y"][0]
     )
-    np.testing.assert_array_equal(new_stats["AccumBatchNorm_0"]["mean"], before)
-    assert float(jnp.max(new_stats["AccumBatchNorm_0"]["window_count"])) == 16.0
+    np.testing.assert_array_equal(new_stats["BatchNorm_0"]["mean"], before)
+    assert float(jnp.max(new_stats["BatchNorm_0"]["window_count"])) == 16.0
     assert k == 4
+
+
+def test_docs_float16_flax_pattern_with_loss_scale_runs():
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "mixed_precision.md"
+    section = page.read_text().split("## Flax: bfloat16 compute")[1].split("## API")[0]
+    _, block = re.findall(r"```python\n(.*?)```", section, re.S)
+    ns: dict = {}
+    exec(compile(block, "mixed_precision.md[float16]", "exec"), ns)
+    params, stats, opt_state = ns["params16"], ns["stats16"], ns["opt16"]
+    assert int(ga.optimizer_step(opt_state)) == 2  # no micro-batch overflowed
+    assert float(ga.current_loss_scale(opt_state)) == 2.0**15
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+    leaves = jax.tree.leaves((params, opt_state))
+    assert all(x.dtype in (jnp.float32, jnp.int32, jnp.bool_) for x in leaves)
+    layer = stats["BatchNorm_0"]
+    assert float(jnp.max(layer["window_count"])) == 0.0
+    assert float(jnp.max(jnp.abs(layer["mean"]))) > 0.0
 
 
 # --- bad input -----------------------------------------------------------------------------
@@ -457,3 +475,104 @@ def test_other_bad_input_raises():
     tx = ga.static_loss_scale(2.0)
     with pytest.raises(TypeError, match="floating-point"):
         tx.update({"w": jnp.ones(2, jnp.int32)}, tx.init(None))
+
+
+# --- misuse: loss scale in the wrong place, loss not scaled, float32 range (issues 14, 18) ---
+
+
+@pytest.mark.parametrize("scale", [ga.dynamic_loss_scale, lambda: ga.static_loss_scale(8.0)])
+def test_loss_scale_inside_accumulate_is_refused_naming_the_order(scale):
+    # Inside accumulate, overflowing micro-gradients are dropped before the scale
+    # sees them: a dynamic scale never backs off and no update is ever applied.
+    nested = ga.accumulate(optax.chain(scale(), optax.sgd(0.1)), 4)
+    right_order = re.escape("optax.chain(ga.dynamic_loss_scale(), ga.accumulate(")
+    with pytest.raises(ValueError, match=right_order):
+        nested.init({"w": jnp.zeros(2)})
+    with pytest.raises(ValueError, match=right_order):
+        jax.eval_shape(nested.init, {"w": jnp.zeros(2)})
+    # A state built by hand around the check is refused where the scale is read.
+    inner = optax.chain(scale(), optax.sgd(0.1))
+    state = ga.accumulate(optax.sgd(0.1), 4).init({"w": jnp.zeros(2)})
+    state = state._replace(inner_state=inner.init({"w": jnp.zeros(2)}))
+    with pytest.raises(ValueError, match=right_order):
+        ga.current_loss_scale(state)
+
+
+def test_scaled_value_and_grad_reads_the_scale_so_updates_equal_unscaled_sgd():
+    params, xs, ys = batches()
+    tx = optax.chain(
+        ga.dynamic_loss_scale(INITIAL_SCALE, growth_interval=2),
+        ga.accumulate(optax.sgd(0.5), every_k_schedule=K),
+    )
+    grad_fn = ga.scaled_value_and_grad(f16_loss)
+
+    @jax.jit
+    def micro_step(params, opt_state, x, y):
+        loss, grads = grad_fn(opt_state, params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = tx.init(params)
+    got = params
+    for x, y in zip(xs, ys, strict=True):
+        got, opt_state, loss = micro_step(got, opt_state, x, y)
+        np.testing.assert_allclose(loss, f16_loss(params, x, y), rtol=1e-6)  # unscaled value
+    assert float(ga.current_loss_scale(opt_state)) == 4 * INITIAL_SCALE  # grew twice
+    # Reference: plain SGD on the mean of the unscaled gradients.
+    grads = jax.vmap(jax.grad(f16_loss), (None, 0, 0))(params, xs, ys)
+    want = jax.tree.map(lambda p, g: p - 0.5 * g.mean(0), params, grads)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        # float16 gradients of unscaled and scaled losses round differently.
+        np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-4)
+    # The step moved the parameters by a gradient step, not by one divided by the scale.
+    assert float(jnp.max(jnp.abs(got["w"] - params["w"]))) > 1e-3
+
+    # has_aux and argnums are jax.value_and_grad's.
+    aux_fn = ga.scaled_value_and_grad(
+        lambda p, x, y: (f16_loss(p, x, y), {"n": x.shape[0]}), argnums=(0,), has_aux=True
+    )
+    (value, aux), (g,) = aux_fn(tx.init(params), params, xs[0], ys[0])
+    assert aux == {"n": 16}
+    np.testing.assert_allclose(value, f16_loss(params, xs[0], ys[0]), rtol=1e-6)
+    expected = jax.grad(ga.scale_loss(f16_loss, INITIAL_SCALE))(params, xs[0], ys[0])
+    jax.tree.map(np.testing.assert_array_equal, g, expected)
+    with pytest.raises(ValueError, match="LossScaleState"):
+        grad_fn(ga.accumulate(optax.sgd(0.1), 2).init(params), params, xs[0], ys[0])
+    with pytest.raises(TypeError, match="fun"):
+        ga.scaled_value_and_grad("loss")
+
+
+@pytest.mark.parametrize("value", [1e39, 1e-50, 1e-40])
+def test_scales_outside_the_normal_float32_range_raise(value):
+    # 1e39 is inf in float32 (every gradient / inf = 0, and accumulate would apply
+    # the zeros); 1e-50 is 0 (every gradient inf, all dropped); 1e-40 is subnormal
+    # and flushed to 0 by XLA:CPU.
+    match = rf"(?s)(?=.*float32).*={re.escape(repr(value))}"
+    with pytest.raises(ValueError, match=match):
+        ga.static_loss_scale(value)
+    with pytest.raises(ValueError, match=match):
+        ga.dynamic_loss_scale(value, min_scale=min(value, 1.0))
+    with pytest.raises(ValueError, match=match):
+        ga.scale_loss(lambda w: w, value)
+    if value < 1:
+        with pytest.raises(ValueError, match=rf"min_scale={re.escape(repr(value))}.*float32"):
+            ga.dynamic_loss_scale(min_scale=value)
+        with pytest.raises(ValueError, match=rf"backoff_factor={re.escape(repr(value))}.*float32"):
+            ga.dynamic_loss_scale(backoff_factor=value)
+    else:
+        with pytest.raises(ValueError, match=rf"growth_factor={re.escape(repr(value))}.*float32"):
+            ga.dynamic_loss_scale(growth_factor=value)
+
+
+def test_smallest_allowed_min_scale_never_reaches_zero():
+    tiny = float(np.finfo(np.float32).tiny)
+    tx = ga.dynamic_loss_scale(1.0, min_scale=tiny, backoff_factor=0.5)
+    state = tx.init(None)
+    step = jax.jit(tx.update)
+    for _ in range(5):  # every micro-step overflows
+        _, state = step({"w": jnp.array([jnp.inf])}, state)
+    state = state._replace(loss_scale=jnp.asarray(tiny, jnp.float32))
+    _, state = step({"w": jnp.array([jnp.inf])}, state)
+    assert float(state.loss_scale) == tiny
+    grads, _ = step({"w": jnp.array([1e-30])}, state)
+    assert bool(jnp.all(jnp.isfinite(grads["w"]))) and float(grads["w"][0]) > 0

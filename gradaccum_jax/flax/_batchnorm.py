@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.linen import dtypes as linen_dtypes
 from flax.nnx.nn import dtypes as nnx_dtypes
@@ -21,7 +22,7 @@ from gradaccum_jax import _validation
 
 _WINDOW_KEYS = ("window_count", "window_sum", "window_sum_sq", "window_shift")
 _FLAX_KEYS = frozenset(("mean", "var"))
-_ACCUM_KEYS = frozenset(("mean", "var", "momentum", *_WINDOW_KEYS))
+_ACCUM_KEYS = frozenset(("mean", "var", "momentum", "window_params", *_WINDOW_KEYS))
 # nn.BatchNorm's default; only a placeholder in converted statistics, because a
 # layer records its own momentum before its window can hold anything.
 _DEFAULT_MOMENTUM = 0.99
@@ -90,6 +91,64 @@ def _check_closes(closes: Any) -> jax.Array:
     return value
 
 
+def _fingerprint(
+    scale: jax.Array | None, bias: jax.Array | None, feature_shape: tuple[int, ...]
+) -> jax.Array:
+    """The layer's `scale` and `bias` stacked as `float32[*F, 2]`, zeros where absent."""
+    rows = [
+        jnp.zeros(feature_shape, jnp.float32)
+        if p is None
+        else lax.stop_gradient(p).reshape(feature_shape).astype(jnp.float32)
+        for p in (scale, bias)
+    ]
+    return jnp.stack(rows, axis=-1)
+
+
+def _open_window_params(window: _Window, recorded: jax.Array, fingerprint: jax.Array) -> jax.Array:
+    # The parameters are recorded when a window opens; under accumulate they
+    # stay put until the optimizer step that should close the window.
+    return jnp.where(jnp.any(window.count > 0), recorded, fingerprint)
+
+
+def _uncommitted_message(where: str) -> str:
+    return (
+        f"{where} holds batch statistics of training calls from before the last optimizer "
+        "step: its scale or bias changed since its window opened, but the window was never "
+        "folded into the running mean and var, which are still what they were at the "
+        "previous commit (their initial values if there was none). Evaluating with them "
+        "would be wrong. Commit once per optimizer step in the train step, after the "
+        "forward pass: batch_stats = gradaccum_jax.flax.commit_batch_stats(batch_stats, "
+        "closes=gradaccum_jax.closes_window(opt_state)) for flax.linen, or "
+        "gradaccum_jax.flax.commit_nnx_batch_stats(model, "
+        "closes=gradaccum_jax.closes_window(optimizer.opt_state)) for flax.nnx."
+    )
+
+
+def _check_committed(
+    window_count: jax.Array, recorded: jax.Array, fingerprint: jax.Array, where: str
+) -> None:
+    """Raises if the window is not empty and the parameters moved since it opened.
+
+    Runs on the first evaluation call after a missed commit: directly for
+    concrete values, through a host callback under `jit`/`pmap`, where the
+    error surfaces as a `jax.errors.JaxRuntimeError` carrying this message.
+    """
+    stale = jnp.any(window_count > 0) & ~jnp.array_equal(recorded, fingerprint, equal_nan=True)
+    message = _uncommitted_message(where)
+
+    def raise_if_stale(flag):
+        # Re-checked on the host: under vmap the conditional runs both branches.
+        if np.any(flag):
+            raise ValueError(message)
+
+    if isinstance(stale, jax.core.Tracer):
+        # The callback runs only on the (rare) stale path; the predicate is the
+        # only value that leaves the device on every evaluation call.
+        lax.cond(stale, lambda f: jax.debug.callback(raise_if_stale, f), lambda f: None, stale)
+    else:
+        raise_if_stale(stale)
+
+
 def _stats_dtype(dtype: Dtype | None, x: jax.Array) -> jnp.dtype:
     # Statistics are reduced in at least float32, also for 16-bit inputs.
     return jnp.promote_types(x.dtype if dtype is None else dtype, jnp.float32)
@@ -107,7 +166,7 @@ def _micro_batch_sums(
     axis_name: Any,
     axis_index_groups: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Returns ``(count, shift, Σ(x - shift), Σ(x - shift)²)`` of this call, over replicas."""
+    """Returns `(count, shift, Σ(x - shift), Σ(x - shift)²)` of this call, over replicas."""
     x = x.astype(stats_dtype)
 
     def masked_sum(v):
@@ -225,79 +284,100 @@ def _normalize(
 
 
 class AccumBatchNorm(nn.Module):
-    r"""``flax.linen.BatchNorm`` with running statistics pooled exactly over a window.
+    r"""`flax.linen.BatchNorm` with running statistics pooled exactly over a window.
 
-    A drop-in replacement for ``nn.BatchNorm`` under gradient accumulation: the
+    A replacement for `nn.BatchNorm` under gradient accumulation: the
     attributes, their defaults, the call signature and the variable paths
-    (``params/scale``, ``params/bias``, ``batch_stats/mean``,
-    ``batch_stats/var``) are those of ``nn.BatchNorm``. The difference is when
-    the running statistics move. ``nn.BatchNorm`` moves them on every call, so
-    with ``K`` micro-batches per optimizer step they take ``K`` small-batch EMA
-    steps. This layer only adds each call's statistics to a window in
-    ``batch_stats``; :func:`commit_batch_stats`, called once per optimizer step,
-    folds the whole window into the running statistics with one EMA step:
+    (`params/scale`, `params/bias`, `batch_stats/mean`,
+    `batch_stats/var`) are those of `nn.BatchNorm`, and so are the names of
+    auto-named layers: the class's `__name__` is `"BatchNorm"`, which flax
+    uses to name an unnamed submodule, so a model keeps its `BatchNorm_0`,
+    `BatchNorm_1`, ... paths and its parameter checkpoints after the swap.
 
-    .. math::
+    The difference is when the running statistics move. `nn.BatchNorm` moves
+    them on every call, so with `K` micro-batches per optimizer step they take
+    `K` small-batch EMA steps. This layer only adds each call's statistics to
+    a window in `batch_stats`; `commit_batch_stats`, called once per
+    optimizer step, folds the whole window into the running statistics with
+    one EMA step (the one line a train step gains with the swap):
 
-        \mu_w = c + \frac{S}{N},\quad
-        \sigma^2_w = \frac{Q}{N} - \Big(\frac{S}{N}\Big)^2,\qquad
-        \text{mean} \leftarrow m\,\text{mean} + (1-m)\,\mu_w,\quad
-        \text{var} \leftarrow m\,\text{var} + (1-m)\,\sigma^2_w,
+    $$
+    \mu_w = c + \frac{S}{N},\quad
+    \sigma^2_w = \frac{Q}{N} - \Big(\frac{S}{N}\Big)^2,\qquad
+    \text{mean} \leftarrow m\,\text{mean} + (1-m)\,\mu_w,\quad
+    \text{var} \leftarrow m\,\text{var} + (1-m)\,\sigma^2_w,
+    $$
 
-    where ``N``, ``S = Σ(x - c)`` and ``Q = Σ(x - c)²`` run over every
+    where `N`, `S = Σ(x - c)` and `Q = Σ(x - c)²` run over every
     unmasked entry the layer normalised in the window, in every micro-batch,
-    every call and (with ``axis_name``) every replica, and ``c`` is a per-feature
+    every call and (with `axis_name`) every replica, and `c` is a per-feature
     shift fixed for the window. This is exactly the mean and (biased) variance
-    ``nn.BatchNorm`` computes on the concatenated window, whatever the
+    `nn.BatchNorm` computes on the concatenated window, whatever the
     micro-batch sizes and masks. The shift is the running mean, or with
-    ``use_fast_variance=False`` the first micro-batch's mean, so that the sums
+    `use_fast_variance=False` the first micro-batch's mean, so that the sums
     stay accurate in float32 when the features have a large offset.
 
     Training normalises each micro-batch with its own statistics, with
-    gradients through them, as ``nn.BatchNorm`` does; no method that sees each
+    gradients through them, as `nn.BatchNorm` does; no method that sees each
     micro-batch once can normalise with the window's statistics, since those
     depend on micro-batches not seen yet (see the docs page). What is exact is
     the running statistics, and so inference. A layer applied several times in
     one forward pass pools all its calls into the same window (and
-    ``nn.BatchNorm`` would take one EMA step per call instead). With ``K = 1``
-    (a commit after every step) it computes what ``nn.BatchNorm`` computes, up
+    `nn.BatchNorm` would take one EMA step per call instead). With `K = 1`
+    (a commit after every step) it computes what `nn.BatchNorm` computes, up
     to float32 rounding.
 
-    Extra variables in ``batch_stats`` (all ``float32``; ``F`` is the feature
-    shape): ``window_count[F]`` (entries seen in the window),
-    ``window_sum[F]`` and ``window_sum_sq[F]`` (``S`` and ``Q``),
-    ``window_shift[F]`` (``c``) and ``momentum[]`` (the layer's ``momentum``,
-    recorded on every training call, so that :func:`commit_batch_stats` is a
-    pure function of the collection). Training needs only
-    ``mutable=['batch_stats']``. A call whose sums are not finite is left out of
-    the window. Use :func:`batch_stats_from_flax` and
-    :func:`batch_stats_to_flax` to convert ``nn.BatchNorm`` statistics;
+    A forgotten commit does not go unnoticed. The layer cannot commit by
+    itself: the end of a window is known to the optimizer, not to the model,
+    and an optimizer step may leave the layer's parameters unchanged (a
+    learning rate warming up from 0, a skipped update). But an optimizer step
+    that changed them is visible: the layer records its `scale` and `bias`
+    when a window opens, and an evaluation call
+    (`use_running_average=True`) that finds the window not empty and the
+    parameters changed since it opened raises a `ValueError` naming
+    `commit_batch_stats` (under `jit` or `pmap`, through a host callback, as
+    a `jax.errors.JaxRuntimeError` carrying that message). Evaluating in the
+    middle of a window, before the optimizer step, is allowed. A layer with
+    neither `scale` nor `bias`, or whose parameters never change, has
+    nothing to compare and is not checked.
+
+    Extra variables in `batch_stats` (all `float32`; `F` is the feature
+    shape): `window_count[F]` (entries seen in the window),
+    `window_sum[F]` and `window_sum_sq[F]` (`S` and `Q`),
+    `window_shift[F]` (`c`), `window_params[F, 2]` (`scale` and `bias`
+    when the window opened, zeros for an absent one) and `momentum[]` (the
+    layer's `momentum`, recorded on every training call, so that
+    `commit_batch_stats` is a pure function of the collection). Training
+    needs only
+    `mutable=['batch_stats']`. A call whose sums are not finite is left out of
+    the window. Use `batch_stats_from_flax` and
+    `batch_stats_to_flax` to convert `nn.BatchNorm` statistics;
     parameters need no conversion.
 
     Attributes:
-      use_running_average: If ``True``, normalise with the running statistics
-        (inference); if ``False``, with the input's statistics, adding them to
-        the window. Can also be passed to ``__call__``.
-      axis: The feature axis or axes (default ``-1``); all others are reduced.
+      use_running_average: If `True`, normalise with the running statistics
+        (inference); if `False`, with the input's statistics, adding them to
+        the window. Can also be passed to `__call__`.
+      axis: The feature axis or axes (default `-1`); all others are reduced.
       momentum: Decay of the running statistics per window, flax's convention
-        (``new = momentum * old + (1 - momentum) * window``), in ``[0, 1]``.
-      epsilon: Added to the variance before the square root, ``>= 0``.
+        (`new = momentum * old + (1 - momentum) * window`), in `[0, 1]`.
+      epsilon: Added to the variance before the square root, `>= 0`.
       dtype: dtype of the output (default: inferred from the input and
         parameters). Statistics are float32 or wider regardless.
-      param_dtype: dtype of ``scale`` and ``bias``.
-      use_bias: Whether to add the learned ``bias``.
-      use_scale: Whether to multiply by the learned ``scale``.
-      bias_init: Initialiser of ``bias``.
-      scale_init: Initialiser of ``scale``.
+      param_dtype: dtype of `scale` and `bias`.
+      use_bias: Whether to add the learned `bias`.
+      use_scale: Whether to multiply by the learned `scale`.
+      bias_init: Initialiser of `bias`.
+      scale_init: Initialiser of `scale`.
       axis_name: Mapped axis (or axes) to pool statistics over, inside
-        ``jax.shard_map`` or ``jax.pmap``; one ``psum`` of the stacked sums per
+        `jax.shard_map` or `jax.pmap`; one `psum` of the stacked sums per
         call.
-      axis_index_groups: Groups of indices along ``axis_name`` that pool
-        separately, as in ``jax.lax.psum``.
-      use_fast_variance: If ``True`` (default) one pass: the sums are shifted by
-        the running mean. If ``False`` a second pass (and, with ``axis_name``, a
+      axis_index_groups: Groups of indices along `axis_name` that pool
+        separately, as in `jax.lax.psum`.
+      use_fast_variance: If `True` (default) one pass: the sums are shifted by
+        the running mean. If `False` a second pass (and, with `axis_name`, a
         second collective) shifts the window by its first micro-batch's mean.
-      force_float32_reductions: Kept for compatibility; only ``True`` is
+      force_float32_reductions: Kept for compatibility; only `True` is
         supported, because the window's sums need float32.
 
     Examples:
@@ -343,6 +423,10 @@ class AccumBatchNorm(nn.Module):
     use_fast_variance: bool = True
     force_float32_reductions: bool = True
 
+    def __repr__(self) -> str:
+        # flax prints `__name__`, which is "BatchNorm" for the auto-names below.
+        return type(self).__qualname__ + super().__repr__().removeprefix(type(self).__name__)
+
     @nn.compact
     def __call__(
         self,
@@ -351,22 +435,22 @@ class AccumBatchNorm(nn.Module):
         *,
         mask: jax.typing.ArrayLike | None = None,
     ) -> jax.Array:
-        """Normalises ``x``; in training mode also adds its statistics to the window.
+        """Normalises `x`; in training mode also adds its statistics to the window.
 
         Args:
-          x: The input, any real dtype; features along ``axis``.
+          x: The input, any real dtype; features along `axis`.
           use_running_average: Overrides the attribute of the same name.
-          mask: Optional boolean array broadcastable to ``x``; only entries where
-            it is ``True`` enter the statistics.
+          mask: Optional boolean array broadcastable to `x`; only entries where
+            it is `True` enter the statistics.
 
         Returns:
-          The normalised input, with the shape of ``x``.
+          The normalised input, with the shape of `x`.
 
         Raises:
-          ValueError: If ``momentum`` or ``epsilon`` is out of range, ``axis`` does
-            not fit the input, ``mask`` does not broadcast to it, or
-            ``force_float32_reductions`` is ``False``.
-          TypeError: If ``x`` is not real.
+          ValueError: If `momentum` or `epsilon` is out of range, `axis` does
+            not fit the input, `mask` does not broadcast to it, or
+            `force_float32_reductions` is `False`.
+          TypeError: If `x` is not real.
         """
         use_running_average = nn.merge_param(
             "use_running_average", self.use_running_average, use_running_average
@@ -391,9 +475,23 @@ class AccumBatchNorm(nn.Module):
         momentum = self.variable(
             "batch_stats", "momentum", lambda: jnp.asarray(self.momentum, jnp.float32)
         )
+        window_params = self.variable(
+            "batch_stats",
+            "window_params",
+            lambda: jnp.zeros((*feature_shape, 2), jnp.float32),
+        )
+        scale = bias = None
+        if self.use_scale:
+            scale = self.param("scale", self.scale_init, feature_shape, self.param_dtype)
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, feature_shape, self.param_dtype)
+        fingerprint = _fingerprint(scale, bias, feature_shape)
 
         if use_running_average:
             mean, var = ra_mean.value, ra_var.value
+            if not self.is_initializing():
+                where = "AccumBatchNorm " + ("/".join(self.path) or "(top level)")
+                _check_committed(window_vars.count.value, window_params.value, fingerprint, where)  # type: ignore[attr-defined]
         else:
             window = _Window(*(v.value for v in window_vars))  # type: ignore[attr-defined]
             sums = _micro_batch_sums(
@@ -410,18 +508,20 @@ class AccumBatchNorm(nn.Module):
             )
             mean, var = _moments(*sums)
             if not self.is_initializing():
+                window_params.value = _open_window_params(window, window_params.value, fingerprint)
                 for variable, value in zip(window_vars, _add_to_window(window, *sums), strict=True):
                     variable.value = value  # type: ignore[attr-defined]
                 momentum.value = jnp.asarray(self.momentum, jnp.float32)
 
-        scale = bias = None
-        if self.use_scale:
-            scale = self.param("scale", self.scale_init, feature_shape, self.param_dtype)
-        if self.use_bias:
-            bias = self.param("bias", self.bias_init, feature_shape, self.param_dtype)
         return _normalize(
             x, mean, var, scale, bias, feature_axes, reduction_axes, self.epsilon, self.dtype
         )
+
+
+# flax names an unnamed submodule after its class's `__name__`: with this one,
+# auto-named layers get nn.BatchNorm's paths (`BatchNorm_0`, ...) so that the
+# parameter trees and checkpoints of a model keep their paths after the swap.
+AccumBatchNorm.__name__ = "BatchNorm"
 
 
 def _is_mapping_with(keys: frozenset[str]):
@@ -432,30 +532,30 @@ def _is_mapping_with(keys: frozenset[str]):
 
 
 def commit_batch_stats(batch_stats: Any, closes: jax.typing.ArrayLike = True) -> Any:
-    r"""Folds each :class:`AccumBatchNorm` window into its running statistics.
+    r"""Folds each `AccumBatchNorm` window into its running statistics.
 
     Call it once per optimizer step, after the forward pass of the window's
-    last micro-batch. Every ``AccumBatchNorm`` state found in ``batch_stats``
+    last micro-batch. Every `AccumBatchNorm` state found in `batch_stats`
     gets one EMA step with the window's pooled mean and variance (see
-    :class:`AccumBatchNorm`) and an empty window; other entries, such as
-    ``nn.BatchNorm`` statistics, are returned unchanged. A feature whose window
-    is empty (fully masked) keeps its running statistics. With ``closes``
+    `AccumBatchNorm`) and an empty window; other entries, such as
+    `nn.BatchNorm` statistics, are returned unchanged. A feature whose window
+    is empty (fully masked) keeps its running statistics. With `closes`
     false nothing changes, so the call can sit in every micro-step of a jitted
-    train step with ``closes=ga.closes_window(opt_state)``.
+    train step with `closes=ga.closes_window(opt_state)`.
 
     Args:
-      batch_stats: The ``batch_stats`` collection returned by
-        ``apply(..., mutable=['batch_stats'])``, or any pytree that contains it
+      batch_stats: The `batch_stats` collection returned by
+        `apply(..., mutable=['batch_stats'])`, or any pytree that contains it
         (such as the whole variables dict).
       closes: A boolean scalar, Python or traced: whether this call ends the
         window.
 
     Returns:
-      A pytree with the structure and dtypes of ``batch_stats``.
+      A pytree with the structure and dtypes of `batch_stats`.
 
     Raises:
-      ValueError: If ``batch_stats`` contains no ``AccumBatchNorm`` statistics.
-      TypeError: If ``closes`` is not a boolean scalar.
+      ValueError: If `batch_stats` contains no `AccumBatchNorm` statistics.
+      TypeError: If `closes` is not a boolean scalar.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -502,21 +602,21 @@ def commit_batch_stats(batch_stats: Any, closes: jax.typing.ArrayLike = True) ->
 
 
 def batch_stats_from_flax(batch_stats: Any) -> Any:
-    """Converts ``nn.BatchNorm`` statistics for use with :class:`AccumBatchNorm`.
+    """Converts `nn.BatchNorm` statistics for use with `AccumBatchNorm`.
 
-    Every mapping with exactly the keys ``mean`` and ``var`` in ``batch_stats``
-    (one ``nn.BatchNorm`` layer's statistics) keeps its ``mean`` and ``var``
-    as they are and gains an empty window. Parameters (``scale``, ``bias``)
+    Every mapping with exactly the keys `mean` and `var` in `batch_stats`
+    (one `nn.BatchNorm` layer's statistics) keeps its `mean` and `var`
+    as they are and gains an empty window. Parameters (`scale`, `bias`)
     have the same paths in both layers and need no conversion, so a
-    pretrained ``nn.BatchNorm`` checkpoint loads without loss.
+    pretrained `nn.BatchNorm` checkpoint loads without loss.
 
     Args:
-      batch_stats: The ``batch_stats`` collection of a model that uses
-        ``nn.BatchNorm`` (not the whole variables dict: entries of other
+      batch_stats: The `batch_stats` collection of a model that uses
+        `nn.BatchNorm` (not the whole variables dict: entries of other
         collections are not told apart from statistics).
 
     Returns:
-      The collection for the same model with ``AccumBatchNorm`` layers.
+      The collection for the same model with `AccumBatchNorm` layers.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -524,7 +624,8 @@ def batch_stats_from_flax(batch_stats: Any) -> Any:
       >>> flax_stats = {"BatchNorm_0": {"mean": jnp.array([1.0]), "var": jnp.array([4.0])}}
       >>> stats = ga.flax.batch_stats_from_flax(flax_stats)
       >>> sorted(stats["BatchNorm_0"])
-      ['mean', 'momentum', 'var', 'window_count', 'window_shift', 'window_sum', 'window_sum_sq']
+      ['mean', 'momentum', 'var', 'window_count', 'window_params', 'window_shift',
+       'window_sum', 'window_sum_sq']
       >>> ga.flax.batch_stats_to_flax(stats)["BatchNorm_0"]["var"]
       Array([4.], dtype=float32)
     """
@@ -537,6 +638,7 @@ def batch_stats_from_flax(batch_stats: Any) -> Any:
         empty = jnp.zeros(mean.shape, jnp.float32)
         entries = dict(node)
         entries.update({key: empty for key in _WINDOW_KEYS})
+        entries["window_params"] = jnp.zeros((*mean.shape, 2), jnp.float32)
         entries["momentum"] = jnp.asarray(_DEFAULT_MOMENTUM, jnp.float32)
         return type(node)(entries)
 
@@ -544,17 +646,17 @@ def batch_stats_from_flax(batch_stats: Any) -> Any:
 
 
 def batch_stats_to_flax(batch_stats: Any) -> Any:
-    """Converts :class:`AccumBatchNorm` statistics back to ``nn.BatchNorm``'s.
+    """Converts `AccumBatchNorm` statistics back to `nn.BatchNorm`'s.
 
-    Keeps ``mean`` and ``var`` of every ``AccumBatchNorm`` state and drops the
+    Keeps `mean` and `var` of every `AccumBatchNorm` state and drops the
     window; statistics of a window that was not committed are discarded, so
-    call :func:`commit_batch_stats` first if the window is not empty.
+    call `commit_batch_stats` first if the window is not empty.
 
     Args:
-      batch_stats: A ``batch_stats`` collection with ``AccumBatchNorm`` states.
+      batch_stats: A `batch_stats` collection with `AccumBatchNorm` states.
 
     Returns:
-      The collection for the same model with ``nn.BatchNorm`` layers.
+      The collection for the same model with `nn.BatchNorm` layers.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -574,47 +676,51 @@ def batch_stats_to_flax(batch_stats: Any) -> Any:
 
 
 class NNXAccumBatchNorm(nnx.Module):
-    """The ``flax.nnx`` counterpart of :class:`AccumBatchNorm`.
+    """The `flax.nnx` counterpart of `AccumBatchNorm`.
 
-    A drop-in replacement for ``nnx.BatchNorm`` (same constructor arguments and
-    defaults, same ``mean``, ``var``, ``scale`` and ``bias`` attributes, same
-    ``train()``/``eval()``/``nnx.view`` behaviour) whose running statistics
+    A drop-in replacement for `nnx.BatchNorm` (same constructor arguments and
+    defaults, same `mean`, `var`, `scale` and `bias` attributes, same
+    `train()`/`eval()`/`nnx.view` behaviour) whose running statistics
     move once per window with the statistics pooled exactly over the window,
-    as described for :class:`AccumBatchNorm`. The window lives in four more
-    ``nnx.BatchStat`` variables, ``window_count``, ``window_sum``,
-    ``window_sum_sq`` and ``window_shift`` (``float32[num_features]``).
-    :meth:`commit`, or :func:`commit_nnx_batch_stats` for a whole model,
-    closes the window; call it once per optimizer step. :meth:`from_batchnorm`
-    and :meth:`to_batchnorm` convert single layers; a model's ``nnx.state``
-    saved with ``nnx.BatchNorm`` layers loads into one with these layers by
-    ``nnx.update`` (the window keeps its initial, empty value).
+    as described for `AccumBatchNorm`. The window lives in five more
+    `nnx.BatchStat` variables, `window_count`, `window_sum`,
+    `window_sum_sq` and `window_shift` (`float32[num_features]`) and
+    `window_params` (`float32[num_features, 2]`).
+    `commit`, or `commit_nnx_batch_stats` for a whole model,
+    closes the window; call it once per optimizer step. As for
+    `AccumBatchNorm`, an evaluation call after an optimizer step that changed
+    `scale` or `bias` without a commit raises an error that names
+    `commit_nnx_batch_stats`. `from_batchnorm`
+    and `to_batchnorm` convert single layers; a model's `nnx.state`
+    saved with `nnx.BatchNorm` layers loads into one with these layers by
+    `nnx.update` (the window keeps its initial, empty value).
 
     Args:
-      num_features: Number of features (the size of ``axis``).
-      use_running_average: If ``True``, normalise with the running statistics.
+      num_features: Number of features (the size of `axis`).
+      use_running_average: If `True`, normalise with the running statistics.
       axis: The feature axis.
-      momentum: Decay of the running statistics per window, in ``[0, 1]``.
-      epsilon: Added to the variance before the square root, ``>= 0``.
+      momentum: Decay of the running statistics per window, in `[0, 1]`.
+      epsilon: Added to the variance before the square root, `>= 0`.
       dtype: dtype of the computation and output (default: inferred).
-      param_dtype: dtype of ``scale`` and ``bias``.
-      use_bias: Whether to add the learned ``bias``.
-      use_scale: Whether to multiply by the learned ``scale``.
-      bias_init: Initialiser of ``bias``.
-      scale_init: Initialiser of ``scale``.
-      axis_name: Mapped axis to pool statistics over (``jax.shard_map``,
-        ``jax.pmap``); one collective of the stacked sums per call.
-      axis_index_groups: Groups of indices along ``axis_name``, as in
-        ``jax.lax.psum``.
-      use_fast_variance: One pass shifted by the running mean (``True``) or a
-        second pass shifted by the window's first micro-batch mean (``False``).
-      promote_dtype: Function promoting ``(x, mean, var, scale, bias)`` to a
-        common dtype, as in ``nnx.BatchNorm``.
+      param_dtype: dtype of `scale` and `bias`.
+      use_bias: Whether to add the learned `bias`.
+      use_scale: Whether to multiply by the learned `scale`.
+      bias_init: Initialiser of `bias`.
+      scale_init: Initialiser of `scale`.
+      axis_name: Mapped axis to pool statistics over (`jax.shard_map`,
+        `jax.pmap`); one collective of the stacked sums per call.
+      axis_index_groups: Groups of indices along `axis_name`, as in
+        `jax.lax.psum`.
+      use_fast_variance: One pass shifted by the running mean (`True`) or a
+        second pass shifted by the window's first micro-batch mean (`False`).
+      promote_dtype: Function promoting `(x, mean, var, scale, bias)` to a
+        common dtype, as in `nnx.BatchNorm`.
       rngs: Random number generators for the parameter initialisers.
-      bias_metadata: Metadata of the ``bias`` parameter.
-      scale_metadata: Metadata of the ``scale`` parameter.
+      bias_metadata: Metadata of the `bias` parameter.
+      scale_metadata: Metadata of the `scale` parameter.
 
     Raises:
-      ValueError: If ``num_features``, ``momentum`` or ``epsilon`` is out of
+      ValueError: If `num_features`, `momentum` or `epsilon` is out of
         range.
 
     Examples:
@@ -660,6 +766,7 @@ class NNXAccumBatchNorm(nnx.Module):
         self.window_sum = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
         self.window_sum_sq = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
         self.window_shift = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
+        self.window_params = nnx.BatchStat(jnp.zeros((*shape, 2), jnp.float32))
         self.scale: nnx.Param[jax.Array] | None
         if use_scale:
             self.scale = nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)
@@ -705,21 +812,21 @@ class NNXAccumBatchNorm(nnx.Module):
         *,
         mask: jax.typing.ArrayLike | None = None,
     ) -> jax.Array:
-        """Normalises ``x``; in training mode also adds its statistics to the window.
+        """Normalises `x`; in training mode also adds its statistics to the window.
 
         Args:
-          x: The input; features along ``axis``.
+          x: The input; features along `axis`.
           use_running_average: Overrides the attribute of the same name.
-          mask: Optional boolean array broadcastable to ``x``; only entries where
-            it is ``True`` enter the statistics.
+          mask: Optional boolean array broadcastable to `x`; only entries where
+            it is `True` enter the statistics.
 
         Returns:
-          The normalised input, with the shape of ``x``.
+          The normalised input, with the shape of `x`.
 
         Raises:
-          ValueError: If ``use_running_average`` is ``None`` both here and on the
-            module, or ``axis`` or ``mask`` does not fit the input.
-          TypeError: If ``x`` is not real.
+          ValueError: If `use_running_average` is `None` both here and on the
+            module, or `axis` or `mask` does not fit the input.
+          TypeError: If `x` is not real.
         """
         if use_running_average is None:
             use_running_average = self.use_running_average
@@ -732,11 +839,19 @@ class NNXAccumBatchNorm(nnx.Module):
         feature_axes, reduction_axes = _split_axes(x.ndim, self.axis)
         scale = None if self.scale is None else self.scale[...]
         bias = None if self.bias is None else self.bias[...]
+        fingerprint = _fingerprint(scale, bias, (self.num_features,))
         x, mean, var, scale, bias = self.promote_dtype(
             (x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype
         )
-        if not use_running_average:
+        if use_running_average:
+            _check_committed(
+                self.window_count[...], self.window_params[...], fingerprint, "NNXAccumBatchNorm"
+            )
+        else:
             window = self._window()
+            self.window_params[...] = _open_window_params(
+                window, self.window_params[...], fingerprint
+            )
             sums = _micro_batch_sums(
                 x,
                 reduction_axes,
@@ -755,14 +870,14 @@ class NNXAccumBatchNorm(nnx.Module):
         )
 
     def commit(self, closes: jax.typing.ArrayLike = True) -> None:
-        """Folds the window into ``mean`` and ``var`` (one EMA step) and empties it.
+        """Folds the window into `mean` and `var` (one EMA step) and empties it.
 
         Args:
-          closes: A boolean scalar, Python or traced; with ``False`` nothing
+          closes: A boolean scalar, Python or traced; with `False` nothing
             changes.
 
         Raises:
-          TypeError: If ``closes`` is not a boolean scalar.
+          TypeError: If `closes` is not a boolean scalar.
         """
         closes = _check_closes(closes)
         mean, var, window = _fold_window(
@@ -773,7 +888,7 @@ class NNXAccumBatchNorm(nnx.Module):
         self._set_window(window)
 
     def set_view(self, use_running_average: bool | None = None) -> None:
-        """Sets ``use_running_average`` for ``nnx.view``.
+        """Sets `use_running_average` for `nnx.view`.
 
         Args:
           use_running_average: If given, the new value of the attribute.
@@ -783,17 +898,17 @@ class NNXAccumBatchNorm(nnx.Module):
 
     @classmethod
     def from_batchnorm(cls, bn: nnx.BatchNorm) -> NNXAccumBatchNorm:
-        """Returns a layer with ``bn``'s configuration, statistics and parameters.
+        """Returns a layer with `bn`'s configuration, statistics and parameters.
 
         Args:
-          bn: An ``nnx.BatchNorm`` layer.
+          bn: An `nnx.BatchNorm` layer.
 
         Returns:
-          A new :class:`NNXAccumBatchNorm` with copies of ``bn``'s variables and
+          A new `NNXAccumBatchNorm` with copies of `bn`'s variables and
           an empty window.
 
         Raises:
-          TypeError: If ``bn`` is not an ``nnx.BatchNorm``.
+          TypeError: If `bn` is not an `nnx.BatchNorm`.
         """
         if not isinstance(bn, nnx.BatchNorm):
             raise TypeError(f"bn must be an nnx.BatchNorm; got {type(bn).__name__}: {bn!r}.")
@@ -802,13 +917,13 @@ class NNXAccumBatchNorm(nnx.Module):
         return layer
 
     def to_batchnorm(self) -> nnx.BatchNorm:
-        """Returns an ``nnx.BatchNorm`` with this layer's configuration and variables.
+        """Returns an `nnx.BatchNorm` with this layer's configuration and variables.
 
-        The window is dropped; call :meth:`commit` first if it is not empty.
+        The window is dropped; call `commit` first if it is not empty.
 
         Returns:
-          A new ``nnx.BatchNorm`` with copies of ``mean``, ``var``, ``scale`` and
-          ``bias``.
+          A new `nnx.BatchNorm` with copies of `mean`, `var`, `scale` and
+          `bias`.
         """
         bn = nnx.BatchNorm(**_shared_config(self), rngs=nnx.Rngs(0))
         _copy_variables(self, bn)
@@ -846,21 +961,21 @@ def _copy_variables(source: Any, target: Any) -> None:
 
 
 def commit_nnx_batch_stats(model: nnx.Module, closes: jax.typing.ArrayLike = True) -> None:
-    """Commits the window of every :class:`NNXAccumBatchNorm` in ``model``, in place.
+    """Commits the window of every `NNXAccumBatchNorm` in `model`, in place.
 
-    The ``nnx`` counterpart of :func:`commit_batch_stats`: call it once per
-    optimizer step (or in every micro-step with a traced ``closes``), e.g. in
-    an ``nnx.jit`` train step after the forward pass.
+    The `nnx` counterpart of `commit_batch_stats`: call it once per
+    optimizer step (or in every micro-step with a traced `closes`), e.g. in
+    an `nnx.jit` train step after the forward pass.
 
     Args:
-      model: An ``nnx.Module`` containing ``NNXAccumBatchNorm`` layers (a layer
+      model: An `nnx.Module` containing `NNXAccumBatchNorm` layers (a layer
         used several times is committed once).
       closes: A boolean scalar, Python or traced: whether this call ends the
         window.
 
     Raises:
-      ValueError: If ``model`` contains no ``NNXAccumBatchNorm``.
-      TypeError: If ``closes`` is not a boolean scalar.
+      ValueError: If `model` contains no `NNXAccumBatchNorm`.
+      TypeError: If `closes` is not a boolean scalar.
 
     Examples:
       >>> import jax.numpy as jnp

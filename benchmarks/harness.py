@@ -1,0 +1,278 @@
+"""Measuring tools shared by the benchmarks and the tests.
+
+One place answers the questions both ask of a compiled step:
+
+* `interleaved_medians`: how long each of several callables takes, called in
+  turn (the order reversed every other round) so machine drift hits them alike;
+* `compiled_memory`: temp, argument, output and alias bytes of a compiled
+  program, and the peak they imply;
+* `Hlo`: the compiled program's text parsed into computations and
+  instructions, to count parameter-sized copies (`Hlo.copies`) and collectives
+  (`Hlo.ops`), split into what runs on every step (`Hlo.every_step`) and what
+  runs only inside a conditional's branches, once per window.
+
+Tests import it as `benchmarks.harness` (the repository root is on `sys.path`
+under pytest); the benchmark scripts, run from `benchmarks/`, as `harness`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+
+
+def interleaved_medians(
+    fns: Mapping[Hashable, Callable[[], Any]], repeats: int, *, warmup: int = 1
+) -> dict[Hashable, float]:
+    """Median wall-clock seconds per call of each callable, measured side by side.
+
+    Every round calls each callable once and waits for its result
+    (`jax.block_until_ready`); odd rounds go in reverse order, so neither the
+    first nor the last position favours one candidate. `warmup` untimed rounds
+    come first (compilation, first-touch page faults).
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(repeats):
+        order = list(fns) if round_ % 2 == 0 else list(reversed(list(fns)))
+        for name in order:
+            start = time.perf_counter()
+            jax.block_until_ready(fns[name]())
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """Bytes of a compiled program, from `compiled.memory_analysis()`."""
+
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Live bytes at the worst moment: outputs that alias a donated argument count once."""
+        return self.temp_bytes + self.argument_bytes + self.output_bytes - self.alias_bytes
+
+
+def compiled_memory(compiled: Any) -> CompiledMemory:
+    stats = compiled.memory_analysis()
+    return CompiledMemory(
+        temp_bytes=int(stats.temp_size_in_bytes),
+        argument_bytes=int(stats.argument_size_in_bytes),
+        output_bytes=int(stats.output_size_in_bytes),
+        alias_bytes=int(stats.alias_size_in_bytes),
+    )
+
+
+# --- compiled HLO ------------------------------------------------------------------------
+
+# A computation header starts at column 0: `%name (params) -> type {` or `ENTRY %name ...`.
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
+# `%name = TYPE opcode(`: TYPE may be a tuple with spaces and `/*index=5*/` comments,
+# so it is the shortest text before the first ` opcode(`.
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+_ARRAY_TYPE = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+_CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition)=\{?([^,}\s]+(?:, *%[\w.\-]+)*)\}?")
+_BRANCHES = re.compile(
+    r"\b(?:branch_computations=\{([^}]*)\}|true_computation=(%?[\w.\-]+)"
+    r"|false_computation=(%?[\w.\-]+))"
+)
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip().lstrip("%") for name in text.split(",") if name.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: `name = types opcode(operands), attributes`."""
+
+    computation: str
+    name: str
+    opcode: str
+    types: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, dims) of every array in the result
+    operands: tuple[str, ...]
+    attributes: str
+    line: str
+
+    @property
+    def elements(self) -> int:
+        return sum(math.prod(dims) for _, dims in self.types)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(dims) * _itemsize(dtype) for dtype, dims in self.types)
+
+
+def _itemsize(hlo_dtype: str) -> int:
+    if hlo_dtype == "pred":
+        return 1
+    bits = re.search(r"\d+", hlo_dtype)
+    return max(1, int(bits.group()) // 8) if bits else 0
+
+
+def _split_call(rest: str) -> tuple[str, str]:
+    """Splits `operands), attributes` at the parenthesis that closes the operand list."""
+    depth = 1
+    for i, char in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return rest[:i], rest[i + 1 :]
+    return rest, ""
+
+
+class Hlo:
+    """A compiled program's HLO text, parsed into computations of instructions."""
+
+    def __init__(self, compiled_or_text: Any):
+        text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+        self.text = text
+        self.computations: dict[str, list[Instruction]] = {}
+        self.entry = ""
+        current: list[Instruction] | None = None
+        name = ""
+        for line in text.splitlines():
+            header = None if line.startswith(" ") else _HEADER.match(line)
+            if header:
+                name = header.group(2)
+                current = self.computations[name] = []
+                if header.group(1):
+                    self.entry = name
+                continue
+            match = _INSTRUCTION.match(line) if current is not None else None
+            if match:
+                operands, attributes = _split_call(match.group(4))
+                current.append(
+                    Instruction(
+                        computation=name,
+                        name=match.group(1),
+                        opcode=match.group(3),
+                        types=tuple(
+                            (dtype, tuple(int(d) for d in dims.split(",") if d))
+                            for dtype, dims in _ARRAY_TYPE.findall(match.group(2))
+                        ),
+                        operands=tuple(re.findall(r"%([\w.\-]+)", operands)),
+                        attributes=attributes,
+                        line=line.strip(),
+                    )
+                )
+        if not self.entry:
+            raise ValueError("no ENTRY computation in the HLO text")
+        self._by_name = {
+            (inst.computation, inst.name): inst
+            for insts in self.computations.values()
+            for inst in insts
+        }
+
+    # -- structure --
+
+    @staticmethod
+    def _callees(inst: Instruction) -> list[str]:
+        return [n for m in _CALLEE.finditer(inst.attributes) for n in _names(m.group(1))]
+
+    @staticmethod
+    def branches(inst: Instruction) -> list[str]:
+        """The branch computations of a `conditional` (empty for other instructions)."""
+        return [
+            n
+            for m in _BRANCHES.finditer(inst.attributes)
+            for n in _names(next(g for g in m.groups() if g))
+        ]
+
+    def reachable(self, roots: Iterable[str], *, into_branches: bool = True) -> set[str]:
+        """Computations called from `roots` (included), transitively."""
+        seen: set[str] = set()
+        todo = list(roots)
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in self.computations:
+                continue
+            seen.add(name)
+            for inst in self.computations[name]:
+                todo += self._callees(inst)
+                if into_branches:
+                    todo += self.branches(inst)
+        return seen
+
+    def every_step(self) -> set[str]:
+        """Computations that run whenever the program runs: all but conditional branches."""
+        return self.reachable([self.entry], into_branches=False)
+
+    def conditionals(self, within: Iterable[str] | None = None) -> list[list[str]]:
+        """The branch computations of each conditional in `within` (default: every step)."""
+        within = self.every_step() if within is None else set(within)
+        return [
+            self.branches(inst)
+            for name in within
+            for inst in self.computations[name]
+            if inst.opcode == "conditional"
+        ]
+
+    def instructions(self, within: Iterable[str] | None = None) -> list[Instruction]:
+        names = self.computations if within is None else within
+        return [inst for name in names for inst in self.computations[name]]
+
+    def source(self, inst: Instruction, operand: int = 0) -> str:
+        """What an operand computes: its opcode, or a fusion's root opcode."""
+        producer = self._by_name.get((inst.computation, inst.operands[operand]))
+        if producer is None:
+            return "unknown"
+        if producer.opcode == "fusion":
+            called = self._callees(producer)
+            if called and self.computations.get(called[0]):
+                return self.computations[called[0]][-1].opcode  # ROOT is printed last
+        return producer.opcode
+
+    # -- questions --
+
+    def ops(self, opcode: str, within: Iterable[str] | None = None) -> list[Instruction]:
+        """Instructions of `opcode` or its `-start` form in `within` (default: everywhere)."""
+        return [
+            inst for inst in self.instructions(within) if inst.opcode in (opcode, f"{opcode}-start")
+        ]
+
+    def copies(self, min_elements: int, within: Iterable[str] | None = None) -> list[Instruction]:
+        """`copy` instructions of at least `min_elements` elements (parameter-sized copies).
+
+        Read `source(copy)` to tell a copy of a state buffer from one of fresh
+        zeros (`"broadcast"`): XLA merges identical zero broadcasts of
+        equal-shaped leaves into one buffer and copies it into each output.
+        """
+        return [inst for inst in self.ops("copy", within) if inst.elements >= min_elements]
+
+    def collective_counts(self, within: Iterable[str] | None = None) -> dict[str, int]:
+        return {op: len(self.ops(op, within)) for op in COLLECTIVES}
+
+    def per_window(self, opcode: str, k: int) -> tuple[int, int]:
+        """(ops, bytes) that one window of `k` calls runs: ops outside branches run `k` times.
+
+        An op inside a conditional's branch runs at most once per window (the
+        boundary branch of `accumulate`, or the update branch of MultiSteps).
+        """
+        every = self.every_step()
+        count = nbytes = 0
+        for inst in self.ops(opcode):
+            runs = k if inst.computation in every else 1
+            count += runs
+            nbytes += runs * inst.nbytes
+        return count, nbytes
+
+
+def smallest_leaf(tree: Any) -> int:
+    """Elements of the smallest non-scalar leaf: the `min_elements` of parameter-sized copies."""
+    return min(int(np.size(leaf)) for leaf in jax.tree.leaves(tree) if np.size(leaf) > 1)
