@@ -251,3 +251,78 @@ def test_closed_form_across_replicas_with_one_all_reduce_per_window():
     # One all-reduce: the gradient sum, the window weight and the two noise-scale sums.
     assert len(boundary[0]) == 1, boundary[0]
     assert boundary[0][0].elements == D + 1 + 2
+
+
+def test_finite_gradients_whose_square_overflows_are_accepted():
+    """The finiteness test reuses |g|²; a finite |g|² = inf must not drop the gradient."""
+    tx = ga.accumulate(optax.sgd(0.0), 2, track_noise_scale=True)
+    state = tx.init(jnp.zeros(2))
+    update = jax.jit(tx.update)
+    for g in ([1e20, 0.0], [jnp.nan, 0.0], [1.0, 0.0]):
+        _, state = update(jnp.array(g), state)
+    assert int(state.num_skipped) == 1  # only the NaN
+    assert int(ga.optimizer_step(state)) == 1
+    # No window had two accepted micro-gradients: no estimate, and nothing poisoned.
+    assert np.isnan(float(ga.gradient_noise_scale(state).b_simple))
+    assert float(state.noise_scale.ema_normalizer) == 0.0
+
+
+# --- critical_batch_schedule -------------------------------------------------------------
+
+
+def test_schedule_next_k_rules():
+    sched = ga.critical_batch_schedule(2, 32, warmup_steps=3, max_change=2.0)
+
+    def nxt(step, k, b_simple):
+        noise = ga.GradientNoiseScale(jnp.float32(b_simple), jnp.float32(1), jnp.float32(1))
+        return int(sched.next_k(jnp.int32(step), jnp.int32(k), noise))
+
+    assert int(sched(jnp.int32(0))) == 2
+    assert nxt(1, 2, 20.0) == 2  # warm-up
+    assert nxt(5, 4, 20.0) == 8  # growth capped at 2x
+    assert nxt(5, 16, 20.0) == 20
+    assert nxt(5, 16, 3.0) == 8  # shrink capped at 1/2
+    assert nxt(5, 30, 1e6) == 32  # max_k
+    assert nxt(5, 3, 0.1) == 2  # min_k
+    assert nxt(5, 6, float("nan")) == 6  # no estimate: keep
+    sched4 = ga.critical_batch_schedule(2, 32, batch_per_micro_step=4.0, max_change=10.0)
+    noise = ga.GradientNoiseScale(jnp.float32(40.0), jnp.float32(1), jnp.float32(1))
+    assert int(sched4.next_k(jnp.int32(9), jnp.int32(4), noise)) == 10
+
+
+def test_schedule_follows_the_noise_scale_with_exact_windows():
+    """At fixed params b_simple ≈ 9.6 micro-batches of one example: K settles near 10."""
+    sched = ga.critical_batch_schedule(2, 64, warmup_steps=20, max_change=1.5)
+    tx = ga.accumulate(optax.sgd(0.0), sched, track_noise_scale=True, noise_scale_decay=0.95)
+
+    @jax.jit
+    def run(state, key):
+        def body(state, key):
+            x, y = _batch(key, 1)
+            _, state = tx.update(_grad(W, x, y, jnp.ones(1)), state, W)
+            return state, (state.window_length, state.micro_step)
+
+        return jax.lax.scan(body, state, jax.random.split(key, 3000))
+
+    _, (lengths, micro) = run(tx.init(W), jax.random.key(4))
+    lengths, micro = np.asarray(lengths), np.asarray(micro)
+    assert lengths[0] == 2
+    # Every window ran exactly its length: the micro-step count restarts at K.
+    closes = np.flatnonzero(micro == 0)
+    starts = np.concatenate([[-1], closes[:-1]])
+    np.testing.assert_array_equal(closes - starts, np.concatenate([[2], lengths[closes[:-1]]]))
+    # K never changes by more than 1.5x per window.
+    ks = lengths[closes]
+    assert np.all(ks[1:] <= np.ceil(1.5 * ks[:-1])) and np.all(ks[1:] >= np.floor(ks[:-1] / 1.5))
+    np.testing.assert_allclose(np.median(ks[-20:]), B_SIMPLE, rtol=0.35)
+
+
+def test_schedule_needs_tracking_and_valid_bounds():
+    with pytest.raises(ValueError, match="track_noise_scale=True"):
+        ga.accumulate(optax.sgd(0.1), ga.critical_batch_schedule(2, 8))
+    with pytest.raises(ValueError, match="min_k"):
+        ga.critical_batch_schedule(1, 8)
+    with pytest.raises(ValueError, match="max_k"):
+        ga.critical_batch_schedule(4, 3)
+    with pytest.raises(ValueError, match="max_change"):
+        ga.critical_batch_schedule(2, 8, max_change=1.0)
