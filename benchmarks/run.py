@@ -27,6 +27,7 @@ BENCHMARKS = [
     "accumulate",
     "microbatch",
     "distributed",
+    "global_view",
     "mixed_precision",
     "clipping",
     "noise_scale",
@@ -113,6 +114,10 @@ def headline_panels(results: dict[str, list[dict]]) -> list[tuple[str, list[tupl
             for r in dist
         ]
         panels.append(("distributed, 8 host devices: time per window / usual pattern", bars))
+    view = results.get("global_view", [])
+    if view:
+        bars = [(f"K={r['k']}: {r['candidate']}", r["time_over_multisteps"]) for r in view]
+        panels.append(("global-view jit, 8 host devices: time per window / MultiSteps", bars))
     mixed = [r for r in results.get("mixed_precision", []) if r.get("regime") == "trained"]
     if mixed:
         bars = [(f"{r['accumulator']} K={r['K']}", r["rel_l2_error"]) for r in mixed]

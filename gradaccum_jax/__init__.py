@@ -45,6 +45,9 @@ from gradaccum_jax._distributed import (
     remove_replica_axis,
     replica_state_specs,
 )
+from gradaccum_jax._global_view import (
+    unreduced_value_and_grad,
+)
 from gradaccum_jax._microbatch import (
     microbatch_value_and_grad,
     plan_microbatches,
@@ -129,6 +132,7 @@ __all__ = [
     "scaled_value_and_grad",
     "split_accumulate",
     "static_loss_scale",
+    "unreduced_value_and_grad",
 ]
 
 

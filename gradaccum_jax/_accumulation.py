@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import checkify
 
-from gradaccum_jax import _collectives, _noise_scale, _validation, _window
+from gradaccum_jax import _collectives, _global_view, _noise_scale, _validation, _window
 
 AxisName = Hashable | Sequence[Hashable]
 
@@ -139,6 +139,7 @@ def accumulate(
     should_skip_update_fn: ShouldSkipUpdateFn | None = None,
     count_skipped_steps: bool = True,
     check_values: bool = False,
+    shard_inner_state: Any = None,
     track_noise_scale: bool = False,
     noise_scale_decay: float = 0.99,
     micro_batch_size: int | None = None,
@@ -160,6 +161,12 @@ def accumulate(
     token count), runs ``inner.update`` once on ``ḡ``, resets the accumulator
     and returns the inner update. With the mean, ``K`` micro-batches give the
     same parameters as one batch ``K`` times larger, for any inner optimizer.
+
+    Gradients typed unreduced over mesh axes (from `unreduced_value_and_grad`
+    in a global-view `jax.jit` step) are accumulated unreduced, with no
+    collective on the micro-steps: each device drops its own non-finite
+    partial sum, and the window's close reduces the sums and weights once
+    (`jax.reshard`). See the distributed-training guide.
 
     The gate is a ``jax.lax.cond``: the inner optimizer is not computed on the
     micro-steps. The accumulator is updated after the conditional, in one fused
@@ -244,6 +251,18 @@ def accumulate(
       check_values: If ``True``, invalid traced values (a schedule value
         below 1, a negative or non-finite ``weight``) are reported with
         ``jax.experimental.checkify.check`` besides being counted.
+      shard_inner_state: For global-view `jax.jit` on a mesh with gradients
+        from `unreduced_value_and_grad` (ZeRO-1). `None` (default) keeps the
+        inner state sharded like the params. A mesh axis name (or tuple of
+        names) shards the inner optimizer's state, and the reduced gradient
+        and params it sees, over that axis: each leaf whose first dimension
+        is divisible by the number of devices along it is split there, the
+        others keep the params' sharding. A callable `(path, param) ->
+        PartitionSpec` or a tree of `PartitionSpec`s like the params chooses
+        per leaf. The window's close then reduces the unreduced sums straight
+        into that sharding (a reduce-scatter) and all-gathers the updates
+        back to the params' sharding; the accumulator is unreduced from
+        `init` on. Not with `axis_name` or `compensated`.
       track_noise_scale: If `True`, measure the gradient noise scale
         (McCandlish et al. 2018) for free: each micro-step also sums its
         micro-gradient's squared norm (one scalar), each window with at least
@@ -276,16 +295,20 @@ def accumulate(
       TypeError: If ``inner`` is not a gradient transformation,
         ``every_k_schedule`` is neither an int nor a callable, or
         ``accumulator_dtype`` is not a floating-point dtype, or ``axis_name``
-        is neither a name nor a tuple of names.
+        is neither a name nor a tuple of names, or ``shard_inner_state`` is
+        neither a name, a callable nor a tree of specs.
       ValueError: If ``every_k_schedule`` is an int below 1, or
-        ``compensated=True`` without a 16-bit ``accumulator_dtype``, or
-        ``should_skip_update_fn`` or ``count_skipped_steps=False`` is combined
+        ``compensated=True`` without a 16-bit ``accumulator_dtype`` or with
+        ``shard_inner_state``, or ``should_skip_update_fn``,
+        ``count_skipped_steps=False`` or ``shard_inner_state`` is combined
         with ``axis_name``, or `noise_scale_decay` is outside `[0, 1)`,
         `micro_batch_size` is not a positive int, or `track_noise_scale=True`
         with `every_k_schedule=1` and no `axis_name`; at trace time, if
-        `weight=` is passed together with `micro_batch_size`; at trace
-        time, if an ``axis_name`` is not bound where ``update`` runs, or
-        (under ``shard_map``) the gradients are already replica-invariant.
+        `weight=` is passed together with `micro_batch_size`, if an
+        ``axis_name`` is not bound where ``update`` runs, or (under
+        ``shard_map``) the gradients are already replica-invariant, or
+        unreduced gradients mix unreduced axes or sit beside leaves sharded
+        over them.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -315,6 +338,7 @@ def accumulate(
     else:
         axis_names = _validation.check_axis_name("axis_name", axis_name)
     _check_skip_options(should_skip_update_fn, count_skipped_steps, check_values, axis_name)
+    zero_axes = _global_view.check_shard_inner_state(shard_inner_state, axis_name, compensated)
     _check_noise_scale_args(
         track_noise_scale, noise_scale_decay, micro_batch_size, every_k_schedule, axis_name
     )
@@ -346,7 +370,17 @@ def accumulate(
         acc = _window.zeros(params, accumulator_dtype)
         if compensated:
             _validation.check_compensable("params", acc)
-        inner_state = inner.init(params)
+        acc_weight, num_skipped = jnp.zeros([], jnp.float32), _window.counter()
+        inner_params = params
+        if shard_inner_state is not None:
+            # ZeRO-1: the window is unreduced from the start, the inner state sharded.
+            specs = _global_view.inner_specs(params, shard_inner_state, zero_axes)
+            axes = zero_axes or _global_view.spec_axes("shard_inner_state", specs)
+            acc, acc_weight, num_skipped = _global_view.unreduced_zeros(
+                (acc, acc_weight, num_skipped), axes
+            )
+            inner_params = jax.tree.map(jax.reshard, params, specs)
+        inner_state = inner.init(inner_params)
         # Imported here: _mixed_precision builds on this module.
         from gradaccum_jax._mixed_precision import refuse_inside_accumulate
 
@@ -361,9 +395,9 @@ def accumulate(
             window_length=length(_window.counter())[0],
             updated=jnp.array(False),
             acc_grads=acc,
-            acc_weight=jnp.zeros([], jnp.float32),
+            acc_weight=acc_weight,
             weight_unit=jnp.ones([], jnp.float32),
-            num_skipped=_window.counter(),
+            num_skipped=num_skipped,
             inner_state=inner_state,
             num_short_windows=_window.counter(),
             acc_compensation=jax.tree.map(jnp.zeros_like, acc) if compensated else None,
@@ -391,6 +425,11 @@ def accumulate(
         _validation.check_same_structure("updates", grads, "state.acc_grads", state.acc_grads)
         _validation.check_float_tree("updates", grads)
         w = None if weight is None else _check_weight(weight)
+        axes = None
+        if axis_names is None:
+            axes = _global_view.unreduced_axes("updates", grads) or zero_axes
+        if axes is not None or shard_inner_state is not None:
+            return unreduced_update(grads, state, params, w, axes, extra_args)
 
         # Accept.
         grads_sq = _noise_scale.sq_norm(grads) if track_noise_scale else None
@@ -513,6 +552,107 @@ def accumulate(
             acc_compensation=new_comp,
             skip_state=skip_state,
             noise_scale=new_noise,
+        )
+        return new_updates, new_state
+
+    def unreduced_update(grads, state, params, w, axes, extra_args):
+        """`update_fn` for gradients unreduced over mesh axes (global-view `jit`).
+
+        Each device accepts or drops its own partial sum and adds it to its
+        part of the unreduced accumulator, with no collective; the window's
+        close reduces the sums once (`_global_view.unreduced_gate`).
+        """
+        if axes is None:
+            axes = _global_view.spec_axes(
+                "shard_inner_state", _global_view.inner_specs(params, shard_inner_state, None)
+            )
+        if zero_axes is not None and set(axes) != set(zero_axes):
+            raise ValueError(
+                f"the gradients are unreduced over {axes}, but shard_inner_state="
+                f"{shard_inner_state!r} shards the inner state over {zero_axes}; name the "
+                "same axis in both."
+            )
+        if should_skip_update_fn is not None or not count_skipped_steps:
+            raise ValueError(
+                f"should_skip_update_fn and count_skipped_steps=False need the whole gradient "
+                f"on every device; the gradients are unreduced over mesh axes {axes}. Drop "
+                "them (non-finite partial sums are dropped per device already)."
+            )
+        if compensated:
+            raise ValueError(
+                "compensated=True is not available for gradients unreduced over mesh axes "
+                f"{axes}; use a float32 accumulator (accumulator_dtype=None)."
+            )
+        # Accept: the weight's checks are global, finiteness is each device's own.
+        valid = jnp.array(True)
+        if w is not None and skip_nonfinite:
+            valid = jnp.isfinite(w) & (w >= 0)
+        accepted = _global_view.local_accept(grads, valid, axes, check=skip_nonfinite)
+        if w is None:
+            scale, unit, term_weight = None, state.weight_unit, jnp.float32(1.0)
+        else:
+            # The unit must be the same on every device: the first micro-step's
+            # weight if it is usable (any unit gives the same mean).
+            first = valid & (state.micro_step == 0) & (w > 0)
+            unit = jnp.where(first, w, state.weight_unit)
+            scale = term_weight = w / unit
+        window_weight, _ = _global_view.local_count(
+            state.acc_weight, state.num_skipped, accepted, term_weight, None, axes
+        )
+        micro_step = state.micro_step + 1
+        closes = micro_step >= state.window_length
+        like = grads if params is None else params
+        specs = _global_view.inner_specs(like, shard_inner_state, axes)
+
+        def total(acc):
+            return _global_view.local_add(acc, grads, accepted, scale, None, axes)
+
+        def step(window: _window.Window, inner_state):
+            if use_grad_mean:
+                reduced = jax.tree.map(lambda t: t / window.weight.astype(t.dtype), window.total)
+            else:
+                reduced = jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
+            inner_params = None if params is None else jax.tree.map(jax.reshard, params, specs)
+            updates, new_inner = _window.inner_update(
+                inner, reduced, inner_state, grads, inner_params, extra_args
+            )
+            # Back to the params' sharding (an all-gather of the sharded updates).
+            back = jax.tree.map(
+                lambda u, p: jax.reshard(u, _global_view.dense_spec(p)), updates, like
+            )
+            return back, new_inner
+
+        new_updates, new_inner, reset, applied = _window.close(
+            _global_view.unreduced_gate(specs),
+            closes,
+            state.acc_grads,
+            state.inner_state,
+            window_weight,
+            unit,
+            total=total,
+            step=step,
+            like=like,
+        )
+
+        # Write: after the conditional, each device on its own part.
+        new_acc = _global_view.local_add(state.acc_grads, grads, accepted, scale, reset, axes)
+        acc_weight, num_skipped = _global_view.local_count(
+            state.acc_weight, state.num_skipped, accepted, term_weight, reset, axes
+        )
+        gradient_step = _window.increment_if(state.gradient_step, applied)
+        # _replace: fields this mode does not touch keep their values.
+        new_state = state._replace(
+            micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
+            gradient_step=gradient_step,
+            window_length=jnp.where(reset, length(gradient_step)[0], state.window_length).astype(
+                jnp.int32
+            ),
+            updated=applied,
+            acc_grads=new_acc,
+            acc_weight=acc_weight,
+            weight_unit=jnp.where(reset, 1.0, unit).astype(jnp.float32),
+            num_skipped=num_skipped,
+            inner_state=new_inner,
         )
         return new_updates, new_state
 

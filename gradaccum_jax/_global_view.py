@@ -1,0 +1,605 @@
+"""Per-device gradients for global-view ``jax.jit`` on an explicit mesh, typed unreduced."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gradaccum_jax import _validation, _window
+from gradaccum_jax._microbatch import microbatch_value_and_grad
+
+AxisName = Hashable | Sequence[Hashable]
+
+
+def _positions(name: str, value: Any) -> tuple[int, ...]:
+    def is_index(v: Any) -> bool:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
+
+    positions = (value,) if is_index(value) else value
+    try:
+        positions = tuple(positions)
+    except TypeError:
+        positions = ()
+    if not positions or not all(is_index(i) for i in positions):
+        raise TypeError(
+            f"{name} must be a non-negative int or a non-empty sequence of them (positions "
+            f"of positional arguments); got {name}={value!r}."
+        )
+    if len(set(positions)) != len(positions):
+        raise ValueError(f"{name} must not repeat a position; got {name}={value!r}.")
+    return tuple(int(i) for i in positions)
+
+
+def mesh_axes_size(axes: tuple[Any, ...], who: str) -> int:
+    """Returns the number of devices along `axes` of the context mesh, or raises.
+
+    `who` is the argument as the user wrote it, e.g. `"axis_name='data'"`.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    shown = axes[0] if len(axes) == 1 else axes
+    if mesh.empty:
+        raise ValueError(
+            f"{who} needs a mesh: call it inside jax.jit under `with jax.set_mesh(mesh):` "
+            "(or after jax.set_mesh(mesh)), with mesh = "
+            f"jax.make_mesh((jax.device_count(),), ({shown!r},))."
+        )
+    for axis in axes:
+        if axis not in mesh.shape:
+            raise ValueError(
+                f"{who}: the mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}. "
+                "Pass the name of the data-parallel mesh axis."
+            )
+        kind = mesh.axis_types[mesh.axis_names.index(axis)]
+        if kind != jax.sharding.AxisType.Explicit:
+            raise ValueError(
+                f"{who}: the mesh axis {axis!r} is of type {kind}, and unreduced arrays "
+                "need an Explicit axis. Build the mesh with jax.make_mesh(..., "
+                "axis_types=(jax.sharding.AxisType.Explicit,))."
+            )
+    return math.prod(mesh.shape[axis] for axis in axes)
+
+
+def _varying_axes(x: Any) -> frozenset:
+    return frozenset(jax.typeof(x).mat.varying)
+
+
+def _check_batch(args: tuple[Any, ...], batch_nums: tuple[int, ...], devices: int, axes) -> None:
+    shown = axes[0] if len(axes) == 1 else axes
+    for j in batch_nums:
+        if j >= len(args):
+            raise ValueError(
+                f"batch_argnums names position {j}, but the function was called with "
+                f"{len(args)} positional argument(s)."
+            )
+        for path, leaf in jax.tree_util.tree_leaves_with_path(args[j]):
+            where = f"argument {j}{jax.tree_util.keystr(path)}"
+            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % devices:
+                raise ValueError(
+                    f"every leaf of a batch argument is split along its leading axis over "
+                    f"the {devices} devices of axis_name={shown!r}; {where} has shape "
+                    f"{jnp.shape(leaf)}. Use a global batch size that is a multiple of "
+                    f"{devices}, and pass per-batch constants at a position that is not in "
+                    "batch_argnums."
+                )
+
+
+def unreduced_value_and_grad(
+    fun: Callable[..., Any],
+    axis_name: AxisName,
+    *,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] = 1,
+    has_aux: bool = False,
+    num_microbatches: int = 1,
+    reduce_value: bool = True,
+    aux_out_specs: Any = None,
+) -> Callable[..., Any]:
+    r"""Returns `jax.value_and_grad(fun)` for global-view `jit`, with gradients left unreduced.
+
+    For a train step written as plain `jax.jit` over a mesh with explicit
+    sharding (`jax.set_mesh`, a batch sharded `P("data")`, replicated params),
+    `jax.value_and_grad` sums the gradient across devices in the backward pass:
+    an all-reduce of every gradient on every call. This function instead
+    computes each device's gradient on its own slice of the batch, inside
+    `jax.shard_map` with the params cast to varying (so the backward pass adds
+    nothing up), and returns the gradients as global-view arrays typed
+    *unreduced* over `axis_name` (`jax.typeof(g)` shows `float32[...]{U:data}`):
+    each device holds its partial sum, and no collective has run. Their sum is
+    the gradient of the global batch's mean loss: with $n$ devices and $L_d$
+    the mean loss on device $d$'s slice,
+
+    $$
+    g_d = \frac{1}{n}\nabla L_d, \qquad \sum_{d=1}^{n} g_d
+    = \nabla \frac{1}{n}\sum_{d=1}^{n} L_d .
+    $$
+
+    Unreduced arrays can be added, scaled by a replicated constant marked
+    reduced, and kept in state across jitted calls; `jax.reshard(g, P())`
+    (an all-reduce) or `jax.reshard(g, P("data", ...))` (a reduce-scatter)
+    turns them into ordinary arrays. `gradaccum_jax.accumulate` adds them up
+    over a window and reduces once, when the window closes.
+
+    The sum is the global-batch gradient when `fun` is a mean over equally
+    weighted examples and every device holds the same number of examples
+    (the batch axis is split evenly). With per-example weights or masks, `fun`
+    returns each device's weighted mean and the sum is the mean of the
+    devices' means: exact only when every device holds the same total weight.
+
+    The value is the global mean (one scalar all-reduce per call, which XLA
+    removes when the value is not used); with `reduce_value=False` it is
+    unreduced like the gradients, $L_d / n$ on each device.
+
+    Auxiliary outputs (`has_aux=True`) that are the same on every device are
+    returned as they are. Each one that differs between devices is averaged
+    over them (a floating-point leaf, e.g. a metric, or Flax `batch_stats`
+    updated from each device's slice) or summed (an integer or boolean leaf, a
+    count): a small collective per call. For Flax linen models with mutable
+    batch statistics, `nn.BatchNorm(axis_name=<the axis>)` gives the
+    statistics of the global batch (Flax averages them across devices in the
+    forward pass); with `axis_name=None` each device normalises with its own
+    slice's statistics and the returned running statistics are the average
+    of the devices' running statistics (the running mean is the global one,
+    the running variance misses the variance between the devices' means).
+    `aux_out_specs` replaces this rule: a `PartitionSpec` (or a pytree prefix
+    of the aux of them) as `jax.shard_map`'s `out_specs` would take, e.g.
+    `jax.P("data")` for per-example outputs, concatenated in batch order.
+
+    Args:
+      fun: The loss, `fun(*args, **kwargs)`, returning a scalar (or
+        `(loss, aux)` with `has_aux`). It is traced for one device's slice of
+        the batch; keyword arguments are passed to it unchanged.
+      axis_name: The data-parallel axis of the context mesh (or a tuple of
+        axes), which must be `Explicit`. The batch arguments are split along
+        their leading axis over it; every other argument is used replicated.
+      argnums: Position(s) of the arguments to differentiate (the params),
+        as in `jax.value_and_grad`.
+      batch_argnums: Position(s) of the batch arguments: pytrees whose leaves
+        all have the global batch size, a multiple of the number of devices
+        along `axis_name`, as their leading axis.
+      has_aux: As in `jax.value_and_grad`.
+      num_microbatches: If above 1, each device computes its gradient over its
+        slice in that many sequential micro-batches, with
+        `gradaccum_jax.microbatch_value_and_grad` (the slice must be divisible
+        by it). The result is the same; peak activation memory is that of a
+        micro-batch.
+      reduce_value: If `True` (default) the value is the global mean; if
+        `False` it is unreduced over `axis_name`, and no collective runs at
+        all.
+      aux_out_specs: `None` (default: the rule above), or the out specs of the
+        aux outputs.
+
+    Returns:
+      A function with the signature of `fun` returning `(value, grads)` or
+      `((value, aux), grads)`, like `jax.value_and_grad`. Call it inside
+      `jax.jit`, under the mesh.
+
+    Raises:
+      TypeError: If `fun` is not callable, `axis_name` is not a name or a
+        tuple of names, or an argnums value is not a position.
+      ValueError: If the argnums overlap; when called, if there is no context
+        mesh, it lacks `axis_name` or the axis is not `Explicit`, or a batch
+        leaf's leading axis is not a multiple of the number of devices.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import gradaccum_jax as ga
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> def loss(w, batch):
+      ...     return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+      >>> batch = {"x": jnp.arange(32.0).reshape(16, 2) / 16, "y": jnp.ones(16)}
+      >>> w = jnp.array([1.0, -1.0])
+      >>> full_value, full_grad = jax.value_and_grad(loss)(w, batch)
+      >>> with jax.set_mesh(mesh):
+      ...     sharded = jax.device_put(batch, jax.P("data"))
+      ...     step = jax.jit(ga.unreduced_value_and_grad(loss, "data"))
+      ...     value, grad = step(jax.device_put(w, jax.P()), sharded)
+      ...     print(jax.typeof(grad))
+      ...     summed = jax.jit(lambda g: jax.reshard(g, jax.P()))(grad)
+      ...     print(jnp.allclose(summed, full_grad), jnp.allclose(value, full_value))
+      float32[2]{U:data}
+      True True
+    """
+    if not callable(fun):
+        raise TypeError(f"fun must be callable; got {fun=!r}.")
+    axes = _validation.check_axis_name("axis_name", axis_name)
+    grad_nums = _positions("argnums", argnums)
+    batch_nums = _positions("batch_argnums", batch_argnums)
+    overlap = sorted(set(grad_nums) & set(batch_nums))
+    if overlap:
+        raise ValueError(
+            f"position(s) {overlap} are in both argnums and batch_argnums; the params are "
+            f"replicated and the batch is split. Got {argnums=!r}, {batch_argnums=!r}."
+        )
+    k = _validation.check_int("num_microbatches", num_microbatches)
+    if not isinstance(reduce_value, bool):
+        raise TypeError(f"reduce_value must be a bool; got {reduce_value=!r}.")
+    if aux_out_specs is not None and not has_aux:
+        raise ValueError(f"aux_out_specs is given but has_aux=False; got {aux_out_specs=!r}.")
+    if k == 1:
+        value_and_grad = jax.value_and_grad(fun, argnums, has_aux=has_aux)
+    else:
+        value_and_grad = microbatch_value_and_grad(
+            fun, k, has_aux=has_aux, argnums=argnums, batch_argnums=batch_argnums
+        )
+    unreduced = jax.P(unreduced=frozenset(axes))
+
+    def reduce_aux(leaf: Any) -> Any:
+        if not (_varying_axes(leaf) & set(axes)):
+            return leaf
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            return jax.lax.pmean(leaf, axes)
+        return jax.lax.psum(leaf, axes)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        devices = mesh_axes_size(axes, f"unreduced_value_and_grad(..., axis_name={axis_name!r})")
+        for i in grad_nums:
+            if i >= len(args):
+                raise ValueError(
+                    f"argnums names position {i}, but the function was called with "
+                    f"{len(args)} positional argument(s)."
+                )
+        _check_batch(args, batch_nums, devices, axes)
+
+        def local(*local_args: Any) -> Any:
+            local_args = list(local_args)
+            for i in grad_nums:
+                # Invariant params would get their gradient summed across devices
+                # by the backward pass; varying ones keep it on the device.
+                local_args[i] = jax.lax.pcast(local_args[i], axes, to="varying")
+            out, grads = value_and_grad(*local_args, **kwargs)
+            value, aux = out if has_aux else (out, None)
+            grads = jax.tree.map(lambda g: g / devices, grads)
+            value = jax.lax.pmean(value, axes) if reduce_value else value / devices
+            if has_aux and aux_out_specs is None:
+                aux = jax.tree.map(reduce_aux, aux)
+            return value, grads, aux
+
+        in_specs = tuple(jax.P(axes) if i in batch_nums else jax.P() for i in range(len(args)))
+        # shard_map takes arrays already in its in_specs: params sharded over
+        # the axis (FSDP) are gathered here, a replicated batch is sliced.
+        args = tuple(
+            jax.tree.map(lambda x, s=spec: jax.reshard(x, s) if isinstance(x, jax.Array) else x, a)
+            for a, spec in zip(args, in_specs, strict=True)
+        )
+        aux_specs = jax.P() if aux_out_specs is None else aux_out_specs
+        out_specs = (jax.P() if reduce_value else unreduced, unreduced, aux_specs)
+        value, grads, aux = jax.shard_map(local, in_specs=in_specs, out_specs=out_specs)(*args)
+        return ((value, aux), grads) if has_aux else (value, grads)
+
+    return wrapped
+
+
+# --- the unreduced window of `accumulate` ------------------------------------------
+#
+# Unreduced arrays allow adds and selects but no element-wise rule that is not
+# linear (`abs`, `isfinite`), so the finiteness check and the weighted add run
+# per device, inside a `jax.shard_map` with `check_vma=False`: there each
+# device sees its own partial sum as a plain array. Nothing leaves the device.
+# A leaf that is not unreduced (replicated) counts as a partial sum split
+# evenly: each device holds `1/n` of it.
+
+
+def _spec(leaf: Any) -> Any:
+    return jax.typeof(leaf).sharding.spec
+
+
+def _is_unreduced(leaf: Any) -> bool:
+    return bool(_spec(leaf).unreduced)
+
+
+def _mesh_axes_of(spec: Any) -> set:
+    return {
+        a
+        for part in spec
+        if part is not None
+        for a in (part if isinstance(part, tuple) else (part,))
+    }
+
+
+def unreduced_axes(name: str, tree: Any) -> tuple[Any, ...] | None:
+    """The mesh axes over which leaves of `tree` are unreduced, or `None` if none is.
+
+    All unreduced leaves must share one set of axes, and the other leaves must
+    not be sharded over them.
+    """
+    found: dict[frozenset, str] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        axes = frozenset(_spec(leaf).unreduced)
+        if axes:
+            found.setdefault(axes, jax.tree_util.keystr(path))
+    if not found:
+        return None
+    if len(found) > 1:
+        shown = {where: sorted(axes, key=str) for axes, where in found.items()}
+        raise ValueError(
+            f"{name} leaves are unreduced over different mesh axes: {shown}. Take every "
+            "gradient with one unreduced_value_and_grad(..., axis_name=...) call, or reduce "
+            "the extra axes first with jax.reshard."
+        )
+    axes = next(iter(found))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        spec = _spec(leaf)
+        if not spec.unreduced and _mesh_axes_of(spec) & axes:
+            raise ValueError(
+                f"{name} leaf {jax.tree_util.keystr(path)!r} is sharded over "
+                f"{sorted(_mesh_axes_of(spec) & axes, key=str)} ({spec}) while other leaves "
+                f"are unreduced over them. Take it with unreduced_value_and_grad like the "
+                f"others, or reshard it: jax.reshard(leaf, jax.P()) (an all-gather)."
+            )
+    return tuple(sorted(axes, key=str))
+
+
+def _device_count(axes: tuple[Any, ...]) -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(mesh.shape[axis] for axis in axes)
+
+
+def _share(leaf: jax.Array, is_unreduced: bool, axes: tuple[Any, ...], devices: int):
+    """Inside the per-device body: this device's share of a global leaf.
+
+    An unreduced leaf's share is its partial sum; a replicated floating leaf's
+    is `1/n` of it; a replicated count cannot be split, so device 0 keeps it.
+    """
+    if is_unreduced:
+        return leaf
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return leaf / jnp.asarray(devices, leaf.dtype)
+    first = jax.lax.axis_index(axes) == 0
+    return jnp.where(first, leaf, jnp.zeros_like(leaf))
+
+
+def _unsplit(leaf: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
+    spec = _spec(leaf)
+    if spec.unreduced or not _mesh_axes_of(spec) & set(axes):
+        return leaf
+
+    def drop(part):
+        names = part if isinstance(part, tuple) else (part,)
+        kept = tuple(a for a in names if a is not None and a not in axes)
+        return kept if len(kept) > 1 else (kept[0] if kept else None)
+
+    return jax.reshard(leaf, jax.P(*(drop(part) for part in spec)))
+
+
+def _per_device(
+    body: Callable[..., Any],
+    axes: tuple[Any, ...],
+    plain: tuple[Any, ...],
+    plain_specs: tuple[Any, ...],
+    shared: tuple[Any, ...],
+    out_specs: Any,
+) -> Any:
+    """Runs `body(plain, *shares)` on every device, with no communication.
+
+    `plain` operands reach the body as `jax.shard_map` gives them under
+    `plain_specs`; each tree of `shared` arrives as this device's share of
+    its leaves (see `_share`). Outputs leave with `out_specs`.
+    """
+    devices = _device_count(axes)
+    unreduced = jax.P(unreduced=frozenset(axes))
+    # A state leaf sharded over the axes (the accumulator `init` made like
+    # params sharded for FSDP) is gathered first; this happens on the call that
+    # retypes the state as unreduced, not on later ones.
+    shared = tuple(jax.tree.map(lambda x: _unsplit(x, axes), tree) for tree in shared)
+    kinds = [jax.tree.map(_is_unreduced, tree) for tree in shared]
+    specs = [
+        jax.tree.map(lambda x, u: unreduced if u else _spec(x), tree, kind)
+        for tree, kind in zip(shared, kinds, strict=True)
+    ]
+
+    def local(plain, *trees):
+        shares = [
+            jax.tree.map(lambda x, u: _share(x, u, axes, devices), tree, kind)
+            for tree, kind in zip(trees, kinds, strict=True)
+        ]
+        return body(plain, *shares)
+
+    in_specs = (tuple(plain_specs), *specs)
+    return jax.shard_map(local, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        tuple(plain), *shared
+    )
+
+
+def local_accept(
+    grads: Any, valid: jax.Array, axes: tuple[Any, ...], *, check: bool = True
+) -> jax.Array:
+    """`bool[n]` sharded over `axes`: whether each device's share of `grads` is finite.
+
+    `valid` (a replicated boolean scalar, e.g. whether the weight is usable)
+    is and-ed in. With `check=False` the gradients are not looked at.
+    """
+
+    def body(plain, grads):
+        (valid,) = plain
+        leaves = [leaf for leaf in jax.tree.leaves(grads) if leaf.size and check]
+        finite = [jnp.isfinite(jnp.max(jnp.abs(leaf))) for leaf in leaves]
+        return jnp.reshape(jnp.all(jnp.stack([valid, *finite])), (1,))
+
+    return _per_device(body, axes, (valid,), (jax.P(),), (grads,), jax.P(axes))
+
+
+def local_add(
+    acc: Any,
+    grads: Any,
+    accepted: jax.Array,
+    scale: jax.Array | None,
+    reset: jax.Array | None,
+    axes: tuple[Any, ...],
+) -> Any:
+    """Each device's `acc + scale * g` where it accepted (fresh zeros where `reset`), unreduced.
+
+    With `reset=None` it is the read-only window total the close reduces; with
+    the conditional's `reset` flag it is the write after the conditional.
+    """
+    scale = jnp.float32(1.0) if scale is None else scale
+    reset = jnp.array(False) if reset is None else reset
+
+    def body(plain, acc, grads):
+        accepted, scale, reset = plain
+        ok = accepted[0]
+
+        def leaf(a, g):
+            added = jnp.where(ok, a + g.astype(a.dtype) * scale.astype(a.dtype), a)
+            return jnp.where(reset, jnp.zeros_like(a), added)
+
+        return jax.tree.map(leaf, acc, grads)
+
+    plain_specs = (jax.P(axes), jax.P(), jax.P())
+    unreduced = jax.P(unreduced=frozenset(axes))
+    return _per_device(body, axes, (accepted, scale, reset), plain_specs, (acc, grads), unreduced)
+
+
+def local_count(
+    acc_weight: jax.Array,
+    num_skipped: jax.Array,
+    accepted: jax.Array,
+    term_weight: jax.Array,
+    reset: jax.Array | None,
+    axes: tuple[Any, ...],
+) -> tuple[jax.Array, jax.Array]:
+    """Each device's window weight and drop count, unreduced.
+
+    A device that accepts adds `term_weight / n`, its share of the micro-step's
+    weight, so the reduced weight is the accepted fraction of the window's
+    weight; a device that drops adds one to its count.
+    """
+    reset = jnp.array(False) if reset is None else reset
+    devices = _device_count(axes)
+
+    def body(plain, acc_weight, num_skipped):
+        accepted, term_weight, reset = plain
+        ok = accepted[0]
+        weight = acc_weight + jnp.where(ok, term_weight / devices, 0.0).astype(acc_weight.dtype)
+        weight = jnp.where(reset, jnp.zeros_like(weight), weight)
+        skipped = jnp.where(ok, num_skipped, optax.safe_increment(num_skipped))
+        return weight, skipped
+
+    plain_specs = (jax.P(axes), jax.P(), jax.P())
+    unreduced = jax.P(unreduced=frozenset(axes))
+    return _per_device(
+        body,
+        axes,
+        (accepted, term_weight, reset),
+        plain_specs,
+        (acc_weight, num_skipped),
+        (unreduced, unreduced),
+    )
+
+
+# --- the gate: one reduction at the window's close -------------------------------
+
+
+def _dense(spec: Any) -> Any:
+    """`spec` without its unreduced axes: the sharding the reduction produces."""
+    return jax.P(*spec)
+
+
+def dense_spec(leaf: Any) -> Any:
+    """The sharding of `leaf` without unreduced axes."""
+    return _dense(_spec(leaf))
+
+
+def spec_axes(name: str, specs: Any) -> tuple[Any, ...]:
+    """The mesh axes that a tree of specs shards over, or a `ValueError` if none."""
+    names: set = set()
+    for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.P)):
+        names |= _mesh_axes_of(spec)
+    if not names:
+        raise ValueError(
+            f"{name} names no mesh axis to shard the inner state over (every spec is "
+            "replicated); pass the data-parallel axis, e.g. shard_inner_state='data'."
+        )
+    return tuple(sorted(names, key=str))
+
+
+def unreduced_zeros(tree: Any, axes: tuple[Any, ...]) -> Any:
+    """`tree` of zeros typed unreduced over `axes` (each device holds zeros: no communication)."""
+    unreduced = jax.P(unreduced=frozenset(axes))
+    return jax.tree.map(lambda z: jax.reshard(z, unreduced), tree)
+
+
+def check_shard_inner_state(
+    shard_inner_state: Any, axis_name: Any, compensated: bool
+) -> tuple[Any, ...] | None:
+    """Validates `accumulate`'s `shard_inner_state`; returns its axes when it names them."""
+    if shard_inner_state is None:
+        return None
+    if axis_name is not None:
+        raise ValueError(
+            f"shard_inner_state={shard_inner_state!r} is for global-view jax.jit on a mesh, "
+            f"axis_name={axis_name!r} for jax.shard_map or jax.pmap; give one of them."
+        )
+    if compensated:
+        raise ValueError(
+            "compensated=True is not available with shard_inner_state: the window is "
+            "unreduced over mesh axes; use a float32 accumulator (accumulator_dtype=None)."
+        )
+    if callable(shard_inner_state):
+        return None
+    is_spec = lambda x: isinstance(x, jax.P)  # noqa: E731
+    if isinstance(shard_inner_state, str | tuple) and not is_spec(shard_inner_state):
+        return _validation.check_axis_name("shard_inner_state", shard_inner_state)
+    leaves = jax.tree.leaves(shard_inner_state, is_leaf=is_spec)
+    if not leaves or not all(is_spec(x) for x in leaves):
+        raise TypeError(
+            "shard_inner_state must be a mesh axis name (such as 'data'), a tuple of names, "
+            "a callable (path, param) -> PartitionSpec, or a tree of PartitionSpecs shaped "
+            f"like the params; got {shard_inner_state=!r}."
+        )
+    return None
+
+
+def unreduced_gate(specs: Any) -> _window.Gate:
+    """The gate of an unreduced window: one `jax.reshard` of the sums at the close.
+
+    `specs` (a tree like the window sums) gives the sharding the reduction
+    produces: `P()` is an all-reduce, a spec that splits a dimension over the
+    unreduced axes a reduce-scatter. The weight is reduced with them. No other
+    collective runs; "anything accepted" is known after the reduction.
+    """
+
+    def reduce(window: _window.Window) -> _window.Window:
+        total = jax.tree.map(jax.reshard, window.total, specs)
+        return window._replace(total=total, weight=jax.reshard(window.weight, jax.P()))
+
+    def zeros_like(leaf: jax.Array, dtype: Any) -> jax.Array:
+        return jnp.zeros(jnp.shape(leaf), dtype, out_sharding=_dense(_spec(leaf)))
+
+    return _window.Gate(
+        cond=jax.lax.cond, reduce=reduce, decides_locally=False, zeros_like=zeros_like
+    )
+
+
+def inner_specs(params: Any, shard_inner_state: Any, axes: tuple[Any, ...] | None) -> Any:
+    """The sharding of the inner optimizer's view of `params` (and of its state).
+
+    `None` keeps each leaf's own (dense) sharding. An axis name (or tuple)
+    splits the first dimension of every leaf whose first dimension is
+    divisible by the number of devices along it and is not sharded already;
+    other leaves keep their sharding. A callable `(path, leaf) -> spec` or a
+    tree of specs like `params` chooses per leaf.
+    """
+    if shard_inner_state is None:
+        return jax.tree.map(lambda p: _dense(_spec(p)), params)
+    if callable(shard_inner_state):
+        return jax.tree_util.tree_map_with_path(shard_inner_state, params)
+    if axes is None:
+        return jax.tree.map(
+            lambda p, s: s, params, shard_inner_state, is_leaf=lambda x: isinstance(x, jax.P)
+        )
+    name = axes[0] if len(axes) == 1 else axes
+    devices = mesh_axes_size(axes, f"shard_inner_state={name!r}")
+
+    def split_first(p: Any) -> Any:
+        parts = list(_dense(_spec(p))) + [None] * (jnp.ndim(p) - len(_dense(_spec(p))))
+        if jnp.ndim(p) and jnp.shape(p)[0] % devices == 0 and parts[0] is None:
+            parts[0] = name
+        return jax.P(*parts)
+
+    return jax.tree.map(split_first, params)

@@ -1,0 +1,748 @@
+"""Global-view jit on an explicit 8-device mesh: unreduced per-device gradients."""
+
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradaccum_jax as ga
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "_global_view_worker.py"
+P = jax.P
+AXIS = "data"
+UNREDUCED = P(unreduced={AXIS})
+RTOL, ATOL = 2e-5, 2e-6
+# Every collective XLA can emit; "-start" forms are the async halves. A combined
+# all-reduce has a tuple type with spaces, hence the lazy match up to the name.
+_COLLECTIVE = re.compile(
+    r"= [^=]*?\b(all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
+    r"(-start)?\("
+)
+
+
+def collectives(compiled_text: str) -> list[str]:
+    return [m.group(1) for m in _COLLECTIVE.finditer(compiled_text)]
+
+
+@pytest.fixture
+def mesh():
+    mesh = jax.make_mesh(
+        (jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+    with jax.set_mesh(mesh):
+        yield mesh
+
+
+def init_params(seed=0, sizes=(6, 16, 3)):
+    keys = jax.random.split(jax.random.key(seed), len(sizes) - 1)
+    return [
+        {
+            "w": jax.random.normal(key, (m, n)) / np.sqrt(m),
+            "b": jnp.full((n,), 0.1 * (i + 1)),
+        }
+        for i, (key, m, n) in enumerate(zip(keys, sizes[:-1], sizes[1:], strict=True))
+    ]
+
+
+def mlp(params, x):
+    for i, layer in enumerate(params):
+        x = x @ layer["w"] + layer["b"]
+        if i < len(params) - 1:
+            x = jnp.tanh(x)
+    return x
+
+
+def loss_fn(params, batch):
+    return jnp.mean((mlp(params, batch["x"]) - batch["y"]) ** 2)
+
+
+def make_batch(seed, size=32):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.normal(size=(size, 6)).astype(np.float32),
+        "y": rng.normal(size=(size, 3)).astype(np.float32),
+    }
+
+
+def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
+    jax.tree.map(
+        lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol, atol),
+        actual,
+        expected,
+    )
+
+
+def replicated(tree):
+    return jax.device_put(tree, P())
+
+
+def sharded(tree):
+    return jax.device_put(tree, P(AXIS))
+
+
+def reduce(tree):
+    return jax.jit(lambda t: jax.reshard(t, P()))(tree)
+
+
+def test_gradients_are_unreduced_and_sum_to_the_global_gradient(mesh):
+    params, batch = init_params(), make_batch(0)
+    want_value, want_grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    step = jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS))
+    value, grads = step(replicated(params), sharded(batch))
+    for leaf in jax.tree.leaves(grads):
+        assert jax.typeof(leaf).sharding.spec.unreduced == {AXIS}
+    assert_trees_close(reduce(grads), want_grads)
+    np.testing.assert_allclose(value, want_value, RTOL)
+
+
+def test_no_collective_on_the_gradients(mesh):
+    params, batch = replicated(init_params()), sharded(make_batch(0))
+    silent = ga.unreduced_value_and_grad(loss_fn, AXIS, reduce_value=False)
+    assert collectives(jax.jit(silent).lower(params, batch).compile().as_text()) == []
+    # The default reduces the scalar value only: one all-reduce of an f32[].
+    text = jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS)).lower(params, batch)
+    text = text.compile().as_text()
+    reduces = re.findall(r"= ([^=]*?) all-reduce(?:-start)?\(", text)
+    assert collectives(text) == ["all-reduce"] and reduces == ["f32[]"]
+    # What it replaces: the backward pass of jax.value_and_grad all-reduces.
+    plain = jax.jit(jax.value_and_grad(loss_fn)).lower(params, batch).compile().as_text()
+    assert "all-reduce" in collectives(plain)
+
+
+def test_unreduced_value_sums_to_the_global_mean(mesh):
+    params, batch = init_params(), make_batch(1)
+    want = loss_fn(params, batch)
+    step = jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS, reduce_value=False))
+    value, _ = step(replicated(params), sharded(batch))
+    assert jax.typeof(value).sharding.spec.unreduced == {AXIS}
+    np.testing.assert_allclose(reduce(value), want, RTOL)
+
+
+@pytest.mark.slow
+def test_several_argnums_and_replicated_extra_arguments(mesh):
+    params, batch = init_params(), make_batch(2)
+
+    def loss(hidden, last, scale, batch):
+        return scale * loss_fn([hidden, last], batch)
+
+    want = jax.grad(loss, argnums=(0, 1))(params[0], params[1], 2.0, batch)
+    step = jax.jit(ga.unreduced_value_and_grad(loss, AXIS, argnums=(0, 1), batch_argnums=3))
+    _, grads = step(replicated(params[0]), replicated(params[1]), 2.0, sharded(batch))
+    assert isinstance(grads, tuple) and len(grads) == 2
+    assert_trees_close(reduce(grads), want)
+
+
+@pytest.mark.slow
+def test_composes_with_microbatches_within_each_device(mesh):
+    params, batch = init_params(), make_batch(3, size=64)
+    want_value, want_grads = jax.value_and_grad(loss_fn)(params, batch)
+    step = jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS, num_microbatches=4))
+    value, grads = step(replicated(params), sharded(batch))
+    assert_trees_close(reduce(grads), want_grads)
+    np.testing.assert_allclose(value, want_value, RTOL)
+    silent = ga.unreduced_value_and_grad(loss_fn, AXIS, num_microbatches=4, reduce_value=False)
+    lowered = jax.jit(silent).lower(replicated(params), sharded(batch))
+    assert collectives(lowered.compile().as_text()) == []
+
+
+def test_aux_is_averaged_or_summed_or_returned_with_given_specs(mesh):
+    params, batch = init_params(), make_batch(4)
+
+    def loss(params, batch):
+        pred = mlp(params, batch["x"])
+        err = jnp.mean((pred - batch["y"]) ** 2)
+        aux = {"err": err, "positive": jnp.sum(pred > 0), "pred": pred}
+        return err, aux
+
+    (_, want_aux), want_grads = jax.value_and_grad(loss, has_aux=True)(params, batch)
+    step = jax.jit(ga.unreduced_value_and_grad(loss, AXIS, has_aux=True))
+    (_, aux), grads = step(replicated(params), sharded(batch))
+    assert_trees_close(reduce(grads), want_grads)
+    np.testing.assert_allclose(aux["err"], want_aux["err"], RTOL)
+    assert int(aux["positive"]) == int(want_aux["positive"])
+    # The default averages per-example outputs too: wrong for them; say how to
+    # concatenate them instead.
+    specs = {"err": P(), "positive": P(unreduced={AXIS}), "pred": P(AXIS)}
+
+    def loss_local(params, batch):
+        err, aux = loss(params, batch)
+        aux["err"] = jax.lax.pmean(aux["err"], AXIS)
+        return err, aux
+
+    step = jax.jit(ga.unreduced_value_and_grad(loss_local, AXIS, has_aux=True, aux_out_specs=specs))
+    (_, aux), _ = step(replicated(params), sharded(batch))
+    np.testing.assert_allclose(aux["pred"], want_aux["pred"], RTOL, ATOL)
+    assert int(reduce(aux["positive"])) == int(want_aux["positive"])
+
+
+class _BNNet(nn.Module):
+    axis_name: str | None
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=False, momentum=0.9, axis_name=self.axis_name)(x)
+        return nn.Dense(3)(jnp.tanh(x))
+
+
+@pytest.mark.slow
+def test_flax_batchnorm_across_devices_matches_the_global_batch(mesh):
+    batch = make_batch(5)
+    variables = _BNNet(None).init(jax.random.key(0), batch["x"])
+
+    def loss(params, batch_stats, batch, axis_name):
+        pred, updated = _BNNet(axis_name).apply(
+            {"params": params, "batch_stats": batch_stats}, batch["x"], mutable=["batch_stats"]
+        )
+        return jnp.mean((pred - batch["y"]) ** 2), updated["batch_stats"]
+
+    (want_value, want_stats), want_grads = jax.jit(
+        jax.value_and_grad(lambda p, s, b: loss(p, s, b, None), has_aux=True)
+    )(variables["params"], variables["batch_stats"], batch)
+    step = jax.jit(
+        ga.unreduced_value_and_grad(
+            lambda p, s, b: loss(p, s, b, AXIS), AXIS, batch_argnums=2, has_aux=True
+        )
+    )
+    (value, stats), grads = step(
+        replicated(variables["params"]), replicated(variables["batch_stats"]), sharded(batch)
+    )
+    assert_trees_close(reduce(grads), want_grads)
+    assert_trees_close(stats, want_stats)
+    np.testing.assert_allclose(value, want_value, RTOL)
+
+
+@pytest.mark.slow
+def test_flax_batchnorm_per_device_averages_running_statistics(mesh):
+    batch = make_batch(6)
+    variables = _BNNet(None).init(jax.random.key(0), batch["x"])
+
+    def loss(params, batch_stats, batch):
+        pred, updated = _BNNet(None).apply(
+            {"params": params, "batch_stats": batch_stats}, batch["x"], mutable=["batch_stats"]
+        )
+        return jnp.mean((pred - batch["y"]) ** 2), updated["batch_stats"]
+
+    slices = [jax.tree.map(lambda x, i=i: x[4 * i : 4 * i + 4], batch) for i in range(8)]
+    local_loss = jax.jit(loss)
+    per_device = [local_loss(variables["params"], variables["batch_stats"], s)[1] for s in slices]
+    want = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *per_device)
+    step = jax.jit(ga.unreduced_value_and_grad(loss, AXIS, batch_argnums=2, has_aux=True))
+    (_, stats), _ = step(
+        replicated(variables["params"]), replicated(variables["batch_stats"]), sharded(batch)
+    )
+    assert_trees_close(stats, want)
+
+
+class _AccumBNNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8)(x)
+        x = ga.flax.AccumBatchNorm(use_running_average=False, momentum=0.5, axis_name=AXIS)(x)
+        return nn.Dense(3)(jnp.tanh(x))
+
+
+@pytest.mark.slow
+def test_accum_batchnorm_in_the_global_view_step(mesh):
+    """Statistics pooled over devices and the window, committed when the window closes."""
+    k = 2
+    batches = [make_batch(90 + i) for i in range(k)]
+    variables = _AccumBNNet().init(jax.random.key(0), batches[0]["x"])
+    tx = ga.accumulate(optax.sgd(0.0), k)
+
+    def loss(params, batch_stats, batch):
+        pred, updated = _AccumBNNet().apply(
+            {"params": params, "batch_stats": batch_stats}, batch["x"], mutable=["batch_stats"]
+        )
+        return jnp.mean((pred - batch["y"]) ** 2), updated["batch_stats"]
+
+    grad_fn = ga.unreduced_value_and_grad(loss, AXIS, batch_argnums=2, has_aux=True)
+
+    @jax.jit
+    def step(params, batch_stats, opt_state, batch):
+        (_, batch_stats), grads = grad_fn(params, batch_stats, batch)
+        batch_stats = ga.flax.commit_batch_stats(batch_stats, ga.closes_window(opt_state))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), batch_stats, opt_state
+
+    params, stats = replicated(variables["params"]), replicated(variables["batch_stats"])
+    opt_state = jax.jit(tx.init)(params)
+    for batch in batches:
+        params, stats, opt_state = step(params, stats, opt_state, sharded(batch))
+    # nn.BatchNorm's one EMA step on the window's concatenated batch.
+    window = np.concatenate([b["x"] for b in batches])
+    hidden = window @ np.asarray(variables["params"]["Dense_0"]["kernel"]) + np.asarray(
+        variables["params"]["Dense_0"]["bias"]
+    )
+    np.testing.assert_allclose(stats["AccumBatchNorm_0"]["mean"], 0.5 * hidden.mean(0), 1e-5, 1e-6)
+    np.testing.assert_allclose(
+        stats["AccumBatchNorm_0"]["var"], 0.5 + 0.5 * hidden.var(0), 1e-5, 1e-6
+    )
+
+
+@pytest.mark.slow
+def test_flax_nnx_model_through_split_and_merge(mesh):
+    from flax import nnx
+
+    batch = make_batch(7)
+    model = nnx.Sequential(
+        nnx.Linear(6, 16, rngs=nnx.Rngs(0)), nnx.tanh, nnx.Linear(16, 3, rngs=nnx.Rngs(1))
+    )
+    graphdef, state = nnx.split(model)
+
+    def loss(state, batch):
+        return jnp.mean((nnx.merge(graphdef, state)(batch["x"]) - batch["y"]) ** 2)
+
+    want = jax.jit(jax.grad(loss))(state, batch)
+    _, grads = jax.jit(ga.unreduced_value_and_grad(loss, AXIS))(replicated(state), sharded(batch))
+    assert_trees_close(reduce(grads), want)
+
+
+def test_errors_name_the_fix():
+    params, batch = init_params(), make_batch(0)
+    with pytest.raises(ValueError, match=r"needs a mesh.*jax\.set_mesh"):
+        jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS))(params, batch)
+    mesh = jax.make_mesh((8,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=r"no axis 'batch'.*\('data',\)"):
+            jax.jit(ga.unreduced_value_and_grad(loss_fn, "batch"))(params, batch)
+        odd = make_batch(0, size=12)
+        with pytest.raises(ValueError, match=r"argument 1\['x'\] has shape \(12, 6\)"):
+            jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS))(params, odd)
+    auto = jax.make_mesh((8,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(auto):
+        with pytest.raises(ValueError, match=r"AxisType.Explicit"):
+            jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS))(params, batch)
+    with pytest.raises(ValueError, match=r"both argnums and batch_argnums"):
+        ga.unreduced_value_and_grad(loss_fn, AXIS, argnums=1)
+    with pytest.raises(TypeError, match=r"argnums must be"):
+        ga.unreduced_value_and_grad(loss_fn, AXIS, argnums="params")
+    with pytest.raises(TypeError, match=r"axis_name must be"):
+        ga.unreduced_value_and_grad(loss_fn, None)
+    with pytest.raises(ValueError, match=r"num_microbatches"):
+        ga.unreduced_value_and_grad(loss_fn, AXIS, num_microbatches=0)
+    with pytest.raises(ValueError, match=r"has_aux=False"):
+        ga.unreduced_value_and_grad(loss_fn, AXIS, aux_out_specs=P())
+
+
+def _windows(batches, k):
+    return [
+        jax.tree.map(lambda *xs: np.concatenate(xs), *batches[w * k : (w + 1) * k])
+        for w in range(len(batches) // k)
+    ]
+
+
+def large_batch_reference(inner, params, windows, grad_of=None):
+    """One device, one inner step per window on that window's gradient."""
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = inner.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    grad_of = grad_of or (lambda p, w: jax.jit(jax.grad(loss_fn))(p, w))
+    state = inner.init(params)
+    for window in windows:
+        params, state = step(params, state, grad_of(params, window))
+    return params
+
+
+def global_view_step(tx):
+    grad_fn = ga.unreduced_value_and_grad(loss_fn, AXIS, reduce_value=False)
+
+    def step(params, opt_state, batch, **kwargs):
+        _, grads = grad_fn(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
+        return optax.apply_updates(params, updates), opt_state
+
+    return jax.jit(step)
+
+
+def entry_and_branch_collectives(compiled_text):
+    entry = compiled_text[compiled_text.index("\nENTRY") :]
+    return collectives(entry), collectives(compiled_text)
+
+
+@pytest.mark.slow
+def test_accumulate_unreduced_matches_the_large_batch(mesh):
+    k, params0 = 4, init_params()
+    batches = [make_batch(10 + i) for i in range(3 * k)]
+    want = large_batch_reference(optax.adam(1e-2), params0, _windows(batches, k))
+    tx = ga.accumulate(optax.adam(1e-2), k)
+    step = global_view_step(tx)
+    params = replicated(params0)
+    opt_state = jax.jit(tx.init)(params)
+    closes = []
+    for batch in batches:
+        closes.append(bool(ga.closes_window(opt_state)))
+        params, opt_state = step(params, opt_state, sharded(batch))
+    assert_trees_close(params, want)
+    assert closes == [False, False, False, True] * 3
+    assert int(ga.optimizer_step(opt_state)) == 3
+    for leaf in jax.tree.leaves(opt_state.acc_grads):
+        assert jax.typeof(leaf).sharding.spec.unreduced == {AXIS}
+    entry, everywhere = entry_and_branch_collectives(
+        step.lower(params, opt_state, sharded(batches[0])).compile().as_text()
+    )
+    # Micro-steps run no collective; the close all-reduces the window's sums
+    # (and weight) once, inside the conditional's apply branch.
+    assert entry == []
+    assert set(everywhere) == {"all-reduce"}
+
+
+@pytest.mark.slow
+def test_multisteps_in_the_same_step_reduces_every_micro_step(mesh):
+    tx = optax.MultiSteps(optax.adam(1e-2), 4)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        updates, opt_state = tx.update(jax.grad(loss_fn)(params, batch), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = replicated(init_params())
+    text = step.lower(params, jax.jit(tx.init)(params), sharded(make_batch(0)))
+    entry, _ = entry_and_branch_collectives(text.compile().as_text())
+    assert "all-reduce" in entry
+
+
+@pytest.mark.slow
+def test_weighted_windows_and_sum(mesh):
+    k, params0 = 3, init_params()
+    batches = [make_batch(20 + i) for i in range(2 * k)]
+    weights = [1.0, 3.0, 0.5, 2.0, 0.0, 4.0]
+    grad = jax.jit(jax.grad(loss_fn))
+
+    def weighted(mean):
+        def grad_of(params, w):
+            micro = [grad(params, b) for b in batches[w * k : (w + 1) * k]]
+            ws = weights[w * k : (w + 1) * k]
+            total = jax.tree.map(
+                lambda *gs: sum(wi * g for wi, g in zip(ws, gs, strict=True)), *micro
+            )
+            return jax.tree.map(lambda t: t / sum(ws), total) if mean else total
+
+        return grad_of
+
+    for mean in (True, False):
+        inner = optax.sgd(0.1)
+        want = large_batch_reference(inner, params0, [0, 1], weighted(mean))
+        tx = ga.accumulate(inner, k, use_grad_mean=mean)
+        step = global_view_step(tx)
+        params = replicated(params0)
+        opt_state = jax.jit(tx.init)(params)
+        for batch, w in zip(batches, weights, strict=True):
+            params, opt_state = step(params, opt_state, sharded(batch), weight=jnp.float32(w))
+        assert_trees_close(params, want)
+
+
+@pytest.mark.slow
+def test_a_non_finite_partial_is_dropped_on_its_device_only(mesh):
+    k, params0 = 2, init_params()
+    batches = [make_batch(30 + i) for i in range(2 * k)]
+    # Device 3's slice of micro-batch 1 overflows: its partial gradient is NaN.
+    batches[1]["x"][3 * 4 + 1, 0] = np.inf
+    grad = jax.jit(jax.grad(loss_fn))
+
+    def grad_of(params, w):
+        # The mean of the local gradients of every accepted (device, micro-batch).
+        parts = [
+            grad(params, jax.tree.map(lambda x, d=d: x[4 * d : 4 * d + 4], batches[i]))
+            for i in range(w * k, (w + 1) * k)
+            for d in range(8)
+        ]
+        kept = [g for g in parts if all(np.isfinite(x).all() for x in jax.tree.leaves(g))]
+        return jax.tree.map(lambda *gs: sum(gs) / len(kept), *kept)
+
+    inner = optax.adam(1e-2)
+    want = large_batch_reference(inner, params0, [0, 1], grad_of)
+    tx = ga.accumulate(inner, k)
+    step = global_view_step(tx)
+    params = replicated(params0)
+    opt_state = jax.jit(tx.init)(params)
+    for batch in batches:
+        params, opt_state = step(params, opt_state, sharded(batch))
+    assert_trees_close(params, want)
+    assert int(reduce(opt_state.num_skipped)) == 1
+    assert int(ga.optimizer_step(opt_state)) == 2
+
+
+@pytest.mark.slow
+def test_schedule_and_window_with_nothing_accepted(mesh):
+    schedule = lambda step: jnp.where(step < 1, 2, 3)  # noqa: E731
+    params0 = init_params()
+    batches = [make_batch(40 + i) for i in range(5)]
+    for i in (2, 3, 4):  # the second window: every partial on every device is NaN
+        batches[i]["y"][:] = np.nan
+    want = large_batch_reference(optax.adam(1e-2), params0, _windows(batches[:2], 2))
+    tx = ga.accumulate(optax.adam(1e-2), schedule)
+    step = global_view_step(tx)
+    params = replicated(params0)
+    opt_state = jax.jit(tx.init)(params)
+    for batch in batches:
+        params, opt_state = step(params, opt_state, sharded(batch))
+    assert_trees_close(params, want)
+    assert int(ga.optimizer_step(opt_state)) == 1
+    assert int(reduce(opt_state.num_skipped)) == 3 * 8
+    assert int(opt_state.micro_step) == 0
+
+
+@pytest.mark.slow
+def test_mixed_leaves_work_or_name_the_fix(mesh):
+    k, params0 = 2, init_params()
+    batches = [make_batch(50 + i) for i in range(k)]
+    want = large_batch_reference(optax.adam(1e-2), params0, _windows(batches, k))
+    tx = ga.accumulate(optax.adam(1e-2), k)
+    grad_fn = ga.unreduced_value_and_grad(loss_fn, AXIS, reduce_value=False)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        _, grads = grad_fn(params, batch)
+        # One leaf reduced already (replicated): it counts as split evenly.
+        grads[0]["b"] = jax.reshard(grads[0]["b"], P())
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = replicated(params0)
+    opt_state = jax.jit(tx.init)(params)
+    for batch in batches:
+        params, opt_state = step(params, opt_state, sharded(batch))
+    assert_trees_close(params, want)
+
+    @jax.jit
+    def scattered(params, opt_state, batch):
+        _, grads = grad_fn(params, batch)
+        grads[0]["b"] = jax.reshard(grads[0]["b"], P(AXIS))  # reduce-scattered
+        return tx.update(grads, opt_state, params)
+
+    with pytest.raises(ValueError, match=r"\[0\]\['b'\].*sharded over \['data'\]"):
+        scattered(params, tx.init(params), sharded(make_batch(0)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "inner",
+    [
+        optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2, weight_decay=0.1)),
+        optax.chain(ga.adaptive_grad_clip(0.05), optax.sgd(0.1, momentum=0.9)),
+    ],
+    ids=["clip_adamw", "agc_sgd"],
+)
+def test_zero1_sharded_inner_state_matches_the_large_batch(mesh, inner):
+    k, params0 = 2, init_params(sizes=(6, 16, 8))
+    batches = [make_batch(60 + i) for i in range(2 * k)]
+    for b in batches:
+        b["y"] = np.concatenate([b["y"], b["y"] + 1.0, b["y"][:, :2]], axis=1)
+    want = large_batch_reference(inner, params0, _windows(batches, k))
+    tx = ga.accumulate(inner, k, shard_inner_state=AXIS)
+    step = global_view_step(tx)
+    params = replicated(params0)
+    opt_state = jax.jit(tx.init)(params)
+    text = step.lower(params, opt_state, sharded(batches[0])).compile().as_text()
+    for batch in batches:
+        params, opt_state = step(params, opt_state, sharded(batch))
+    assert_trees_close(params, want)
+    divisible = 0
+    for leaf in jax.tree.leaves(opt_state.inner_state):
+        if jnp.ndim(leaf) and leaf.shape[0] % 8 == 0:
+            assert leaf.addressable_shards[0].data.size * 8 == leaf.size
+            divisible += 1
+    assert divisible > 0
+    for leaf in jax.tree.leaves(params):
+        assert leaf.addressable_shards[0].data.size == leaf.size
+    entry, everywhere = entry_and_branch_collectives(text)
+    assert entry == []
+    assert "all-gather" in everywhere
+
+
+def test_zero1_spec_tree_and_callable(mesh):
+    params = replicated(init_params(sizes=(6, 16, 8)))
+    only_w = lambda path, p: P(AXIS) if p.ndim == 2 and p.shape[0] % 8 == 0 else P()  # noqa: E731
+    specs = jax.tree.map(lambda p: only_w(None, p), params)
+    for choice in (only_w, specs):
+        tx = ga.accumulate(optax.adam(1e-2), 2, shard_inner_state=choice)
+        state = jax.jit(tx.init)(params)
+        mu = state.inner_state[0].mu
+        assert mu[1]["w"].addressable_shards[0].data.size * 8 == mu[1]["w"].size
+        assert mu[1]["b"].addressable_shards[0].data.size == mu[1]["b"].size
+
+
+def test_shard_inner_state_errors():
+    with pytest.raises(ValueError, match=r"give one of them"):
+        ga.accumulate(optax.sgd(0.1), 2, shard_inner_state=AXIS, axis_name=AXIS)
+    with pytest.raises(ValueError, match=r"compensated=True"):
+        ga.accumulate(
+            optax.sgd(0.1),
+            2,
+            shard_inner_state=AXIS,
+            accumulator_dtype=jnp.bfloat16,
+            compensated=True,
+        )
+    with pytest.raises(TypeError, match=r"shard_inner_state must be"):
+        ga.accumulate(optax.sgd(0.1), 2, shard_inner_state=3)
+
+
+@pytest.mark.slow
+def test_a_reduced_state_resumes_the_window(mesh):
+    """Checkpointing: unreduced fields reduced to P() mid-window are accepted again."""
+    k, params0 = 4, init_params()
+    batches = [make_batch(70 + i) for i in range(2 * k)]
+    batches[5]["x"][0, 0] = np.nan  # a drop on device 0, in the resumed half
+    tx = ga.accumulate(optax.adam(1e-2), k, shard_inner_state=AXIS)
+    step = global_view_step(tx)
+
+    def run(reduce_at):
+        params = replicated(params0)
+        opt_state = jax.jit(tx.init)(params)
+        for i, batch in enumerate(batches):
+            if i == reduce_at:
+                opt_state = opt_state._replace(
+                    acc_grads=reduce(opt_state.acc_grads),
+                    acc_weight=reduce(opt_state.acc_weight),
+                    num_skipped=reduce(opt_state.num_skipped),
+                )
+            params, opt_state = step(params, opt_state, sharded(batch))
+        return params, opt_state
+
+    want, want_state = run(reduce_at=None)
+    got, got_state = run(reduce_at=6)
+    assert_trees_close(got, want)
+    assert int(reduce(got_state.num_skipped)) == int(reduce(want_state.num_skipped)) == 1
+
+
+@pytest.mark.slow
+def test_fsdp_params_reduce_scatter_once_per_window(mesh):
+    """Params sharded over the data axis: one reduction per window, into their sharding."""
+    k, params0 = 2, init_params(sizes=(8, 16, 8))
+    batches = [make_batch(80 + i) for i in range(2 * k)]
+    for b in batches:
+        b["x"] = np.concatenate([b["x"], b["x"][:, :2]], axis=1)
+        b["y"] = np.concatenate([b["y"], b["y"], b["y"][:, :2]], axis=1)
+    want = large_batch_reference(optax.adam(1e-2), params0, _windows(batches, k))
+    tx = ga.accumulate(optax.adam(1e-2), k)
+    step = global_view_step(tx)
+    fsdp = jax.tree.map(lambda p: P(AXIS) if p.shape[0] % 8 == 0 else P(), params0)
+    params = jax.device_put(params0, fsdp)
+    opt_state = jax.jit(tx.init)(params)
+    for batch in batches:
+        params, opt_state = step(params, opt_state, sharded(batch))
+    assert_trees_close(params, want)
+    for leaf in jax.tree.leaves(params):  # still sharded like FSDP put them
+        split = 8 if leaf.shape[0] % 8 == 0 else 1
+        assert leaf.addressable_shards[0].data.shape[0] * split == leaf.shape[0]
+    entry, _ = entry_and_branch_collectives(
+        step.lower(params, opt_state, sharded(batches[0])).compile().as_text()
+    )
+    # The forward pass gathers the sharded params on every micro-step, as FSDP does;
+    # the gradients are not reduced there.
+    assert "all-reduce" not in entry and "reduce-scatter" not in entry
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_run_the_global_view_step(tmp_path):
+    """2 processes x 2 host devices, gloo collectives, an explicit 4-device mesh."""
+    windows, k, replicas, per_device = 2, 2, 4, 3
+    rng = np.random.default_rng(9)
+    xs = rng.normal(size=(windows, k, replicas, per_device, 5)).astype(np.float32)
+    ys = rng.normal(size=(windows, k, replicas, per_device, 2)).astype(np.float32)
+    xs[1, 0, 3, 0, 0] = np.nan  # the second process's last device drops one partial
+    params = {
+        "w1": rng.normal(size=(5, 8)).astype(np.float32) / 2,
+        "b1": np.zeros(8, np.float32),
+        "w2": rng.normal(size=(8, 2)).astype(np.float32) / 3,
+        "b2": np.zeros(2, np.float32),
+    }
+    np.savez(tmp_path / "data.npz", xs=xs, ys=ys, **{f"p_{n}": v for n, v in params.items()})
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(port), str(pid), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for pid in range(2)
+    ]
+    outputs = []
+    try:
+        deadline = time.monotonic() + 240
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out[-3000:]
+
+    # Reference: one process, one adam step per window on the mean of the
+    # accepted (device, micro-batch) gradients.
+    from _global_view_worker import loss_fn as worker_loss
+
+    inner = optax.adam(1e-2)
+    grad = jax.jit(jax.grad(worker_loss))
+    want, state = params, inner.init(params)
+    for w in range(windows):
+        parts = [grad(want, xs[w, i, d], ys[w, i, d]) for i in range(k) for d in range(replicas)]
+        kept = [g for g in parts if all(np.isfinite(x).all() for x in jax.tree.leaves(g))]
+        mean = jax.tree.map(lambda *gs: sum(gs) / len(gs), *kept)
+        updates, state = inner.update(mean, state, want)
+        want = optax.apply_updates(want, updates)
+    for pid in range(2):
+        result = np.load(tmp_path / f"result_{pid}.npz")
+        assert_trees_close({n: result[f"p_{n}"] for n in params}, want)
+        assert int(result["gradient_step"]) == windows
+        assert int(result["num_skipped_total"]) == 1
+
+
+@pytest.mark.slow
+def test_donated_steps_copy_no_parameter_sized_buffer(mesh):
+    params0 = init_params(sizes=(6, 64, 32))
+    shapes = {f"f32[{','.join(map(str, p.shape))}]" for p in jax.tree.leaves(params0)}
+    for shard in (None, AXIS):
+        tx = ga.accumulate(optax.adam(1e-2), 2, shard_inner_state=shard)
+        grad_fn = ga.unreduced_value_and_grad(loss_fn, AXIS, reduce_value=False)
+
+        def step(params, opt_state, batch, tx=tx, grad_fn=grad_fn):
+            _, grads = grad_fn(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        params = replicated(params0)
+        opt_state = jax.jit(tx.init)(params)
+        batch = make_batch(0)
+        batch["y"] = np.tile(batch["y"], (1, 11))[:, :32]
+        if shard is None:  # the first call retypes the state as unreduced
+            params, opt_state = jax.jit(step)(params, opt_state, sharded(batch))
+        donated = jax.jit(step, donate_argnums=(0, 1))
+        text = donated.lower(params, opt_state, sharded(batch)).compile().as_text()
+        entry = text[text.index("\nENTRY") :]
+        copied = set(re.findall(r"= (\w+\[[\d,]*\])\S* copy\(", entry))
+        assert not copied & shapes, copied
+        for _ in range(3):  # every donated buffer is reused: no warning
+            params, opt_state = donated(params, opt_state, sharded(batch))
