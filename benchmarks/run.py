@@ -30,6 +30,7 @@ BENCHMARKS = [
     "global_view",
     "mixed_precision",
     "clipping",
+    "noise_scale",
 ]
 MARKER = "@@ROWS@@"
 CHILD = (

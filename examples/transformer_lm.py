@@ -42,6 +42,14 @@ script says so.)
     python examples/transformer_lm.py [--steps 200] [--plot /tmp/transformer_lm.png]
     python examples/transformer_lm.py --compute-dtype float32
     python examples/transformer_lm.py --quick
+    python examples/transformer_lm.py --adaptive-k   # K that follows the noise scale
+
+With ``--adaptive-k`` it also trains two more copies on one stream of calls,
+with token weights and ``track_noise_scale=True``: one with the fixed window of
+``--calls`` calls, one whose window length comes from
+``gradaccum_jax.critical_batch_schedule``, and prints the measured noise scale
+``b_simple`` (in tokens), the K chosen and the loss, against optimizer steps
+and against sequences seen.
 """
 
 from __future__ import annotations
@@ -264,6 +272,65 @@ def make_unweighted_step(loss_sum_and_tokens, tx, num_microbatches: int):
     return step
 
 
+def compare_adaptive_k(args, loss_sum_and_tokens, inner, params0, train_rows) -> dict[str, Any]:
+    """Fixed K against `critical_batch_schedule`, on the same stream of calls.
+
+    Both runs see the same calls of `--call-batch` sequences in the same order
+    (drawn at random, not length-sorted: the noise-scale estimate assumes
+    independent micro-batches), for the same number of sequences in all
+    (`--steps` x `--calls` calls), weighted by real tokens, so `b_simple` is in
+    tokens. The adaptive run starts at K = 2 and lets K follow `b_simple`
+    divided by the mean real tokens per call, between 2 and 8 x `--calls`.
+    """
+    rng = np.random.default_rng(1)
+    num_calls = args.steps * args.calls
+    picks = rng.choice(len(train_rows), (num_calls, args.call_batch))
+    calls = train_rows[picks]
+    tokens_per_call = float((calls[:, :, 1:] != PAD).sum((1, 2)).mean())
+    sched = ga.critical_batch_schedule(
+        2, 8 * args.calls, warmup_steps=5, batch_per_micro_step=tokens_per_call
+    )
+    txs = {
+        f"fixed K={args.calls}": ga.accumulate(inner, args.calls, track_noise_scale=True),
+        "adaptive K": ga.accumulate(inner, sched, track_noise_scale=True, noise_scale_decay=0.9),
+    }
+    out: dict[str, Any] = {"tokens_per_call": tokens_per_call}
+    for name, tx in txs.items():
+        step = make_weighted_step(loss_sum_and_tokens, tx, args.microbatches)
+        params, state = params0, tx.init(params0)
+        rows_seen, window = [], {"loss": 0.0, "tokens": 0.0}
+        log = {"loss": [], "sequences": [], "k": [], "b_simple": []}
+        for c in range(num_calls):
+            k = int(state.window_length)
+            params, state, loss, n = step(params, state, jnp.asarray(calls[c]))
+            window["loss"] += float(loss) * float(n)
+            window["tokens"] += float(n)
+            rows_seen.append(args.call_batch)
+            if bool(ga.has_updated(state)):
+                log["loss"].append(window["loss"] / window["tokens"])
+                log["sequences"].append(sum(rows_seen))
+                log["k"].append(k)
+                log["b_simple"].append(float(ga.gradient_noise_scale(state).b_simple))
+                window = {"loss": 0.0, "tokens": 0.0}
+        out[name] = log
+    print(
+        f"adaptive K (critical_batch_schedule) vs fixed K, {num_calls} calls of "
+        f"{args.call_batch} sequences (~{tokens_per_call:.0f} real tokens per call):"
+    )
+    print(
+        f"{'run':<12} {'step':>5} {'sequences':>10} {'K':>4} {'b_simple (tokens)':>18} {'loss':>7}"
+    )
+    for name in txs:
+        log = out[name]
+        n = len(log["loss"])
+        for i in sorted({0, n // 4, n // 2, 3 * n // 4, n - 1}):
+            print(
+                f"{name:<12} {i + 1:>5} {log['sequences'][i]:>10} {log['k'][i]:>4} "
+                f"{log['b_simple'][i]:>18.0f} {log['loss'][i]:>7.4f}"
+            )
+    return out
+
+
 @jax.jit
 def max_abs_diff(a, b) -> jax.Array:
     return jnp.max(jnp.stack([jnp.max(jnp.abs(x - y)) for x, y in zip(a, b, strict=True)]))
@@ -309,6 +376,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--plot", default="/tmp/transformer_lm.png", help="PNG file to write")
     parser.add_argument("--quick", action="store_true", help="reduced size (a smoke test)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--adaptive-k",
+        action="store_true",
+        help="also train with K from critical_batch_schedule and compare with fixed K",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.call_batch, args.seq_len = 15, 16, 32
@@ -449,6 +521,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "largest parameter difference from the large-batch run: token-weighted "
         f"{results['param_diff_weighted']:.3e}, unweighted {results['param_diff_unweighted']:.3e}"
     )
+    if args.adaptive_k:
+        results["adaptive_k"] = compare_adaptive_k(
+            args, loss_sum_and_tokens, inner, params0, train_rows
+        )
     write_plot(args.plot, history, f"character LM, {compute_dtype.name} compute")
     results["plot"] = args.plot
     results["seconds"] = time.perf_counter() - start

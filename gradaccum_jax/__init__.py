@@ -60,6 +60,13 @@ from gradaccum_jax._mixed_precision import (
     scaled_value_and_grad,
     static_loss_scale,
 )
+from gradaccum_jax._noise_scale import (
+    CriticalBatchSchedule,
+    GradientNoiseScale,
+    NoiseScaleState,
+    critical_batch_schedule,
+    gradient_noise_scale,
+)
 from gradaccum_jax._planning import (
     MicrobatchPlan,
 )
@@ -82,8 +89,11 @@ __all__ = [
     "ClipValueGrowthState",
     "ConditionalAccumulateState",
     "ConditionalAccumulator",
+    "CriticalBatchSchedule",
+    "GradientNoiseScale",
     "LossScaleState",
     "MicrobatchPlan",
+    "NoiseScaleState",
     "SplitAccumulateState",
     "accumulate",
     "adaptive_grad_clip",
@@ -105,8 +115,10 @@ __all__ = [
     "conditional_num_accumulated",
     "conditional_set_global_step",
     "conditional_take_grad",
+    "critical_batch_schedule",
     "current_loss_scale",
     "dynamic_loss_scale",
+    "gradient_noise_scale",
     "has_updated",
     "microbatch_value_and_grad",
     "normalize",

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import checkify
 
-from gradaccum_jax import _collectives, _global_view, _validation, _window
+from gradaccum_jax import _collectives, _global_view, _noise_scale, _validation, _window
 
 AxisName = Hashable | Sequence[Hashable]
 
@@ -65,6 +65,10 @@ class AccumulateState(NamedTuple):
       skip_state: `()` unless `should_skip_update_fn` is given; then the
         metrics it returned for the last micro-gradient (the structure it
         returns at `init` for zero gradients), as in `optax.MultiStepsState`.
+      noise_scale: `None` unless `track_noise_scale=True`; then a
+        `NoiseScaleState` (float32 scalars) holding the window's sum of the
+        micro-gradients' squared norms and the averages that
+        `gradient_noise_scale` reads.
     """
 
     micro_step: jax.Array
@@ -79,6 +83,7 @@ class AccumulateState(NamedTuple):
     num_short_windows: jax.Array
     acc_compensation: optax.Updates | None = None
     skip_state: Any = ()
+    noise_scale: _noise_scale.NoiseScaleState | None = None
 
 
 ShouldSkipUpdateFn = Callable[[optax.Updates, jax.Array, optax.Params], tuple[jax.Array, Any]]
@@ -135,6 +140,9 @@ def accumulate(
     count_skipped_steps: bool = True,
     check_values: bool = False,
     shard_inner_state: Any = None,
+    track_noise_scale: bool = False,
+    noise_scale_decay: float = 0.99,
+    micro_batch_size: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Accumulates micro-gradients over a window and applies ``inner`` once per window.
 
@@ -255,6 +263,28 @@ def accumulate(
         into that sharding (a reduce-scatter) and all-gathers the updates
         back to the params' sharding; the accumulator is unreduced from
         `init` on. Not with `axis_name` or `compensated`.
+      track_noise_scale: If `True`, measure the gradient noise scale
+        (McCandlish et al. 2018) for free: each micro-step also sums its
+        micro-gradient's squared norm (one scalar), each window with at least
+        two accepted micro-gradients (across replicas) estimates $|G|^2$ and
+        $\operatorname{tr}(\Sigma)$ from the micro-gradients' and the window
+        mean's squared norms, and `gradient_noise_scale` reads their averages.
+        The extra sums travel in the window's one reduction. With an int
+        `every_k_schedule`, `K = 1` without `axis_name` is an error (there is
+        no small batch to compare with); a scheduled window with a single
+        micro-gradient leaves the averages unchanged. `False` (default) leaves
+        the state (`noise_scale=None`) and the compiled program as without it.
+      noise_scale_decay: Decay $\beta \in [0, 1)$ of the averages, per
+        window that yields an estimate (the estimates of single windows are
+        very noisy: keep it close to 1).
+      micro_batch_size: The unit of batch size for the noise scale when
+        `update` gets no `weight`: each micro-batch counts as
+        `micro_batch_size` examples, and `b_simple` is in examples. `None`
+        (default) counts micro-batches: `b_simple` is then in micro-batches,
+        directly comparable with `K` (times replicas). With `weight=` the
+        weight is the unit (e.g. tokens) and `micro_batch_size` must be
+        `None`; the estimates assume each weight is proportional to its
+        micro-batch's number of examples.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``update`` accepts
@@ -271,10 +301,14 @@ def accumulate(
         ``compensated=True`` without a 16-bit ``accumulator_dtype`` or with
         ``shard_inner_state``, or ``should_skip_update_fn``,
         ``count_skipped_steps=False`` or ``shard_inner_state`` is combined
-        with ``axis_name``; at trace time, if an ``axis_name`` is not bound
-        where ``update`` runs, or (under ``shard_map``) the gradients are
-        already replica-invariant, or unreduced gradients mix unreduced axes
-        or sit beside leaves sharded over them.
+        with ``axis_name``, or `noise_scale_decay` is outside `[0, 1)`,
+        `micro_batch_size` is not a positive int, or `track_noise_scale=True`
+        with `every_k_schedule=1` and no `axis_name`; at trace time, if
+        `weight=` is passed together with `micro_batch_size`, if an
+        ``axis_name`` is not bound where ``update`` runs, or (under
+        ``shard_map``) the gradients are already replica-invariant, or
+        unreduced gradients mix unreduced axes or sit beside leaves sharded
+        over them.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -305,6 +339,9 @@ def accumulate(
         axis_names = _validation.check_axis_name("axis_name", axis_name)
     _check_skip_options(should_skip_update_fn, count_skipped_steps, check_values, axis_name)
     zero_axes = _global_view.check_shard_inner_state(shard_inner_state, axis_name, compensated)
+    _check_noise_scale_args(
+        track_noise_scale, noise_scale_decay, micro_batch_size, every_k_schedule, axis_name
+    )
     inner = optax.with_extra_args_support(inner)
 
     def length(step: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -365,6 +402,7 @@ def accumulate(
             num_short_windows=_window.counter(),
             acc_compensation=jax.tree.map(jnp.zeros_like, acc) if compensated else None,
             skip_state=skip_state,
+            noise_scale=_noise_scale.init() if track_noise_scale else None,
         )
 
     def gate(grads: optax.Updates) -> _window.Gate:
@@ -394,7 +432,13 @@ def accumulate(
             return unreduced_update(grads, state, params, w, axes, extra_args)
 
         # Accept.
-        accepted = _window.all_finite(grads) if skip_nonfinite else jnp.array(True)
+        grads_sq = _noise_scale.sq_norm(grads) if track_noise_scale else None
+        if not skip_nonfinite:
+            accepted = jnp.array(True)
+        elif track_noise_scale:
+            accepted = _noise_scale.all_finite_given_sq_norm(grads, grads_sq)
+        else:
+            accepted = _window.all_finite(grads)
         skip_state = state.skip_state
         if should_skip_update_fn is not None:
             should_skip, skip_state = skip_decision(grads, state.gradient_step, params)
@@ -416,34 +460,84 @@ def accumulate(
         micro_step = state.micro_step + counted.astype(jnp.int32)
         closes = counted & (micro_step >= state.window_length)
         comp = state.acc_compensation
+        if track_noise_scale:
+            if w is not None and micro_batch_size is not None:
+                raise ValueError(
+                    f"update got weight= but accumulate has {micro_batch_size=}: the noise "
+                    "scale's batch unit is the weight when one is passed. Build accumulate "
+                    "with micro_batch_size=None."
+                )
+            noise = state.noise_scale
+            sq_sum, count = _noise_scale.window_sums(noise, grads_sq, accepted, term_weight)
+            # Absolute units, so that replicas with different units add up.
+            stats = (sq_sum * unit, count)
+            inner_operand = (state.inner_state, noise)
+        else:
+            stats, inner_operand = None, state.inner_state
+
+        def big_total_sq(window: _window.Window) -> jax.Array:
+            if axis_names is None and comp is None:
+                return _noise_scale.total_sq_norm(state.acc_grads, grads, grads_sq, accepted, scale)
+            # Across replicas the reduced sum is a buffer of its own already.
+            return _noise_scale.sq_norm(window.total)
 
         # Apply or skip.
         def total(acc):
             return _window.window_total(acc[0], acc[1], grads, accepted, scale)
 
-        def step(window: _window.Window, inner_state):
+        def step(window: _window.Window, inner_operand):
             if use_grad_mean:
                 reduced = jax.tree.map(lambda t: t / window.weight.astype(t.dtype), window.total)
             else:
                 reduced = jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
-            return _window.inner_update(inner, reduced, inner_state, grads, params, extra_args)
+            if not track_noise_scale:
+                return _window.inner_update(
+                    inner, reduced, inner_operand, grads, params, extra_args
+                )
+            inner_state, noise = inner_operand
+            sq_sum, count = window.stats
+            noise = _noise_scale.update_averages(
+                noise,
+                big_sq_norm=big_total_sq(window) / jnp.square(window.weight),
+                small_sq_norm_sum=sq_sum,
+                count=count,
+                total_weight=window.weight * window.unit,
+                batch_unit=1.0 if micro_batch_size is None else float(micro_batch_size),
+                decay=noise_scale_decay,
+            )
+            new_updates, new_inner = _window.inner_update(
+                inner, reduced, inner_state, grads, params, extra_args
+            )
+            return new_updates, (new_inner, noise)
 
         new_updates, new_inner, reset, applied = _window.close(
             gate(grads),
             closes,
             (state.acc_grads, comp),
-            state.inner_state,
+            inner_operand,
             window_weight,
             unit,
             total=total,
             step=step,
             like=grads,
+            stats=stats,
         )
+        new_noise = None
+        if track_noise_scale:
+            new_inner, new_noise = new_inner
+            new_noise = new_noise._replace(
+                acc_sq_norm=jnp.where(reset, 0.0, sq_sum).astype(jnp.float32),
+                acc_count=jnp.where(reset, 0.0, count).astype(jnp.float32),
+            )
 
         # Write: add the micro-gradient, or reset at the window's end.
         new_acc, new_comp = _window.write(state.acc_grads, comp, grads, accepted, scale, reset)
         gradient_step = _window.increment_if(state.gradient_step, applied)
         next_length, short = length(gradient_step)
+        if isinstance(every_k_schedule, _noise_scale.CriticalBatchSchedule):
+            next_length = every_k_schedule.next_k(
+                gradient_step, state.window_length, _noise_scale.estimate(new_noise)
+            )
         new_state = AccumulateState(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
             gradient_step=gradient_step,
@@ -457,6 +551,7 @@ def accumulate(
             num_short_windows=_window.increment_if(state.num_short_windows, reset & short),
             acc_compensation=new_comp,
             skip_state=skip_state,
+            noise_scale=new_noise,
         )
         return new_updates, new_state
 
@@ -562,6 +657,30 @@ def accumulate(
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_noise_scale_args(
+    track: Any, decay: Any, micro_batch_size: Any, every_k_schedule: Any, axis_name: Any
+) -> None:
+    if not isinstance(track, bool):
+        raise TypeError(f"track_noise_scale must be True or False; got {track=}.")
+    _validation.check_real("noise_scale_decay", decay, minimum=0.0)
+    if decay >= 1:
+        raise ValueError(
+            f"noise_scale_decay must be in [0, 1), e.g. 0.99; got noise_scale_decay={decay!r}."
+        )
+    if micro_batch_size is not None:
+        _validation.check_int("micro_batch_size", micro_batch_size)
+    if isinstance(every_k_schedule, _noise_scale.CriticalBatchSchedule) and not track:
+        raise ValueError(
+            "every_k_schedule is a critical_batch_schedule, which reads the measured noise "
+            "scale: pass track_noise_scale=True as well."
+        )
+    if track and axis_name is None and not callable(every_k_schedule) and every_k_schedule == 1:
+        raise ValueError(
+            "track_noise_scale=True needs windows of at least two micro-gradients to compare "
+            f"small and big batches; got {every_k_schedule=} without axis_name. Use K >= 2."
+        )
 
 
 def _find_accumulate_state(opt_state: Any) -> AccumulateState:

@@ -24,8 +24,17 @@ from jax.sharding import PartitionSpec
 from gradaccum_jax import _validation
 from gradaccum_jax._accumulation import AccumulateState, AxisName
 
-# The rounding error of a replica's `acc_grads` is its own, like `acc_grads`.
-_PER_REPLICA = ("acc_grads", "acc_weight", "weight_unit", "num_skipped", "acc_compensation")
+# The rounding error of a replica's `acc_grads` is its own, like `acc_grads`; the
+# noise-scale window sums are the replica's own too (its averages are equal on
+# every replica, held per replica with them).
+_PER_REPLICA = (
+    "acc_grads",
+    "acc_weight",
+    "weight_unit",
+    "num_skipped",
+    "acc_compensation",
+    "noise_scale",
+)
 
 
 def _map_accumulate_states(

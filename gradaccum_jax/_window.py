@@ -220,11 +220,15 @@ class Window(NamedTuple):
       weight: `float32[]`, `Σ w / unit`: the mean is `total / weight`.
       unit: `float32[]`, the unit in which the weights are held; the window's
         sum in the gradients' units is `total * unit`.
+      stats: `None`, or a tree of `float32` scalars that travel with the sums
+        in the same reduction and are summed across replicas as they are
+        (already in absolute units): the noise-scale measurements.
     """
 
     total: Any
     weight: jax.Array
     unit: jax.Array
+    stats: Any = None
 
 
 class Gate(NamedTuple):
@@ -272,12 +276,14 @@ def replica_gate(axis_names: tuple[Any, ...], typed: bool) -> Gate:
             wide = jnp.float32 if t.dtype == jnp.float16 else t.dtype
             return t.astype(wide) * window.unit.astype(wide)
 
-        total, weight = _collectives.psum(
-            (jax.tree.map(in_units, window.total), window.weight * window.unit), axis_names, typed
+        total, weight, stats = _collectives.psum(
+            (jax.tree.map(in_units, window.total), window.weight * window.unit, window.stats),
+            axis_names,
+            typed,
         )
         total = jax.tree.map(lambda t, old: t.astype(old.dtype), total, window.total)
         # Fresh ones, not ones_like: they must not vary between replicas.
-        return Window(total=total, weight=weight, unit=jnp.ones([], jnp.float32))
+        return Window(total=total, weight=weight, unit=jnp.ones([], jnp.float32), stats=stats)
 
     def cond(pred, true_fn, false_fn, *operands):
         return _collectives.cond(pred, true_fn, false_fn, *operands, typed=typed)
@@ -323,6 +329,7 @@ def close(
     total: Callable[[Any], Any],
     step: Step,
     like: Any,
+    stats: Any = None,
 ) -> tuple[Any, Any, jax.Array, jax.Array]:
     """The gate: runs `step` once if the window `closes` with something accepted.
 
@@ -337,6 +344,7 @@ def close(
       step: `(reduced Window, inner_state) -> (updates, new inner_state)`.
       like: A tree shaped like the updates (the gradients), for the skip
         branch's zeros, which take the dtypes `step` returns.
+      stats: `Window.stats`, reduced with the sums (`None`: nothing more).
 
     Returns:
       `(updates, inner_state, reset, applied)`: `reset` (the window ends) is
@@ -352,9 +360,9 @@ def close(
         ]
         return treedef.unflatten(zeros)
 
-    def apply_branch(operand, inner_state, closes, weight, unit):
+    def apply_branch(operand, inner_state, closes, weight, unit, stats):
         del closes
-        window = gate.reduce(Window(total(operand), weight, unit))
+        window = gate.reduce(Window(total(operand), weight, unit, stats))
         if gate.decides_locally:
             updates, new_inner = step(window, inner_state)
             return updates, new_inner, jnp.array(True), jnp.array(True)
@@ -367,11 +375,11 @@ def close(
         updates, new_inner = gate.cond(accepted, step, nothing, window, inner_state)
         return updates, new_inner, jnp.array(True), accepted
 
-    operands = (operand, inner_state, closes, weight, unit)
+    operands = (operand, inner_state, closes, weight, unit, stats)
     spec = jax.eval_shape(apply_branch, *operands)[0]
 
-    def skip_branch(operand, inner_state, closes, weight, unit):
-        del operand, weight, unit
+    def skip_branch(operand, inner_state, closes, weight, unit, stats):
+        del operand, weight, unit, stats
         # A window with nothing accepted still ends on schedule (reset = closes).
         return skip_like(spec, closes), inner_state, closes, jnp.array(False)
 

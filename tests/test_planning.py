@@ -159,7 +159,7 @@ def test_docs_page_code_runs():
     # Every Python block of docs/choosing_k.md, in order, in one namespace.
     page = pathlib.Path(__file__).parents[1] / "docs" / "choosing_k.md"
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 4  # the plan (2), the noise scale (2)
     ns: dict = {}
     for n, block in enumerate(blocks):
         exec(compile(block, f"{page.name}[block {n}]", "exec"), ns)
