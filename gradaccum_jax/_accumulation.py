@@ -144,11 +144,11 @@ def accumulate(
     noise_scale_decay: float = 0.99,
     micro_batch_size: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-    r"""Accumulates micro-gradients over a window and applies ``inner`` once per window.
+    r"""Accumulates micro-gradients over a window and applies `inner` once per window.
 
-    A window is ``K`` consecutive calls of ``update``. The first ``K - 1`` calls
+    A window is `K` consecutive calls of `update`. The first `K - 1` calls
     add their gradient to an accumulator and return exact zeros, leaving the
-    inner state untouched. The ``K``-th call reduces the accumulated gradients,
+    inner state untouched. The `K`-th call reduces the accumulated gradients,
 
     $$
     \bar g = \frac{\sum_i w_i g_i}{\sum_i w_i}
@@ -156,11 +156,11 @@ def accumulate(
     \bar g = \sum_i w_i g_i \quad\text{(sum)},
     $$
 
-    over the accepted micro-gradients ``g_i`` with weights ``w_i`` (``1`` unless
-    ``update`` gets a ``weight=`` extra argument, such as the micro-batch's
-    token count), runs ``inner.update`` once on ``ḡ``, resets the accumulator
-    and returns the inner update. With the mean, ``K`` micro-batches give the
-    same parameters as one batch ``K`` times larger, for any inner optimizer.
+    over the accepted micro-gradients `g_i` with weights `w_i` (`1` unless
+    `update` gets a `weight=` extra argument, such as the micro-batch's
+    token count), runs `inner.update` once on `ḡ`, resets the accumulator
+    and returns the inner update. With the mean, `K` micro-batches give the
+    same parameters as one batch `K` times larger, for any inner optimizer.
 
     Gradients typed unreduced over mesh axes (from `unreduced_value_and_grad`
     in a global-view `jax.jit` step) are accumulated unreduced, with no
@@ -168,7 +168,7 @@ def accumulate(
     partial sum, and the window's close reduces the sums and weights once
     (`jax.reshard`). See the distributed-training guide.
 
-    The gate is a ``jax.lax.cond``: the inner optimizer is not computed on the
+    The gate is a `jax.lax.cond`: the inner optimizer is not computed on the
     micro-steps. The accumulator is updated after the conditional, in one fused
     in-place pass that also resets it at the window's end, and the conditional
     returns a flag that orders that pass after the inner optimizer has read
@@ -176,81 +176,81 @@ def accumulate(
     through without copying them (the compiled program is tested for it).
 
     A micro-gradient with a non-finite leaf (or a non-finite or negative
-    traced ``weight``, or one that ``should_skip_update_fn`` rejects) is
+    traced `weight`, or one that `should_skip_update_fn` rejects) is
     dropped: it is not added, it does not count in the mean's denominator,
-    and ``num_skipped`` grows by one. By default the dropped micro-step still
-    counts toward the window, which closes on schedule after ``K`` calls; a
+    and `num_skipped` grows by one. By default the dropped micro-step still
+    counts toward the window, which closes on schedule after `K` calls; a
     window with nothing accepted applies no inner update and returns zeros.
-    With ``count_skipped_steps=False`` it does not count, as in
-    ``optax.MultiSteps``: the window closes after ``K`` accepted
+    With `count_skipped_steps=False` it does not count, as in
+    `optax.MultiSteps`: the window closes after `K` accepted
     micro-gradients.
 
-    Values only known inside ``jit`` cannot raise there: a traced schedule
-    value below 1 is taken as 1 (counted in ``num_short_windows``), and a
-    negative or non-finite traced ``weight`` drops its micro-gradient
-    (counted in ``num_skipped``). With ``check_values=True`` both are also
-    reported through ``jax.experimental.checkify``: run the step as
-    ``checkify.checkify(step, errors=checkify.user_checks)`` and call
-    ``err.throw()`` on the error it returns.
+    Values only known inside `jit` cannot raise there: a traced schedule
+    value below 1 is taken as 1 (counted in `num_short_windows`), and a
+    negative or non-finite traced `weight` drops its micro-gradient
+    (counted in `num_skipped`). With `check_values=True` both are also
+    reported through `jax.experimental.checkify`: run the step as
+    `checkify.checkify(step, errors=checkify.user_checks)` and call
+    `err.throw()` on the error it returns.
 
-    Step counting: ``gradient_step`` counts inner updates. Schedules inside
-    ``inner`` (``optax.adam(optax.cosine_decay_schedule(...))``,
-    ``optax.inject_hyperparams``) therefore advance once per window. Counters
-    outside, such as Flax's ``TrainState.step``, count calls of ``update``
+    Step counting: `gradient_step` counts inner updates. Schedules inside
+    `inner` (`optax.adam(optax.cosine_decay_schedule(...))`,
+    `optax.inject_hyperparams`) therefore advance once per window. Counters
+    outside, such as Flax's `TrainState.step`, count calls of `update`
     (micro-steps); read `optimizer_step` instead.
 
     Args:
       inner: The optimizer to apply once per window, any
-        ``optax.GradientTransformation`` (extra arguments such as ``value=``
+        `optax.GradientTransformation` (extra arguments such as `value=`
         are passed through to it).
-      every_k_schedule: The window length ``K``: an int ``>= 1``, or a callable
-        mapping ``gradient_step`` (an ``int32`` scalar) to an integer scalar,
-        so that ``K`` can change between windows without recompiling.
-      use_grad_mean: If ``True`` (default) the window's weighted mean is passed
-        to ``inner``; if ``False``, the weighted sum.
-      accumulator_dtype: dtype of the accumulator. ``None`` (default) keeps
+      every_k_schedule: The window length `K`: an int `>= 1`, or a callable
+        mapping `gradient_step` (an `int32` scalar) to an integer scalar,
+        so that `K` can change between windows without recompiling.
+      use_grad_mean: If `True` (default) the window's weighted mean is passed
+        to `inner`; if `False`, the weighted sum.
+      accumulator_dtype: dtype of the accumulator. `None` (default) keeps
         float32 and wider gradients in their dtype and accumulates float16 and
         bfloat16 gradients in float32; complex gradients are summed in the
-        complex counterpart of the precision. ``jnp.bfloat16`` halves the
+        complex counterpart of the precision. `jnp.bfloat16` halves the
         accumulator's memory for float32 gradients at the cost of about
-        ``log2(K)`` mantissa bits. Whatever the accumulator, the inner
+        `log2(K)` mantissa bits. Whatever the accumulator, the inner
         optimizer receives the window's gradient in the gradients' dtype, the
         updates come back in the dtype it returns (zeros on micro-steps
-        too), and its state is cast back to the dtypes of its ``init``.
-      compensated: If ``True``, a second buffer in ``accumulator_dtype`` (which
-        must be ``jnp.bfloat16`` or ``jnp.float16``) keeps the rounding error
+        too), and its state is cast back to the dtypes of its `init`.
+      compensated: If `True`, a second buffer in `accumulator_dtype` (which
+        must be `jnp.bfloat16` or `jnp.float16`) keeps the rounding error
         of the accumulator, as in Kahan summation: each addition is done in
         float32 and its result split into a 16-bit high part and the 16-bit
         remainder, so the pair carries about 16 mantissa bits. It costs as
         much memory as a float32 accumulator and is less accurate than one;
         see the mixed-precision docs for measurements.
-      skip_nonfinite: If ``True`` (default) non-finite micro-gradients are
-        dropped as described above. If ``False`` they are added as they are.
+      skip_nonfinite: If `True` (default) non-finite micro-gradients are
+        dropped as described above. If `False` they are added as they are.
       axis_name: Name (or tuple of names) of a mapped axis, for use inside
-        ``jax.shard_map`` or ``jax.pmap``. Each replica accumulates its own
+        `jax.shard_map` or `jax.pmap`. Each replica accumulates its own
         micro-gradients, and the sums and weights are summed across replicas
         once per window, inside the conditional, so the mean is over every
         replica's accepted micro-gradients (weighted by the global weight) and
-        micro-steps run no collective. Under ``shard_map`` the gradients must
+        micro-steps run no collective. Under `shard_map` the gradients must
         vary between replicas: take them with respect to
-        ``jax.lax.pcast(params, axis_name, to='varying')``, not the replicated
+        `jax.lax.pcast(params, axis_name, to='varying')`, not the replicated
         params, whose gradient is already summed; the returned updates are
         replica-invariant. Hold the state across calls with
         `replica_state_specs`. See the distributed-training guide.
-      should_skip_update_fn: ``None``, or optax's
-        ``should_skip_update_fn(updates, gradient_step, params) ->
-        (should_skip, metrics)`` (``optax.skip_not_finite``,
-        ``optax.skip_large_updates``, as for ``optax.MultiSteps``): a
-        micro-gradient for which it returns ``True`` is dropped as above;
-        ``metrics`` is kept in ``AccumulateState.skip_state``. Not with
-        ``axis_name``.
-      count_skipped_steps: If ``True`` (default) a dropped micro-step counts
-        toward the window's ``K`` calls; if ``False`` it does not, as in
-        ``optax.MultiSteps``. Not with ``axis_name``, where replicas that drop
+      should_skip_update_fn: `None`, or optax's
+        `should_skip_update_fn(updates, gradient_step, params) ->
+        (should_skip, metrics)` (`optax.skip_not_finite`,
+        `optax.skip_large_updates`, as for `optax.MultiSteps`): a
+        micro-gradient for which it returns `True` is dropped as above;
+        `metrics` is kept in `AccumulateState.skip_state`. Not with
+        `axis_name`.
+      count_skipped_steps: If `True` (default) a dropped micro-step counts
+        toward the window's `K` calls; if `False` it does not, as in
+        `optax.MultiSteps`. Not with `axis_name`, where replicas that drop
         different micro-steps would close their windows at different calls.
-      check_values: If ``True``, invalid traced values (a schedule value
-        below 1, a negative or non-finite ``weight``) are reported with
-        ``jax.experimental.checkify.check`` besides being counted.
+      check_values: If `True`, invalid traced values (a schedule value
+        below 1, a negative or non-finite `weight`) are reported with
+        `jax.experimental.checkify.check` besides being counted.
       shard_inner_state: For global-view `jax.jit` on a mesh with gradients
         from `unreduced_value_and_grad` (ZeRO-1). `None` (default) keeps the
         inner state sharded like the params. A mesh axis name (or tuple of
@@ -287,26 +287,26 @@ def accumulate(
         micro-batch's number of examples.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose ``update`` accepts
-      ``weight=`` (a non-negative scalar) and passes any other keyword
-      argument to ``inner``.
+      An `optax.GradientTransformationExtraArgs` whose `update` accepts
+      `weight=` (a non-negative scalar) and passes any other keyword
+      argument to `inner`.
 
     Raises:
-      TypeError: If ``inner`` is not a gradient transformation,
-        ``every_k_schedule`` is neither an int nor a callable, or
-        ``accumulator_dtype`` is not a floating-point dtype, or ``axis_name``
-        is neither a name nor a tuple of names, or ``shard_inner_state`` is
+      TypeError: If `inner` is not a gradient transformation,
+        `every_k_schedule` is neither an int nor a callable, or
+        `accumulator_dtype` is not a floating-point dtype, or `axis_name`
+        is neither a name nor a tuple of names, or `shard_inner_state` is
         neither a name, a callable nor a tree of specs.
-      ValueError: If ``every_k_schedule`` is an int below 1, or
-        ``compensated=True`` without a 16-bit ``accumulator_dtype`` or with
-        ``shard_inner_state``, or ``should_skip_update_fn``,
-        ``count_skipped_steps=False`` or ``shard_inner_state`` is combined
-        with ``axis_name``, or `noise_scale_decay` is outside `[0, 1)`,
+      ValueError: If `every_k_schedule` is an int below 1, or
+        `compensated=True` without a 16-bit `accumulator_dtype` or with
+        `shard_inner_state`, or `should_skip_update_fn`,
+        `count_skipped_steps=False` or `shard_inner_state` is combined
+        with `axis_name`, or `noise_scale_decay` is outside `[0, 1)`,
         `micro_batch_size` is not a positive int, or `track_noise_scale=True`
         with `every_k_schedule=1` and no `axis_name`; at trace time, if
         `weight=` is passed together with `micro_batch_size`, if an
-        ``axis_name`` is not bound where ``update`` runs, or (under
-        ``shard_map``) the gradients are already replica-invariant, or
+        `axis_name` is not bound where `update` runs, or (under
+        `shard_map`) the gradients are already replica-invariant, or
         unreduced gradients mix unreduced axes or sit beside leaves sharded
         over them.
 
@@ -436,7 +436,7 @@ def accumulate(
         if not skip_nonfinite:
             accepted = jnp.array(True)
         elif track_noise_scale:
-            accepted = _noise_scale.all_finite_given_sq_norm(grads, grads_sq)
+            accepted = _noise_scale.all_finite_given_sq_norm(grads, grads_sq)  # type: ignore[arg-type]
         else:
             accepted = _window.all_finite(grads)
         skip_state = state.skip_state
@@ -468,7 +468,7 @@ def accumulate(
                     "with micro_batch_size=None."
                 )
             noise = state.noise_scale
-            sq_sum, count = _noise_scale.window_sums(noise, grads_sq, accepted, term_weight)
+            sq_sum, count = _noise_scale.window_sums(noise, grads_sq, accepted, term_weight)  # type: ignore[arg-type]
             # Absolute units, so that replicas with different units add up.
             stats = (sq_sum * unit, count)
             inner_operand = (state.inner_state, noise)
@@ -477,7 +477,7 @@ def accumulate(
 
         def big_total_sq(window: _window.Window) -> jax.Array:
             if axis_names is None and comp is None:
-                return _noise_scale.total_sq_norm(state.acc_grads, grads, grads_sq, accepted, scale)
+                return _noise_scale.total_sq_norm(state.acc_grads, grads, grads_sq, accepted, scale)  # type: ignore[arg-type]
             # Across replicas the reduced sum is a buffer of its own already.
             return _noise_scale.sq_norm(window.total)
 
@@ -536,7 +536,9 @@ def accumulate(
         next_length, short = length(gradient_step)
         if isinstance(every_k_schedule, _noise_scale.CriticalBatchSchedule):
             next_length = every_k_schedule.next_k(
-                gradient_step, state.window_length, _noise_scale.estimate(new_noise)
+                gradient_step,
+                state.window_length,
+                _noise_scale.estimate(new_noise),  # type: ignore[arg-type]
             )
         new_state = AccumulateState(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
@@ -690,11 +692,11 @@ def _find_accumulate_state(opt_state: Any) -> AccumulateState:
 def optimizer_step(opt_state: optax.OptState) -> jax.Array:
     """Returns the number of optimizer steps (inner updates) applied so far.
 
-    Counters that tick on every ``update`` call, such as Flax's
-    ``TrainState.step`` or ``nnx.Optimizer.step``, count micro-steps under
+    Counters that tick on every `update` call, such as Flax's
+    `TrainState.step` or `nnx.Optimizer.step`, count micro-steps under
     accumulation. This reads the count of windows that applied an update from
-    the `AccumulateState` found anywhere inside ``opt_state`` (a chain,
-    ``optax.masked`` or ``inject_hyperparams`` state), so schedules and logs
+    the `AccumulateState` found anywhere inside `opt_state` (a chain,
+    `optax.masked` or `inject_hyperparams` state), so schedules and logs
     outside the optimizer can use the step the inner optimizer sees.
 
     Args:
@@ -702,10 +704,10 @@ def optimizer_step(opt_state: optax.OptState) -> jax.Array:
         `AccumulateState`.
 
     Returns:
-      An ``int32`` scalar.
+      An `int32` scalar.
 
     Raises:
-      ValueError: If ``opt_state`` contains no or several ``AccumulateState``.
+      ValueError: If `opt_state` contains no or several `AccumulateState`.
 
     Examples:
       >>> import jax.numpy as jnp, optax

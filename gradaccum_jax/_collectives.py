@@ -1,11 +1,11 @@
-"""Cross-replica pieces of ``accumulate(axis_name=...)``.
+"""Cross-replica pieces of `accumulate(axis_name=...)`.
 
-Inside ``jax.shard_map`` with ``check_vma=True`` (the default) every value has
+Inside `jax.shard_map` with `check_vma=True` (the default) every value has
 a type that records the mesh axes along which it may differ between replicas
-(its *varying* axes). ``jax.lax.cond`` needs both branches to return the same
-types, and ``jax.lax.psum`` needs its operand to vary along every axis it sums
-over. Under ``jax.pmap`` or ``check_vma=False`` there are no such types and the
-helpers here reduce to plain ``psum`` and ``cond``.
+(its *varying* axes). `jax.lax.cond` needs both branches to return the same
+types, and `jax.lax.psum` needs its operand to vary along every axis it sums
+over. Under `jax.pmap` or `check_vma=False` there are no such types and the
+helpers here reduce to plain `psum` and `cond`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-
-def _varying(x: Any) -> frozenset:
-    return jax.typeof(x).mat.varying
+from gradaccum_jax._compat import pcast_to_varying, varying_axes
 
 
 def check_axes_bound(arg_name: str, axis_names: tuple[Any, ...]) -> bool:
@@ -35,13 +33,13 @@ def check_axes_bound(arg_name: str, axis_names: tuple[Any, ...]) -> bool:
                 "under jax.jit with sharded arrays, build accumulate without axis_name."
             ) from err
     # An axis index varies along its axis exactly when shard_map checks types.
-    return any(axis in _varying(jax.lax.axis_index(axis)) for axis in axis_names)
+    return any(axis in varying_axes(jax.lax.axis_index(axis)) for axis in axis_names)
 
 
 def check_grads_vary(name: str, tree: Any, axis_names: tuple[Any, ...]) -> None:
     """Raises if a gradient is already replica-invariant, i.e. already reduced."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        missing = [axis for axis in axis_names if axis not in _varying(leaf)]
+        missing = [axis for axis in axis_names if axis not in varying_axes(leaf)]
         if missing:
             axes = missing[0] if len(missing) == 1 else tuple(missing)
             raise ValueError(
@@ -50,17 +48,18 @@ def check_grads_vary(name: str, tree: Any, axis_names: tuple[Any, ...]) -> None:
                 "on every micro-step) and accumulate would sum it again. Differentiating "
                 "with respect to replicated params inside shard_map does that; mark them "
                 "varying first: "
-                f"jax.grad(loss)(jax.lax.pcast(params, {axes!r}, to='varying'), batch)."
+                f"jax.grad(loss)(jax.lax.pcast(params, {axes!r}, to='varying'), batch) "
+                "(jax.lax.pvary(params, axes) before JAX 0.8.2)."
             )
 
 
 def _pvary(x: jax.Array, axes: Any) -> jax.Array:
-    missing = tuple(axis for axis in axes if axis not in _varying(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    missing = tuple(axis for axis in axes if axis not in varying_axes(x))
+    return pcast_to_varying(x, missing) if missing else x
 
 
 def psum(tree: Any, axis_names: tuple[Any, ...], typed: bool) -> Any:
-    """Sums ``tree`` across ``axis_names``.
+    """Sums `tree` across `axis_names`.
 
     An operand typed invariant (the same on every replica) is cast to varying
     first, so it adds up once per replica like any other, and so that a tuple
@@ -80,13 +79,13 @@ def zeros_without_axes(leaf: jax.Array, dtype: Any = None, zero: Any = None) -> 
     """
     dtype = jnp.result_type(leaf) if dtype is None else dtype
     zeros = jnp.zeros(jnp.shape(leaf), dtype, out_sharding=jax.typeof(leaf).sharding)
-    if zero is None or _varying(zero):
+    if zero is None or varying_axes(zero):
         return zeros
     return zeros + jnp.asarray(zero).astype(dtype)
 
 
 def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands, typed: bool) -> Any:
-    """``jax.lax.cond`` whose branch outputs are raised to their joint varying axes.
+    """`jax.lax.cond` whose branch outputs are raised to their joint varying axes.
 
     Each output leaf gets the union of the axes along which either branch's
     version varies, so a branch that returns invariant zeros matches one that
@@ -96,7 +95,7 @@ def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands, type
         return jax.lax.cond(pred, true_fn, false_fn, *operands)
     true_out = jax.eval_shape(true_fn, *operands)
     false_out = jax.eval_shape(false_fn, *operands)
-    joint = jax.tree.map(lambda a, b: _varying(a) | _varying(b), true_out, false_out)
+    joint = jax.tree.map(lambda a, b: varying_axes(a) | varying_axes(b), true_out, false_out)
 
     def raised(fn: Callable) -> Callable:
         def branch(*args):

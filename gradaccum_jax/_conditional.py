@@ -19,23 +19,23 @@ class ConditionalAccumulator(NamedTuple):
     """State of a conditional accumulator (the pure functions and `conditional_accumulate`).
 
     Every field keeps its shape and dtype, so the state can be carried through
-    ``jax.lax.scan``, donated and checkpointed like any other pytree.
+    `jax.lax.scan`, donated and checkpointed like any other pytree.
 
     Attributes:
-      global_step: ``int32[]``. The accumulator's time step. A gradient computed
-        at ``local_step < global_step - max_staleness`` is stale. Grows by one
+      global_step: `int32[]`. The accumulator's time step. A gradient computed
+        at `local_step < global_step - max_staleness` is stale. Grows by one
         on every successful take (saturating at the int32 maximum) and can be
         raised with `conditional_set_global_step`.
-      num_accumulated: ``int32[]``. Gradients accepted since the last take.
+      num_accumulated: `int32[]`. Gradients accepted since the last take.
       acc_grads: Tree shaped like the params, in the accumulator dtype. The sum
-        ``Σ w·g`` of the accepted gradients since the last take (``w = 1``
-        without a ``staleness_weight``).
-      num_stale: ``int32[]``. Gradients dropped so far because they were stale.
+        `Σ w·g` of the accepted gradients since the last take (`w = 1`
+        without a `staleness_weight`).
+      num_stale: `int32[]`. Gradients dropped so far because they were stale.
         Saturates at the int32 maximum.
-      num_skipped: ``int32[]``. Fresh gradients dropped so far because a leaf
+      num_skipped: `int32[]`. Fresh gradients dropped so far because a leaf
         (or their staleness weight) was not finite. Saturates.
-      num_ignored_steps: ``int32[]``. Calls of `conditional_set_global_step`
-        ignored because the new step was lower than ``global_step``. Jitted code
+      num_ignored_steps: `int32[]`. Calls of `conditional_set_global_step`
+        ignored because the new step was lower than `global_step`. Jitted code
         cannot log a warning, so this counter is how that is reported.
         Saturates.
     """
@@ -52,11 +52,11 @@ class ConditionalAccumulateState(NamedTuple):
     """State of `conditional_accumulate`.
 
     Attributes:
-      accumulator: A `ConditionalAccumulator`; its ``global_step``
+      accumulator: A `ConditionalAccumulator`; its `global_step`
         is the step to stamp new gradients with, and it counts the dropped
         gradients.
       inner_state: The inner transformation's state. It changes only when
-        ``num_required`` gradients are in.
+        `num_required` gradients are in.
     """
 
     accumulator: ConditionalAccumulator
@@ -105,7 +105,7 @@ def _judge(
     staleness_weight: StalenessWeight | None,
     skip_nonfinite: bool,
 ) -> _Verdict:
-    """Decides whether ``grad`` joins the sum, and with which weight."""
+    """Decides whether `grad` joins the sum, and with which weight."""
     _validation.check_same_structure("grad", grad, "state.acc_grads", acc.acc_grads)
     _validation.check_float_tree("grad", grad)
     step = _validation.check_scalar("local_step", local_step, integer=True)
@@ -144,26 +144,26 @@ def _counted(acc: ConditionalAccumulator, verdict: _Verdict) -> ConditionalAccum
 def conditional_accumulator_init(
     params: optax.Params, *, accumulator_dtype: Any = None
 ) -> ConditionalAccumulator:
-    """Returns an empty conditional accumulator for gradients shaped like ``params``.
+    """Returns an empty conditional accumulator for gradients shaped like `params`.
 
-    The pure counterpart of constructing TensorFlow's ``ConditionalAccumulator``:
+    The pure counterpart of constructing TensorFlow's `ConditionalAccumulator`:
     `conditional_apply_grad`, `conditional_num_accumulated`,
     `conditional_set_global_step` and `conditional_take_grad` act on
     the returned state and return a new one. `conditional_accumulate`
     wraps the same state around an optimizer.
 
     Args:
-      params: A tree of floating-point arrays (or ``jax.ShapeDtypeStruct``)
+      params: A tree of floating-point arrays (or `jax.ShapeDtypeStruct`)
         shaped like the gradients.
-      accumulator_dtype: dtype of the sum. ``None`` (default) keeps float32 and
+      accumulator_dtype: dtype of the sum. `None` (default) keeps float32 and
         wider dtypes and sums float16 and bfloat16 gradients in float32.
 
     Returns:
-      A `ConditionalAccumulator` at ``global_step = 0``.
+      A `ConditionalAccumulator` at `global_step = 0`.
 
     Raises:
-      TypeError: If a leaf of ``params`` is not floating point, or
-        ``accumulator_dtype`` is not a floating dtype.
+      TypeError: If a leaf of `params` is not floating point, or
+        `accumulator_dtype` is not a floating dtype.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -194,44 +194,44 @@ def conditional_apply_grad(
     staleness_weight: StalenessWeight | None = None,
     skip_nonfinite: bool = True,
 ) -> ConditionalAccumulator:
-    r"""Adds ``grad`` to the accumulator unless it is stale; returns the new state.
+    r"""Adds `grad` to the accumulator unless it is stale; returns the new state.
 
-    ``grad`` is stale when it was computed too long ago,
+    `grad` is stale when it was computed too long ago,
 
     $$
     \text{local\_step} < \text{global\_step} - \text{max\_staleness},
     $$
 
-    and is then dropped and counted in ``num_stale``. A fresh gradient with a
-    non-finite leaf is dropped and counted in ``num_skipped``. Otherwise
-    ``w·grad`` is added and ``num_accumulated`` grows by one, where
-    ``w = staleness_weight(τ)`` for the staleness
-    ``τ = max(global_step - local_step, 0)``, or ``1`` without a weight.
+    and is then dropped and counted in `num_stale`. A fresh gradient with a
+    non-finite leaf is dropped and counted in `num_skipped`. Otherwise
+    `w·grad` is added and `num_accumulated` grows by one, where
+    `w = staleness_weight(τ)` for the staleness
+    `τ = max(global_step - local_step, 0)`, or `1` without a weight.
 
     Args:
       state: A `ConditionalAccumulator` (or the
         `ConditionalAccumulateState` of `conditional_accumulate`,
         whose accumulator is then updated and whose inner state is kept).
       grad: A tree with the structure and shapes of the accumulator.
-      local_step: Integer scalar: the accumulator's ``global_step`` that was
-        current when ``grad`` was computed.
-      max_staleness: Steps a gradient may lag behind ``global_step`` and still
-        be accepted (``0``, the default, accepts only ``local_step >=
-        global_step``, as TensorFlow does).
-      staleness_weight: ``None``, or a callable mapping ``τ`` (an ``int32``
-        scalar in ``[0, max_staleness]``) to the weight of an accepted
+      local_step: Integer scalar: the accumulator's `global_step` that was
+        current when `grad` was computed.
+      max_staleness: Steps a gradient may lag behind `global_step` and still
+        be accepted (`0`, the default, accepts only `local_step >=
+        global_step`, as TensorFlow does).
+      staleness_weight: `None`, or a callable mapping `τ` (an `int32`
+        scalar in `[0, max_staleness]`) to the weight of an accepted
         gradient. A non-finite or negative weight drops the gradient
-        (counted in ``num_skipped``).
-      skip_nonfinite: If ``True`` (default) non-finite gradients are dropped; if
-        ``False`` they are added as they are.
+        (counted in `num_skipped`).
+      skip_nonfinite: If `True` (default) non-finite gradients are dropped; if
+        `False` they are added as they are.
 
     Returns:
-      The new state, of the same type as ``state``.
+      The new state, of the same type as `state`.
 
     Raises:
-      ValueError: If ``grad`` does not have the accumulator's structure, or a
+      ValueError: If `grad` does not have the accumulator's structure, or a
         leaf has the wrong shape (the message names the leaf's path).
-      TypeError: If ``local_step`` is not an integer scalar.
+      TypeError: If `local_step` is not an integer scalar.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -262,7 +262,7 @@ def conditional_num_accumulated(
         `ConditionalAccumulateState`.
 
     Returns:
-      An ``int32`` scalar.
+      An `int32` scalar.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -279,12 +279,12 @@ def conditional_set_global_step(
     state: ConditionalAccumulator | ConditionalAccumulateState,
     new_global_step: jax.typing.ArrayLike,
 ) -> ConditionalAccumulator | ConditionalAccumulateState:
-    """Raises the accumulator's ``global_step`` to ``new_global_step``.
+    """Raises the accumulator's `global_step` to `new_global_step`.
 
-    A value lower than the current ``global_step`` is ignored, so that
+    A value lower than the current `global_step` is ignored, so that
     staleness can never move backwards and let old gradients in. Since jitted
     code cannot log, the ignored call is reported by incrementing
-    ``num_ignored_steps`` in the returned state. (TensorFlow logs a warning
+    `num_ignored_steps` in the returned state. (TensorFlow logs a warning
     and sets the lower step anyway.) Gradients already accumulated stay in the
     sum.
 
@@ -294,10 +294,10 @@ def conditional_set_global_step(
       new_global_step: Integer scalar.
 
     Returns:
-      The new state, of the same type as ``state``.
+      The new state, of the same type as `state`.
 
     Raises:
-      TypeError: If ``new_global_step`` is not an integer scalar.
+      TypeError: If `new_global_step` is not an integer scalar.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -325,28 +325,28 @@ def conditional_take_grad(
     *,
     reduction: str = "mean",
 ) -> tuple[optax.Updates, jax.Array, ConditionalAccumulator | ConditionalAccumulateState]:
-    r"""Takes the accumulated gradient if at least ``num_required`` are in.
+    r"""Takes the accumulated gradient if at least `num_required` are in.
 
-    When ``n = num_accumulated >= num_required`` it returns the mean
-    ``Σ w·g / n`` (divided by the actual count ``n``, which may exceed
-    ``num_required``) or the sum ``Σ w·g``, resets the sum and the count to zero
-    and increments ``global_step``. Otherwise it returns zeros and the state
+    When `n = num_accumulated >= num_required` it returns the mean
+    `Σ w·g / n` (divided by the actual count `n`, which may exceed
+    `num_required`) or the sum `Σ w·g`, resets the sum and the count to zero
+    and increments `global_step`. Otherwise it returns zeros and the state
     unchanged; TensorFlow blocks instead, which a pure function cannot do.
 
     Args:
       state: A `ConditionalAccumulator` or
         `ConditionalAccumulateState`.
-      num_required: Number of gradients needed, an int ``>= 1`` (a traced
+      num_required: Number of gradients needed, an int `>= 1` (a traced
         integer below 1 counts as 1).
-      reduction: ``"mean"`` (default) or ``"sum"``.
+      reduction: `"mean"` (default) or `"sum"`.
 
     Returns:
-      ``(gradient, ready, new_state)``: the reduced gradient in the
+      `(gradient, ready, new_state)`: the reduced gradient in the
       accumulator dtype (zeros when not ready), a boolean scalar, and the new
-      state of the same type as ``state``.
+      state of the same type as `state`.
 
     Raises:
-      ValueError: If ``num_required < 1`` or ``reduction`` is unknown.
+      ValueError: If `num_required < 1` or `reduction` is unknown.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -388,45 +388,45 @@ def conditional_accumulate(
     accumulator_dtype: Any = None,
     skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
-    r"""Accumulates fresh gradients and applies ``inner`` once ``num_required`` are in.
+    r"""Accumulates fresh gradients and applies `inner` once `num_required` are in.
 
     A staleness-aware accumulator for asynchronous or delayed gradient
     producers (pipelines, parameter-server-like loops, federated rounds),
-    after TensorFlow's ``ConditionalAccumulator``. Every ``update`` call takes
-    a ``local_step=`` extra argument: the accumulator's ``global_step`` (read
-    from ``state.accumulator.global_step``) that was current when the
+    after TensorFlow's `ConditionalAccumulator`. Every `update` call takes
+    a `local_step=` extra argument: the accumulator's `global_step` (read
+    from `state.accumulator.global_step`) that was current when the
     gradient's parameters were read. A gradient is dropped, and counted in
-    ``num_stale``, when
+    `num_stale`, when
 
     $$
     \text{local\_step} < \text{global\_step} - \text{max\_staleness}.
     $$
 
     Accepted gradients are summed. The call that brings the count to
-    ``n = num_required`` runs ``inner.update`` once on
+    `n = num_required` runs `inner.update` once on
 
     $$
     \bar g = \frac{1}{n}\sum_i w_i g_i \quad\text{(mean, default)}
     \qquad\text{or}\qquad \bar g = \sum_i w_i g_i \quad\text{(sum)},
     $$
 
-    resets the sum and the count, increments ``global_step`` and returns the
+    resets the sum and the count, increments `global_step` and returns the
     inner update; every other call returns exact zeros and leaves the inner
-    state untouched. With ``max_staleness=0`` and fresh gradients this is
-    `gradaccum_jax.accumulate` with ``K = num_required``, bit for bit.
+    state untouched. With `max_staleness=0` and fresh gradients this is
+    `gradaccum_jax.accumulate` with `K = num_required`, bit for bit.
 
-    Down-weighting stale gradients: with ``staleness_weight`` an accepted
-    gradient of staleness ``τ = max(global_step - local_step, 0) <=
-    max_staleness`` gets the weight ``w = staleness_weight(τ)`` (``w = 1``
-    without it). The mean still divides by the count ``n``, not by ``Σ w``,
+    Down-weighting stale gradients: with `staleness_weight` an accepted
+    gradient of staleness `τ = max(global_step - local_step, 0) <=
+    max_staleness` gets the weight `w = staleness_weight(τ)` (`w = 1`
+    without it). The mean still divides by the count `n`, not by `Σ w`,
     so a window of stale gradients moves the parameters less, as in
-    staleness-dependent learning rates (Zhang et al. 2016 use ``1/τ``-like
-    scaling); dividing by ``Σ w`` would cancel a uniform down-weighting.
-    A common choice is ``lambda tau: 1.0 / (1.0 + tau)``.
+    staleness-dependent learning rates (Zhang et al. 2016 use `1/τ`-like
+    scaling); dividing by `Σ w` would cancel a uniform down-weighting.
+    A common choice is `lambda tau: 1.0 / (1.0 + tau)`.
 
     Fresh gradients with a non-finite leaf are dropped and counted in
-    ``num_skipped``; they do not count towards ``num_required``. The gate is
-    the same ``jax.lax.cond`` as `gradaccum_jax.accumulate`: the inner
+    `num_skipped`; they do not count towards `num_required`. The gate is
+    the same `jax.lax.cond` as `gradaccum_jax.accumulate`: the inner
     optimizer is not computed between takes, and the accumulator is written
     after the conditional, ordered by a flag it returns, so XLA passes the
     inner state and the sum through without copying them.
@@ -438,30 +438,30 @@ def conditional_accumulate(
 
     Args:
       inner: The optimizer to apply once per take, any
-        ``optax.GradientTransformation``; extra arguments other than
-        ``local_step`` are passed to it.
-      num_required: Number of accepted gradients per take, an int ``>= 1``.
-      reduction: ``"mean"`` (default, divided by the actual count) or
-        ``"sum"``.
-      max_staleness: Steps a gradient may lag behind ``global_step`` and still
-        be accepted, an int ``>= 0``. ``0`` (default) accepts only gradients
+        `optax.GradientTransformation`; extra arguments other than
+        `local_step` are passed to it.
+      num_required: Number of accepted gradients per take, an int `>= 1`.
+      reduction: `"mean"` (default, divided by the actual count) or
+        `"sum"`.
+      max_staleness: Steps a gradient may lag behind `global_step` and still
+        be accepted, an int `>= 0`. `0` (default) accepts only gradients
         computed at the current step or later.
-      staleness_weight: ``None`` (default), or a callable mapping the
-        staleness ``τ`` (an ``int32`` scalar) to a real weight, as above.
-      accumulator_dtype: dtype of the sum; ``None`` keeps float32 and wider
+      staleness_weight: `None` (default), or a callable mapping the
+        staleness `τ` (an `int32` scalar) to a real weight, as above.
+      accumulator_dtype: dtype of the sum; `None` keeps float32 and wider
         gradients and sums 16-bit gradients in float32.
-      skip_nonfinite: If ``True`` (default), fresh gradients with a non-finite
+      skip_nonfinite: If `True` (default), fresh gradients with a non-finite
         leaf (or weight) are dropped and counted.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose ``update`` requires
-      ``local_step=`` (an integer scalar).
+      An `optax.GradientTransformationExtraArgs` whose `update` requires
+      `local_step=` (an integer scalar).
 
     Raises:
-      TypeError: If ``inner`` is not a gradient transformation, an integer
-        argument is not an int, or ``staleness_weight`` is not callable.
-      ValueError: If ``num_required < 1``, ``max_staleness < 0`` or
-        ``reduction`` is unknown; at trace time, if a gradient leaf has the
+      TypeError: If `inner` is not a gradient transformation, an integer
+        argument is not an int, or `staleness_weight` is not callable.
+      ValueError: If `num_required < 1`, `max_staleness < 0` or
+        `reduction` is unknown; at trace time, if a gradient leaf has the
         wrong shape (the message names its path).
 
     Examples:

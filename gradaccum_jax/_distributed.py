@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec
 
 from gradaccum_jax import _validation
 from gradaccum_jax._accumulation import AccumulateState, AxisName
+from gradaccum_jax._compat import varying_axes
 
 # The rounding error of a replica's `acc_grads` is its own, like `acc_grads`; the
 # noise-scale window sums are the replica's own too (its averages are equal on
@@ -84,7 +85,7 @@ def _type_checked_manual_axes() -> tuple[Any, ...]:
     an axis index varies along its axis exactly when types are checked.
     """
     axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-    return tuple(a for a in axes if a in jax.typeof(jax.lax.axis_index(a)).mat.varying)
+    return tuple(a for a in axes if a in varying_axes(jax.lax.axis_index(a)))
 
 
 def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
@@ -213,7 +214,7 @@ def remove_replica_axis(opt_state: optax.OptState) -> optax.OptState:
     checked_axes = _type_checked_manual_axes()
 
     def squeeze(where: str, x: Any) -> Any:
-        if checked_axes and not jax.typeof(x).mat.varying & set(checked_axes):
+        if checked_axes and not varying_axes(x) & set(checked_axes):
             raise ValueError(
                 f"state.{where} entered jax.shard_map replicated: it does not vary along the "
                 f"mesh axes {checked_axes}, so the state's in_specs entry was P() (and its "

@@ -1,4 +1,4 @@
-"""Per-device gradients for global-view ``jax.jit`` on an explicit mesh, typed unreduced."""
+"""Per-device gradients for global-view `jax.jit` on an explicit mesh, typed unreduced."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax import _validation, _window
+from gradaccum_jax._compat import pcast_to_varying, varying_axes
 from gradaccum_jax._microbatch import microbatch_value_and_grad
 
 AxisName = Hashable | Sequence[Hashable]
@@ -19,7 +20,7 @@ AxisName = Hashable | Sequence[Hashable]
 
 def _positions(name: str, value: Any) -> tuple[int, ...]:
     def is_index(v: Any) -> bool:
-        return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= 0
 
     positions = (value,) if is_index(value) else value
     try:
@@ -66,7 +67,7 @@ def mesh_axes_size(axes: tuple[Any, ...], who: str) -> int:
 
 
 def _varying_axes(x: Any) -> frozenset:
-    return frozenset(jax.typeof(x).mat.varying)
+    return frozenset(varying_axes(x))
 
 
 def _check_batch(args: tuple[Any, ...], batch_nums: tuple[int, ...], devices: int, axes) -> None:
@@ -246,12 +247,12 @@ def unreduced_value_and_grad(
                 )
         _check_batch(args, batch_nums, devices, axes)
 
-        def local(*local_args: Any) -> Any:
-            local_args = list(local_args)
+        def local(*given: Any) -> Any:
+            local_args = list(given)
             for i in grad_nums:
                 # Invariant params would get their gradient summed across devices
                 # by the backward pass; varying ones keep it on the device.
-                local_args[i] = jax.lax.pcast(local_args[i], axes, to="varying")
+                local_args[i] = pcast_to_varying(local_args[i], axes)
             out, grads = value_and_grad(*local_args, **kwargs)
             value, aux = out if has_aux else (out, None)
             grads = jax.tree.map(lambda g: g / devices, grads)

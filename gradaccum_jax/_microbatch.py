@@ -131,7 +131,7 @@ def _check_options(
 
 
 def _check_num_microbatches(num_microbatches: Any, memory_budget: Any) -> int | str:
-    """Returns K, or ``"auto"``; raises naming the fix otherwise."""
+    """Returns K, or `"auto"`; raises naming the fix otherwise."""
     if isinstance(num_microbatches, str) and num_microbatches == "auto":
         if memory_budget is not None:
             _validation.check_real("memory_budget", memory_budget, minimum=0, exclusive=True)

@@ -24,26 +24,26 @@ WindowReduction = Callable[[jax.Array, jax.Array], jax.Array]
 class SplitAccumulateState(NamedTuple):
     """State of `split_accumulate`.
 
-    Every field keeps its shape and dtype from ``init`` on (``jax.lax.scan``
+    Every field keeps its shape and dtype from `init` on (`jax.lax.scan`
     stable, donatable, checkpointable mid-window).
 
     Attributes:
-      micro_step: ``int32[]``. Calls already taken in the current window, in
-        ``[0, K)``.
-      gradient_step: ``int32[]``. Windows that returned an update (closed with
+      micro_step: `int32[]`. Calls already taken in the current window, in
+        `[0, K)`.
+      gradient_step: `int32[]`. Windows that returned an update (closed with
         at least one accepted contribution); the argument of a callable
-        ``every_k_schedule``. Saturates at the int32 maximum.
+        `every_k_schedule`. Saturates at the int32 maximum.
       positive: The positive component's running reduction, a tree shaped like
-        the params in the accumulator dtype (for ``"geometric_mean"`` the sum
-        of logs, ``-inf`` after a zero). For ``"median"`` or a custom reduction
-        it is a buffer of shape ``(K, *param.shape)`` per leaf holding the
-        window's contributions, of which the first ``positive_count`` are valid.
+        the params in the accumulator dtype (for `"geometric_mean"` the sum
+        of logs, `-inf` after a zero). For `"median"` or a custom reduction
+        it is a buffer of shape `(K, *param.shape)` per leaf holding the
+        window's contributions, of which the first `positive_count` are valid.
       negative: The same for the negative component (stored as magnitudes,
-        ``>= 0`` in the sign-split mode).
-      positive_count: ``int32[]``. Contributions to ``positive`` in the window.
-      negative_count: ``int32[]``. Contributions to ``negative`` in the window.
-      num_skipped: ``int32[]``. Calls dropped so far because an entry was not
-        finite (or negative under ``"geometric_mean"`` in the paired mode).
+        `>= 0` in the sign-split mode).
+      positive_count: `int32[]`. Contributions to `positive` in the window.
+      negative_count: `int32[]`. Contributions to `negative` in the window.
+      num_skipped: `int32[]`. Calls dropped so far because an entry was not
+        finite (or negative under `"geometric_mean"` in the paired mode).
         Saturates.
     """
 
@@ -69,7 +69,7 @@ def _identity(x: jax.Array) -> jax.Array:
 
 
 def _combine(reduction: str, acc: jax.Array, x: jax.Array, count: jax.Array) -> jax.Array:
-    """One step of a running reduction; ``count`` is the count before ``x``."""
+    """One step of a running reduction; `count` is the count before `x`."""
     x = x.astype(acc.dtype)
     if reduction in ("sum", "mean"):
         return acc + x
@@ -210,16 +210,16 @@ def split_accumulate(
 ) -> optax.GradientTransformation:
     r"""Accumulates positive and negative parts of updates and bounds them by the params.
 
-    For learning rules whose increments have a potentiating part ``P`` and a
-    depressing part ``N`` that are reduced separately and scaled by how far
-    the parameter ``p`` is from its limits (soft or hard weight dependence, as
-    in spike-timing-dependent plasticity). Over a window of ``K`` calls, each
-    update ``u`` (already in the "add to params" sign convention, e.g. after
-    ``optax.scale(-lr)``) contributes ``max(u, 0)`` to the positive component
-    and ``max(-u, 0)`` to the negative one; with ``paired=True`` the caller
-    passes the two magnitudes ``(positive, negative)`` directly. Each
+    For learning rules whose increments have a potentiating part `P` and a
+    depressing part `N` that are reduced separately and scaled by how far
+    the parameter `p` is from its limits (soft or hard weight dependence, as
+    in spike-timing-dependent plasticity). Over a window of `K` calls, each
+    update `u` (already in the "add to params" sign convention, e.g. after
+    `optax.scale(-lr)`) contributes `max(u, 0)` to the positive component
+    and `max(-u, 0)` to the negative one; with `paired=True` the caller
+    passes the two magnitudes `(positive, negative)` directly. Each
     component is reduced over the window elementwise (sum, mean, max, min,
-    geometric mean, median or a custom function), and the ``K``-th call
+    geometric mean, median or a custom function), and the `K`-th call
     returns
 
     $$
@@ -227,82 +227,82 @@ def split_accumulate(
     $$
 
     where the upper limit acts on the positive part and the lower limit on
-    the negative part (``f = 1`` for a side without a limit, so
-    ``bound=None`` returns ``P - N``), and, with ``r = p_max - p_min`` and the
-    exponent ``μ`` (``upper_exponent`` for ``f_+``, ``lower_exponent`` for
-    ``f_-``),
+    the negative part (`f = 1` for a side without a limit, so
+    `bound=None` returns `P - N`), and, with `r = p_max - p_min` and the
+    exponent `μ` (`upper_exponent` for `f_+`, `lower_exponent` for
+    `f_-`),
 
-    - ``"power"``: ``f(d) = d^μ``,
-    - ``"scaled_power"``: ``f(d) = (d / r)^μ``,
-    - ``"multiplicative"``: ``f(d) = d``,
-    - ``"scaled_multiplicative"``: ``f(d) = d / r``,
-    - ``"sharp"``: ``f(d) = Θ(d)``, 1 if ``d > 0`` and 0 otherwise.
+    - `"power"`: `f(d) = d^μ`,
+    - `"scaled_power"`: `f(d) = (d / r)^μ`,
+    - `"multiplicative"`: `f(d) = d`,
+    - `"scaled_multiplicative"`: `f(d) = d / r`,
+    - `"sharp"`: `f(d) = Θ(d)`, 1 if `d > 0` and 0 otherwise.
 
-    Two conventions where the reference (the ``inferno`` library's
+    Two conventions where the reference (the `inferno` library's
     accumulator) is ambiguous or undefined. The sharp bound takes
-    ``Θ(0) = 0``, so a parameter exactly at its upper limit gets no positive
+    `Θ(0) = 0`, so a parameter exactly at its upper limit gets no positive
     push and one at its lower limit no negative push (the reference's text
-    says ``Θ(0) = 1``, its code gives 0). Outside the box (``d < 0``) the
-    power bounds use the odd extension ``sign(d)·|d|^μ``, which is finite and
-    pushes back towards the box, instead of the undefined ``d^μ``. None of
+    says `Θ(0) = 1`, its code gives 0). Outside the box (`d < 0`) the
+    power bounds use the odd extension `sign(d)·|d|^μ`, which is finite and
+    pushes back towards the box, instead of the undefined `d^μ`. None of
     these soft bounds keeps a parameter inside the box; chain
     `clamp_params` after this for that.
 
     The other calls of the window return exact zeros. A call with a
     non-finite entry is dropped: it joins neither component's reduction nor
-    its count, and ``num_skipped`` grows by one. A component that received
+    its count, and `num_skipped` grows by one. A component that received
     nothing in a window reduces to zero. A window with nothing accepted returns zeros.
 
     This transform acts on the final increment and reads the current params:
-    it must be the last transform in an ``optax.chain`` (only
-    `clamp_params` may follow), and ``update`` needs ``params``. A transform
-    placed after it cannot be detected (``optax.chain`` tells no transform
+    it must be the last transform in an `optax.chain` (only
+    `clamp_params` may follow), and `update` needs `params`. A transform
+    placed after it cannot be detected (`optax.chain` tells no transform
     what follows it); one that rescales the increment breaks its relation
     to the limits.
 
-    The two strategies are accumulators with the same ``init`` / ``add`` /
-    ``finalize`` operations: running reductions (one params-sized array per
+    The two strategies are accumulators with the same `init` / `add` /
+    `finalize` operations: running reductions (one params-sized array per
     component, written after the window's conditional) and buffered ones
-    (``"median"`` and custom functions: a ``K``-slot buffer written before
-    it). A traced ``every_k_schedule`` value below 1 is taken as 1.
+    (`"median"` and custom functions: a `K`-slot buffer written before
+    it). A traced `every_k_schedule` value below 1 is taken as 1.
 
     Args:
-      every_k_schedule: The window length ``K``: an int ``>= 1`` or a callable
-        of ``gradient_step`` returning an integer scalar. ``"median"`` and custom
+      every_k_schedule: The window length `K`: an int `>= 1` or a callable
+        of `gradient_step` returning an integer scalar. `"median"` and custom
         reductions need an int.
-      reduction: ``"sum"`` (default), ``"mean"``, ``"max"``, ``"min"``,
-        ``"geometric_mean"`` (of magnitudes; a zero contribution gives zero),
-        ``"median"``, or a callable ``fn(values, valid)`` where ``values`` has
-        shape ``(K, *leaf.shape)`` and the boolean ``valid`` of shape
-        ``(K, 1, ..., 1)`` marks the window's contributions (e.g.
-        ``lambda v, ok: jnp.max(v, axis=0, where=ok, initial=0.0)``). Running
+      reduction: `"sum"` (default), `"mean"`, `"max"`, `"min"`,
+        `"geometric_mean"` (of magnitudes; a zero contribution gives zero),
+        `"median"`, or a callable `fn(values, valid)` where `values` has
+        shape `(K, *leaf.shape)` and the boolean `valid` of shape
+        `(K, 1, ..., 1)` marks the window's contributions (e.g.
+        `lambda v, ok: jnp.max(v, axis=0, where=ok, initial=0.0)`). Running
         reductions keep one params-sized array per component; the median and
-        custom reductions keep ``K`` (and the median's sort at the window's
-        end needs ``2K`` more as temporaries).
-      bound: ``None`` (default), or one of ``"power"``, ``"scaled_power"``,
-        ``"multiplicative"``, ``"scaled_multiplicative"``, ``"sharp"``.
-      lower: Lower limit ``p_min`` (acts on the negative part), or ``None``.
+        custom reductions keep `K` (and the median's sort at the window's
+        end needs `2K` more as temporaries).
+      bound: `None` (default), or one of `"power"`, `"scaled_power"`,
+        `"multiplicative"`, `"scaled_multiplicative"`, `"sharp"`.
+      lower: Lower limit `p_min` (acts on the negative part), or `None`.
         Scaled bounds need both; a bound needs at least one.
-      upper: Upper limit ``p_max`` (acts on the positive part), or ``None``.
-      lower_exponent: ``μ-`` for the power bounds, ``> 0`` (default 1).
-      upper_exponent: ``μ+`` for the power bounds, ``> 0`` (default 1).
-      paired: If ``True``, ``update`` takes ``updates=(positive, negative)``,
-        two trees shaped like the params holding magnitudes (``None`` for a
+      upper: Upper limit `p_max` (acts on the positive part), or `None`.
+      lower_exponent: `μ-` for the power bounds, `> 0` (default 1).
+      upper_exponent: `μ+` for the power bounds, `> 0` (default 1).
+      paired: If `True`, `update` takes `updates=(positive, negative)`,
+        two trees shaped like the params holding magnitudes (`None` for a
         component without a contribution in that call).
-      accumulator_dtype: dtype of the components; ``None`` keeps float32 and
+      accumulator_dtype: dtype of the components; `None` keeps float32 and
         wider and uses float32 for 16-bit inputs.
-      skip_nonfinite: If ``True`` (default) calls with a non-finite entry are
+      skip_nonfinite: If `True` (default) calls with a non-finite entry are
         dropped as described.
 
     Returns:
-      An ``optax.GradientTransformation`` whose ``update`` requires ``params``
+      An `optax.GradientTransformation` whose `update` requires `params`
       and returns the increment in the params' dtype.
 
     Raises:
       TypeError: For arguments of the wrong type.
       ValueError: For an unknown reduction or bound, missing or inconsistent
         limits, exponents without a power bound, a median or custom reduction
-        with a schedule; at trace time, when ``params`` is missing or the
+        with a schedule; at trace time, when `params` is missing or the
         updates do not match the params (the message names the leaf).
 
     Examples:

@@ -1,6 +1,6 @@
 """Argument checks shared by the transformations.
 
-Every check raises a ``ValueError`` or ``TypeError`` whose message names the
+Every check raises a `ValueError` or `TypeError` whose message names the
 argument, shows the offending value and says what would be accepted, so a
 user can fix the call without reading the source.
 """
@@ -17,7 +17,7 @@ import optax
 
 
 def check_gradient_transformation(name: str, value: Any) -> None:
-    """Raises ``TypeError`` unless ``value`` has callable ``init`` and ``update``."""
+    """Raises `TypeError` unless `value` has callable `init` and `update`."""
     if isinstance(value, optax.GradientTransformation):
         return
     init = getattr(value, "init", None)
@@ -35,7 +35,7 @@ def check_gradient_transformation(name: str, value: Any) -> None:
 
 
 def check_float_tree(name: str, tree: Any) -> None:
-    """Raises ``TypeError`` if any leaf of ``tree`` is not a floating-point array."""
+    """Raises `TypeError` if any leaf of `tree` is not a floating-point array."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.inexact):
@@ -51,7 +51,7 @@ def check_float_tree(name: str, tree: Any) -> None:
 
 
 def check_same_structure(name: str, tree: Any, reference_name: str, reference: Any) -> None:
-    """Raises ``ValueError`` unless ``tree`` matches ``reference`` in structure and shapes."""
+    """Raises `ValueError` unless `tree` matches `reference` in structure and shapes."""
     tree_def = jax.tree_util.tree_structure(tree)
     ref_def = jax.tree_util.tree_structure(reference)
     if tree_def != ref_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub
@@ -130,7 +130,7 @@ def find_unique_state(opt_state: Any, state_type: type, made_by: str) -> Any:
 
 
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    """Returns ``value`` if it is one of the strings in ``allowed``, else raises ``ValueError``."""
+    """Returns `value` if it is one of the strings in `allowed`, else raises `ValueError`."""
     if not isinstance(value, str) or value not in allowed:
         raise ValueError(
             f"{name} must be one of {', '.join(repr(a) for a in allowed)}; got {name}={value!r}."
@@ -144,7 +144,7 @@ def check_hyperparameter(
     """Checks a real, finite, non-negative hyperparameter; returns it unchanged.
 
     Python numbers and concrete scalar arrays are checked by value. Traced
-    scalars (``optax.inject_hyperparams`` builds the transform inside ``jit``)
+    scalars (`optax.inject_hyperparams` builds the transform inside `jit`)
     are checked only for shape, since their value is not known yet.
     """
     if value is None:
@@ -168,7 +168,7 @@ def check_hyperparameter(
 
 
 def check_axis_name(name: str, value: Any) -> tuple[Any, ...]:
-    """Returns ``value`` as a tuple of mapped-axis names, or raises if it is not one.
+    """Returns `value` as a tuple of mapped-axis names, or raises if it is not one.
 
     A single hashable name becomes a 1-tuple; a tuple or list of names keeps its
     order. Sets are refused: collectives need a fixed order of names.
@@ -346,7 +346,7 @@ def check_accumulator_dtype(value: Any, *, compensated: Any = False) -> jnp.dtyp
 
 
 def check_compensable(name: str, accumulator: Any) -> None:
-    """Raises ``TypeError`` if a compensated accumulator would hold a complex leaf."""
+    """Raises `TypeError` if a compensated accumulator would hold a complex leaf."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(accumulator):
         if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
             raise TypeError(

@@ -577,7 +577,7 @@ def test_forgetting_remove_replica_axis_names_it():
     specs = ga.replica_state_specs(jax.eval_shape(tx.init, PARAMS), "data")
 
     def body(params, state, x, y):
-        varying = jax.lax.pcast(params, "data", to="varying")
+        varying = pcast_to_varying(params, "data")
         return grad_step(tx, params, state, x, y, varying)  # no remove_replica_axis
 
     xs, ys = _data(1, 1)
@@ -599,7 +599,7 @@ def test_forgetting_the_replica_state_specs_names_them():
     )
 
     def body(params, state, x, y):
-        varying = jax.lax.pcast(params, "data", to="varying")
+        varying = pcast_to_varying(params, "data")
         params, state = grad_step(tx, params, ga.remove_replica_axis(state), x, y, varying)
         return params, ga.add_replica_axis(state)
 

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from benchmarks import harness
+from gradaccum_jax._compat import pcast_to_varying
 
 D, SIGMA = 8, 0.5
 DELTA = np.random.default_rng(0).normal(size=D).astype(np.float32)
@@ -199,7 +200,7 @@ def _shard_map_step(tx, scan: bool):
     )
 
     def micro_step(state, x, y):
-        varying = jax.lax.pcast(W, "data", to="varying")
+        varying = pcast_to_varying(W, "data")
         g = _grad(varying, x, y, jnp.ones(x.shape[0]))
         return tx.update(g, state, W)[1]
 
