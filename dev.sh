@@ -6,6 +6,8 @@
 #   bash dev.sh docs         build the documentation site (mkdocs, --strict) into site/
 #   bash dev.sh bench        run every benchmark; report under benchmarks/results/
 #   bash dev.sh dist         build the wheel and the sdist into dist/
+#   bash dev.sh test-wheel   build the wheel, install it into .venv-wheel (the pinned
+#                            versions of constraints.txt) and run the quick suite against it
 #   bash dev.sh test-oldest  build the wheel, install it into .venv-oldest (the oldest
 #                            supported jax/optax/flax, constraints-oldest.txt) and run
 #                            the quick suite (-m "not slow") against the installed package
@@ -52,11 +54,15 @@ case "$task" in
   docs) NO_MKDOCS_2_WARNING=1 exec "$VENV/bin/mkdocs" build --strict --quiet "$@" ;;
   bench) "$py" benchmarks/run.py "$@" && exec "$py" tools/figures.py ;;
   dist) build_dist && ls dist ;;
-  test-oldest)
-    old=.venv-oldest
+  test-wheel | test-oldest)
+    if [ "$task" = test-oldest ]; then
+      old=.venv-oldest constraints=constraints-oldest.txt
+    else
+      old=.venv-wheel constraints=constraints.txt
+    fi
     build_dist
     wheel="$(echo dist/*.whl)"
-    ensure_venv "$old" constraints-oldest.txt "$wheel[test,examples]"
+    ensure_venv "$old" "$constraints" "$wheel[test,examples]"
     "$old/bin/python" -m pip install --quiet --no-deps --force-reinstall "$wheel"
     # The tests run from a copy of the repository without the package's source, so that
     # `import gradaccum_jax` finds the installed wheel, as a user's code would.
@@ -77,5 +83,5 @@ case "$task" in
     # doctests would put the source tree on sys.path, ahead of the wheel.
     "$oldpy" -m pytest -p no:cacheprovider --confcutdir="${oldpy%/bin/python}" -m "not slow" "$@"
     ;;
-  *) echo "usage: bash dev.sh {run|test|lint|docs|bench|dist|test-oldest} [args...]" >&2; exit 2 ;;
+  *) echo "usage: bash dev.sh {run|test|lint|docs|bench|dist|test-wheel|test-oldest} [args...]" >&2; exit 2 ;;
 esac
