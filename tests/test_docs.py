@@ -40,11 +40,6 @@ SLOW_PAGES = {
 }
 # Pages their owners are rewriting at the time of writing (see the merge notes): their
 # blocks reference names defined nowhere on the page. Strict: the test fails once they run.
-BEING_REWRITTEN = {
-    "accumulate.md": "blocks use ga/functools/tx/state without defining them (engine's page)",
-    "batchnorm.md": "flax_variables is undefined in the checkpoint block (misuse's page)",
-    "conditional_and_split.md": "params and lr are undefined (engine's page)",
-}
 
 
 def _load_tool(name: str):
@@ -88,8 +83,6 @@ def _page_param(page: pathlib.Path):
     marks = []
     if page.name in SLOW_PAGES:
         marks.append(pytest.mark.slow)
-    if page.name in BEING_REWRITTEN:
-        marks.append(pytest.mark.xfail(raises=NameError, reason=BEING_REWRITTEN[page.name]))
     return pytest.param(page, marks=marks, id=str(page.relative_to(ROOT)))
 
 
