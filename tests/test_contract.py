@@ -62,7 +62,7 @@ class Row:
 LOSS_SCALE_FLOATS = ("initial_scale", "growth_factor", "backoff_factor", "min_scale")
 # fmt: off
 ROWS = [
-    Row("accumulate", dict(inner=ADAM, every_k_schedule=2), accumulates=True),
+    Row("accumulate", dict(inner=ADAM, every_k_schedule=2), accumulates=True, static=("noise_scale_decay",)),  # noqa: E501
     Row("conditional_accumulate", dict(inner=ADAM, num_required=2, max_staleness=1 << 20), dict(local_step=0), accumulates=True),  # noqa: E501
     Row("split_accumulate", dict(every_k_schedule=2, reduction="mean", bound="power", upper=8.0, lower=-8.0), accumulates=True, static=("upper", "lower")),  # noqa: E501
     Row("adaptive_grad_clip", dict(clipping=0.05, eps=1e-3)),
