@@ -440,7 +440,7 @@ def _split_matches_the_reference(case, schedule_name, reduction, jit):
             u, state = (jitted if jit else tx.update)(case.tree(t), state, params)
             assert _finite(u) and _finite(state), t
             _assert_close(u, want, bound, EPS[case.dtype] * (n + 4), where=t)
-        assert (int(state.update_step), int(state.num_skipped)) == (applied, skipped)
+        assert (int(state.gradient_step), int(state.num_skipped)) == (applied, skipped)
 
 
 (
