@@ -38,11 +38,12 @@ class AccumulateState(NamedTuple):
         weighted sum of the micro-gradients accepted in the current window, in
         units of `weight_unit`: `Σ (w / weight_unit) · g` (local to the
         replica when `axis_name` is set).
-      acc_weight: `float32[]`. `Σ w / weight_unit` over the accepted
+      acc_weight: `float32[]` (`float64[]` beside a float64 accumulator).
+        `Σ w / weight_unit` over the accepted
         micro-gradients of the current window (their count when no `weight`
         is passed): the window's mean is `acc_grads / acc_weight`. Local to
         the replica when `axis_name` is set.
-      weight_unit: `float32[]`. The first positive accepted `weight` of the
+      weight_unit: Scalar of `acc_weight`'s dtype. The first positive accepted `weight` of the
         current window (`1` without `weight=`). Holding the sum in this unit
         keeps it at the gradients' magnitude, so large weights (token counts)
         cannot overflow a float16 accumulator. Local to the replica when
@@ -370,7 +371,7 @@ def accumulate(
         acc = _window.zeros(params, accumulator_dtype)
         if compensated:
             _validation.check_compensable("params", acc)
-        acc_weight, num_skipped = jnp.zeros([], jnp.float32), _window.counter()
+        acc_weight, num_skipped = jnp.zeros([], _window.weight_dtype(acc)), _window.counter()
         inner_params = params
         if shard_inner_state is not None:
             # ZeRO-1: the window is unreduced from the start, the inner state sharded.
@@ -396,7 +397,7 @@ def accumulate(
             updated=jnp.array(False),
             acc_grads=acc,
             acc_weight=acc_weight,
-            weight_unit=jnp.ones([], jnp.float32),
+            weight_unit=jnp.ones([], acc_weight.dtype),
             num_skipped=num_skipped,
             inner_state=inner_state,
             num_short_windows=_window.counter(),
@@ -445,8 +446,9 @@ def accumulate(
             skip_state = _window.keep_state_types(skip_state, state.skip_state, "skip")
             accepted = accepted & ~should_skip
         if w is None:
-            scale, unit, term_weight = None, state.weight_unit, jnp.float32(1.0)
+            scale, unit, term_weight = None, state.weight_unit, jnp.ones([], state.acc_weight.dtype)
         else:
+            w = w.astype(state.acc_weight.dtype)
             valid = jnp.isfinite(w) & (w >= 0)
             if check_values:
                 checkify.check(valid, "weight must be finite and >= 0; got weight={}", w)
@@ -546,8 +548,8 @@ def accumulate(
             window_length=jnp.where(reset, next_length, state.window_length).astype(jnp.int32),
             updated=applied,
             acc_grads=new_acc,
-            acc_weight=jnp.where(reset, 0.0, window_weight).astype(jnp.float32),
-            weight_unit=jnp.where(reset, 1.0, unit).astype(jnp.float32),
+            acc_weight=jnp.where(reset, 0.0, window_weight).astype(state.acc_weight.dtype),
+            weight_unit=jnp.where(reset, 1.0, unit).astype(state.acc_weight.dtype),
             num_skipped=_window.increment_if(state.num_skipped, ~accepted),
             inner_state=new_inner,
             num_short_windows=_window.increment_if(state.num_short_windows, reset & short),
@@ -591,10 +593,11 @@ def accumulate(
             valid = jnp.isfinite(w) & (w >= 0)
         accepted = _global_view.local_accept(grads, valid, axes, check=skip_nonfinite)
         if w is None:
-            scale, unit, term_weight = None, state.weight_unit, jnp.float32(1.0)
+            scale, unit, term_weight = None, state.weight_unit, jnp.ones([], state.acc_weight.dtype)
         else:
             # The unit must be the same on every device: the first micro-step's
             # weight if it is usable (any unit gives the same mean).
+            w = w.astype(state.acc_weight.dtype)
             first = valid & (state.micro_step == 0) & (w > 0)
             unit = jnp.where(first, w, state.weight_unit)
             scale = term_weight = w / unit
@@ -652,7 +655,7 @@ def accumulate(
             updated=applied,
             acc_grads=new_acc,
             acc_weight=acc_weight,
-            weight_unit=jnp.where(reset, 1.0, unit).astype(jnp.float32),
+            weight_unit=jnp.where(reset, 1.0, unit).astype(state.acc_weight.dtype),
             num_skipped=num_skipped,
             inner_state=new_inner,
         )

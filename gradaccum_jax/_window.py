@@ -91,6 +91,16 @@ def accumulator_dtype(leaf: Any, requested: Any) -> jnp.dtype:
     return dtype
 
 
+def weight_dtype(acc: Any) -> jnp.dtype:
+    """The dtype of a window's weight: float32, or float64 beside a float64 accumulator.
+
+    A ratio of weights rounded to float32 would limit a float64 window's mean to
+    float32 precision.
+    """
+    real = [jnp.finfo(leaf.dtype).dtype for leaf in jax.tree.leaves(acc)]
+    return jnp.dtype(jnp.result_type(jnp.float32, *real))
+
+
 def zeros(params: Any, requested: Any) -> Any:
     """An empty accumulator for gradients shaped like `params`."""
 
@@ -338,7 +348,8 @@ def close(
       closes: Boolean scalar, whether this micro-step ends the window.
       operand: The accumulator, only read (by `total`) inside the apply branch.
       inner_state: Passed through untouched by the skip branch.
-      weight: `float32[]` window weight including this micro-step (in units).
+      weight: `float32[]` (float64 beside a float64 accumulator), the window's weight
+        including this micro-step, in units.
       unit: `float32[]` unit of the weights.
       total: `operand -> tree of window sums`, including this micro-step.
       step: `(reduced Window, inner_state) -> (updates, new inner_state)`.

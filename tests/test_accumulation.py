@@ -1013,3 +1013,27 @@ def test_eagerly_initialised_state_can_be_donated(tx):
     buffers = [id(x) for x in jax.tree.leaves(state)]
     assert len(buffers) == len(set(buffers))
     jax.jit(lambda s: s, donate_argnums=0)(state)
+
+
+@pytest.mark.parametrize("use_grad_mean", [False, True])
+def test_weighted_float64_window_keeps_float64_precision(use_grad_mean):
+    # Found by the property suite: the ratio 0.5 / 3 of the weights was rounded to
+    # float32, which left float64 windows 1.5e-8 off.
+    if hasattr(jax, "enable_x64"):
+        x64 = jax.enable_x64(True)
+    else:  # older jax releases of the supported range
+        from jax.experimental import enable_x64
+
+        x64 = enable_x64()
+    with x64:
+        params = {"w": jnp.zeros(3, jnp.float64)}
+        tx = ga.accumulate(optax.sgd(1.0), 2, use_grad_mean=use_grad_mean)
+        state = tx.init(params)
+        assert state.acc_weight.dtype == state.weight_unit.dtype == jnp.float64
+        grads = [jnp.full(3, -1.0, jnp.float64), jnp.full(3, 0.7, jnp.float64)]
+        for g, w in zip(grads, [3.0, 0.5], strict=True):
+            updates, state = jax.jit(tx.update)({"w": g}, state, params, weight=w)
+        total = 3.0 * -1.0 + 0.5 * 0.7
+        want = -(total / 3.5 if use_grad_mean else total)
+        np.testing.assert_allclose(updates["w"], want, rtol=4e-16, atol=0)
+        assert state.acc_weight.dtype == jnp.float64
