@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import gradaccum_jax as ga
+from benchmarks import harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_global_view_worker.py"
@@ -246,23 +247,34 @@ def test_flax_batchnorm_per_device_averages_running_statistics(mesh):
 
 
 class _AccumBNNet(nn.Module):
+    axis_name: str | None
+    train: bool = True
+
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(8)(x)
-        x = ga.flax.AccumBatchNorm(use_running_average=False, momentum=0.5, axis_name=AXIS)(x)
+        x = ga.flax.AccumBatchNorm(
+            use_running_average=not self.train, momentum=0.5, axis_name=self.axis_name
+        )(x)
         return nn.Dense(3)(jnp.tanh(x))
 
 
 @pytest.mark.slow
-def test_accum_batchnorm_in_the_global_view_step(mesh):
-    """Statistics pooled over devices and the window, committed when the window closes."""
+@pytest.mark.parametrize("axis_name", [None, AXIS], ids=["per_device", "pooled"])
+def test_accum_batchnorm_in_the_global_view_step(mesh, axis_name):
+    """Running statistics of the window's global batch, committed when the window closes.
+
+    Without axis_name each device normalises its slice and keeps its window's
+    sums unreduced: the step runs no collective outside the window's close.
+    With axis_name every call pools its statistics over the devices.
+    """
     k = 2
     batches = [make_batch(90 + i) for i in range(k)]
-    variables = _AccumBNNet().init(jax.random.key(0), batches[0]["x"])
+    variables = _AccumBNNet(axis_name).init(jax.random.key(0), batches[0]["x"])
     tx = ga.accumulate(optax.sgd(0.0), k)
 
     def loss(params, batch_stats, batch):
-        pred, updated = _AccumBNNet().apply(
+        pred, updated = _AccumBNNet(axis_name).apply(
             {"params": params, "batch_stats": batch_stats}, batch["x"], mutable=["batch_stats"]
         )
         return jnp.mean((pred - batch["y"]) ** 2), updated["batch_stats"]
@@ -285,10 +297,36 @@ def test_accum_batchnorm_in_the_global_view_step(mesh):
     hidden = window @ np.asarray(variables["params"]["Dense_0"]["kernel"]) + np.asarray(
         variables["params"]["Dense_0"]["bias"]
     )
-    np.testing.assert_allclose(stats["BatchNorm_0"]["mean"], 0.5 * hidden.mean(0), 1e-5, 1e-6)
-    np.testing.assert_allclose(
-        stats["BatchNorm_0"]["var"], 0.5 + 0.5 * hidden.var(0), 1e-5, 1e-6
+    bn = stats["BatchNorm_0"]
+    np.testing.assert_allclose(bn["mean"], 0.5 * hidden.mean(0), 1e-5, 1e-6)
+    np.testing.assert_allclose(bn["var"], 0.5 + 0.5 * hidden.var(0), 1e-5, 1e-6)
+    partial = {name for name, leaf in bn.items() if jax.typeof(leaf).sharding.spec.unreduced}
+    hlo = harness.Hlo(step.lower(params, stats, opt_state, sharded(batches[0])).compile())
+    every_step = hlo.collective_counts(hlo.every_step())
+    if axis_name is not None:
+        assert partial == set()
+        assert every_step["all-reduce"] > 0  # the statistics of every call, for normalising
+        return
+    assert partial == {"window_count", "window_sum", "window_sum_sq", "window_params"}
+    assert set(every_step.values()) == {0}
+    # The close: one all-reduce of the gradients, one of the layer's window sums.
+    assert hlo.collective_counts()["all-reduce"] == 2
+
+    evaluate = jax.jit(
+        lambda p, s, x: _AccumBNNet(None, train=False).apply({"params": p, "batch_stats": s}, x)
     )
+    # A window left open while the params move (no commit) is caught at evaluation.
+    _, open_stats, _ = step(params, stats, opt_state, sharded(batches[0]))
+    moved = jax.tree.map(lambda p: p + 1.0, params)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="commit_batch_stats"):
+        jax.block_until_ready(evaluate(moved, open_stats, batches[0]["x"]))
+    # Committed statistics evaluate as their sums would (and this clean run
+    # replaces the failed run's runtime tokens).
+    want = _AccumBNNet(None, train=False).apply(
+        {"params": variables["params"], "batch_stats": jax.tree.map(reduce, stats)},
+        batches[0]["x"],
+    )
+    np.testing.assert_allclose(evaluate(params, stats, batches[0]["x"]), want, RTOL, ATOL)
 
 
 @pytest.mark.slow
@@ -593,6 +631,33 @@ def test_shard_inner_state_errors():
 
 
 @pytest.mark.slow
+def test_a_traced_schedule_below_one_is_counted_and_params_are_optional(mesh):
+    """As on one device: a window length below 1 is taken as 1 and counted."""
+    schedule = lambda step: jnp.where(step < 1, 1, 0).astype(jnp.int32)  # noqa: E731
+    tx = ga.accumulate(optax.sgd(0.1), schedule)
+    grad_fn = ga.unreduced_value_and_grad(loss_fn, AXIS, reduce_value=False)
+
+    @jax.jit
+    def step(params, opt_state, batch):  # sgd needs no params: update without them
+        _, grads = grad_fn(params, batch)
+        updates, opt_state = tx.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state
+
+    params0 = init_params()
+    want = large_batch_reference(optax.sgd(0.1), params0, [make_batch(i) for i in range(3)])
+    params = replicated(params0)
+    opt_state = jax.jit(tx.init)(params)
+    for i in range(3):
+        params, opt_state = step(params, opt_state, sharded(make_batch(i)))
+    assert_trees_close(params, want)
+    assert int(ga.optimizer_step(opt_state)) == 3  # taken as K=1
+    assert int(opt_state.num_short_windows) == 3
+    noisy = global_view_step(ga.accumulate(optax.sgd(0.1), 2, track_noise_scale=True))
+    with pytest.raises(ValueError, match=r"track_noise_scale=True.*unreduced"):
+        noisy(params, tx.init(params), sharded(make_batch(0)))
+
+
+@pytest.mark.slow
 def test_a_reduced_state_resumes_the_window(mesh):
     """Checkpointing: unreduced fields reduced to P() mid-window are accepted again."""
     k, params0 = 4, init_params()
@@ -618,6 +683,60 @@ def test_a_reduced_state_resumes_the_window(mesh):
     got, got_state = run(reduce_at=6)
     assert_trees_close(got, want)
     assert int(reduce(got_state.num_skipped)) == int(reduce(want_state.num_skipped)) == 1
+
+
+def summed(tree):
+    """Each unreduced leaf summed into its own sharding: docs/distributed.md's recipe."""
+
+    def dense(x):
+        spec = jax.typeof(x).sharding.spec
+        return jax.reshard(x, jax.P(*spec.partitions)) if spec.unreduced else x
+
+    return jax.tree.map(dense, tree)
+
+
+@pytest.mark.slow
+def test_orbax_checkpoint_mid_window_resumes_the_run(mesh, tmp_path):
+    """The documented recipe: save the summed state, restore into a fresh state's shardings."""
+    import orbax.checkpoint as ocp
+
+    k, params0 = 4, init_params(sizes=(6, 16, 8))
+    batches = [make_batch(110 + i) for i in range(2 * k)]
+    for b in batches:
+        b["y"] = np.concatenate([b["y"], b["y"] + 1.0, b["y"][:, :2]], axis=1)
+    batches[1]["x"][0, 0] = np.nan  # a drop on device 0 before the checkpoint
+    batches[7]["x"][9, 0] = np.nan  # and one on device 2 after it
+    tx = ga.accumulate(optax.adam(1e-2), k, shard_inner_state=AXIS)
+    step = global_view_step(tx)
+
+    def run(cut):
+        params = replicated(params0)
+        opt_state = jax.jit(tx.init)(params)
+        for i, batch in enumerate(batches):
+            if i == cut:
+                checkpointer = ocp.StandardCheckpointer()
+                checkpointer.save(
+                    tmp_path / "mid", jax.jit(summed)({"params": params, "opt_state": opt_state})
+                )
+                checkpointer.wait_until_finished()
+                fresh = jax.jit(summed)({"params": params, "opt_state": tx.init(params)})
+                target = jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh)
+                restored = checkpointer.restore(tmp_path / "mid", target)
+                checkpointer.close()
+                params, opt_state = restored["params"], restored["opt_state"]
+                assert jax.tree.map(lambda x: x.sharding, restored) == jax.tree.map(
+                    lambda x: x.sharding, fresh
+                )
+                mu = opt_state.inner_state[0].mu[0]["b"]
+                assert mu.addressable_shards[0].data.size * 8 == mu.size
+            params, opt_state = step(params, opt_state, sharded(batch))
+        return params, opt_state
+
+    want, want_state = run(cut=None)
+    got, got_state = run(cut=k + 2)
+    assert_trees_close(got, want)
+    assert int(ga.optimizer_step(got_state)) == 2
+    assert int(reduce(got_state.num_skipped)) == int(reduce(want_state.num_skipped)) == 2
 
 
 @pytest.mark.slow
