@@ -156,9 +156,18 @@ def unreduced_value_and_grad(
     slice's statistics and the returned running statistics are the average
     of the devices' running statistics (the running mean is the global one,
     the running variance misses the variance between the devices' means).
+    `gradaccum_jax.flax.AccumBatchNorm` without `axis_name` keeps a window
+    per device instead: an aux leaf that `fun` leaves typed unreduced over
+    `axis_name` (a partial sum) is returned unreduced, with no collective
+    (`fun` is then traced twice, the first time to learn which leaves are).
     `aux_out_specs` replaces this rule: a `PartitionSpec` (or a pytree prefix
     of the aux of them) as `jax.shard_map`'s `out_specs` would take, e.g.
     `jax.P("data")` for per-example outputs, concatenated in batch order.
+
+    An argument that is neither differentiated nor a batch argument reaches
+    `fun` replicated, except its leaves unreduced over `axis_name` (such as
+    that window, from the previous step): each device receives its own
+    partial sum, typed unreduced, instead of an all-reduce on every call.
 
     Args:
       fun: The loss, `fun(*args, **kwargs)`, returning a scalar (or

@@ -513,7 +513,9 @@ class AccumBatchNorm(nn.Module):
       scale_init: Initialiser of `scale`.
       axis_name: Mapped axis (or axes) to pool statistics over, inside
         `jax.shard_map` or `jax.pmap`; one `psum` of the stacked sums per
-        call.
+        call. Without it, inside `gradaccum_jax.unreduced_value_and_grad`
+        (global-view `jit`) each device keeps its own window, typed unreduced,
+        which `commit_batch_stats` sums once per window.
       axis_index_groups: Groups of indices along `axis_name` that pool
         separately, as in `jax.lax.psum`.
       use_fast_variance: If `True` (default) one pass: the sums are shifted by
@@ -687,7 +689,11 @@ def commit_batch_stats(batch_stats: Any, closes: jax.typing.ArrayLike = True) ->
     `nn.BatchNorm` statistics, are returned unchanged. A feature whose window
     is empty (fully masked) keeps its running statistics. With `closes`
     false nothing changes, so the call can sit in every micro-step of a jitted
-    train step with `closes=ga.closes_window(opt_state)`.
+    train step with `closes=ga.closes_window(opt_state)`. Windows held per
+    device in a global-view step (typed unreduced, see `AccumBatchNorm`'s
+    `axis_name`) are summed in one all-reduce for all layers, inside a
+    `jax.lax.cond` on `closes`: no collective runs when the window does not
+    close.
 
     Args:
       batch_stats: The `batch_stats` collection returned by
@@ -860,7 +866,9 @@ class NNXAccumBatchNorm(nnx.Module):
       bias_init: Initialiser of `bias`.
       scale_init: Initialiser of `scale`.
       axis_name: Mapped axis to pool statistics over (`jax.shard_map`,
-        `jax.pmap`); one collective of the stacked sums per call.
+        `jax.pmap`); one collective of the stacked sums per call. Without it,
+        inside `gradaccum_jax.unreduced_value_and_grad` each device keeps its
+        own window, as for `AccumBatchNorm`.
       axis_index_groups: Groups of indices along `axis_name`, as in
         `jax.lax.psum`.
       use_fast_variance: One pass shifted by the running mean (`True`) or a
