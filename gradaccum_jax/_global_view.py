@@ -398,11 +398,10 @@ def reduced(tree: Any) -> Any:
     """`tree` with its unreduced leaves summed over their axes, in one reduction.
 
     The unreduced leaves must share their axes and be otherwise replicated
-    (as `AccumBatchNorm`'s window is). In global view a `jax.reshard` to
-    `P()`; inside
-    `jax.shard_map` a `jax.lax.psum`. The leaves are flattened into one
-    vector first, so that they travel in a single collective. Leaves that are
-    not unreduced are returned as they are.
+    (as `AccumBatchNorm`'s window is). They are flattened into one vector,
+    so that they travel in a single collective: in global view a
+    `jax.reshard` to `P()`, inside `jax.shard_map` a `jax.lax.psum`. Leaves
+    that are not unreduced are returned as they are.
     """
     leaves, treedef = jax.tree.flatten(tree)
     partial = [i for i, leaf in enumerate(leaves) if is_partial(leaf)]
@@ -418,7 +417,7 @@ def reduced(tree: Any) -> Any:
     starts = itertools.accumulate([leaves[i].size for i in partial], initial=0)
     for i, start in zip(partial, starts, strict=False):
         leaves[i] = jnp.reshape(flat[start : start + leaves[i].size], leaves[i].shape)
-    return treedef.unflatten(leaves)
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def partial_zeros_like(x: jax.Array) -> jax.Array:
