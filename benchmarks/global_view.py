@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import re
 import sys
 import time
 
@@ -48,6 +47,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,55 +126,21 @@ def build_shard_map(k, params):
     return jax.jit(init), jax.jit(step, donate_argnums=(0, 1))
 
 
-_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_CALLEES = re.compile(r"(?:to_apply|calls|body|condition)=%([\w.\-]+)")
-# A combined collective has a tuple type with spaces: match lazily up to the op.
-_COLLECTIVE = re.compile(
-    r"=\s*(.*?)\s+(all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
-    r"(?:-start)?\("
-)
-_SHAPE = re.compile(r"[a-z]+(\d*)\[([\d,]*)\]")
+def collectives_per_window(compiled, k: int, devices: int) -> tuple[dict[str, int], float]:
+    """Returns ({collective: ops run per window}, MB they carry) for a compiled step.
 
-
-def _branch_targets(line: str) -> list[str]:
-    return [b.strip().lstrip("%") for m in _BRANCHES.finditer(line) for b in m.group(1).split(",")]
-
-
-def collectives_per_window(hlo: str, k: int) -> tuple[dict[str, int], float]:
-    """Returns ({collective: ops run per window}, MB they carry) for a compiled step."""
-    bodies: dict[str, list[str]] = {}
-    for line in hlo.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            bodies[header.group(1)] = current = []
-        elif bodies:
-            current.append(line)
-    # Computations that run only when a conditional takes that branch: at most
-    # once per window for every candidate here.
-    in_branch: set[str] = set()
-    todo = [name for lines in bodies.values() for line in lines for name in _branch_targets(line)]
-    while todo:
-        name = todo.pop()
-        if name not in in_branch:
-            in_branch.add(name)
-            for line in bodies[name]:
-                todo += _CALLEES.findall(line) + _branch_targets(line)
+    An op inside a conditional's branch runs once per window for every
+    candidate here, any other op on each of the `k` micro-steps.
+    """
+    hlo = harness.Hlo(compiled)
     ops: dict[str, int] = {}
     megabytes = 0.0
-    for name, lines in bodies.items():
-        runs = 1 if name in in_branch else k
-        for line in lines:
-            match = _COLLECTIVE.search(line)
-            if not match:
-                continue
-            ops[match.group(2)] = ops.get(match.group(2), 0) + runs
-            for bits, dims in _SHAPE.findall(match.group(1)):
-                width = int(bits) // 8 if bits else 1
-                elements = int(np.prod([int(d) for d in dims.split(",") if d]))
-                # A reduce-scatter's result is 1/n of the array it reduces.
-                scale = 8 if match.group(2) == "reduce-scatter" else 1
-                megabytes += runs * scale * width * elements / 1e6
+    for op in harness.COLLECTIVES:
+        count, nbytes = hlo.per_window(op, k)
+        if count:
+            ops[op] = count
+            # A reduce-scatter's result is 1/n of the array it reduces.
+            megabytes += nbytes * (devices if op == "reduce-scatter" else 1) / 1e6
     return ops, megabytes
 
 
@@ -237,7 +203,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for _ in range(k):  # one warm-up window (the first call may retype the state)
                 p, s = step(p, s, batch)
             compiled = step.lower(p, s, batch).compile()
-            ops, mb = collectives_per_window(compiled.as_text(), k)
+            ops, mb = collectives_per_window(compiled, k, n_dev)
             facts[name] = {
                 "collectives_per_window": sum(ops.values()),
                 "collective_ops": ",".join(f"{op}x{n}" for op, n in sorted(ops.items())),

@@ -582,6 +582,13 @@ def accumulate(
                 f"on every device; the gradients are unreduced over mesh axes {axes}. Drop "
                 "them (non-finite partial sums are dropped per device already)."
             )
+        if track_noise_scale:
+            raise ValueError(
+                "track_noise_scale=True measures each micro-gradient's norm, which needs the "
+                f"whole gradient on every device; the gradients are unreduced over mesh axes "
+                f"{axes}. Drop track_noise_scale, or measure it with axis_name= under "
+                "jax.shard_map."
+            )
         if compensated:
             raise ValueError(
                 "compensated=True is not available for gradients unreduced over mesh axes "
@@ -645,19 +652,19 @@ def accumulate(
             state.acc_weight, state.num_skipped, accepted, term_weight, reset, axes
         )
         gradient_step = _window.increment_if(state.gradient_step, applied)
+        next_length, short = length(gradient_step)
         # _replace: fields this mode does not touch keep their values.
         new_state = state._replace(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
             gradient_step=gradient_step,
-            window_length=jnp.where(reset, length(gradient_step)[0], state.window_length).astype(
-                jnp.int32
-            ),
+            window_length=jnp.where(reset, next_length, state.window_length).astype(jnp.int32),
             updated=applied,
             acc_grads=new_acc,
             acc_weight=acc_weight,
             weight_unit=jnp.where(reset, 1.0, unit).astype(state.acc_weight.dtype),
             num_skipped=num_skipped,
             inner_state=new_inner,
+            num_short_windows=_window.increment_if(state.num_short_windows, reset & short),
         )
         return new_updates, new_state
 

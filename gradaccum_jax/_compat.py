@@ -7,7 +7,8 @@ version-specific API, so one module knows which release spells what:
 - `jax.lax.pcast(x, axes, to="varying")` (JAX 0.8.2) replaced `jax.lax.pvary`,
   removed in JAX 0.10.0.
 - The varying mesh axes of a value inside `jax.shard_map` moved from the
-  aval's `vma` field to `manual_axis_type.varying` in JAX 0.10.0.
+  aval's `vma` field to `manual_axis_type.varying` in JAX 0.10.0, which also
+  records there the axes a value is unreduced over (`manual_axis_type.unreduced`).
 """
 
 from __future__ import annotations
@@ -37,3 +38,13 @@ def varying_axes(x: Any) -> frozenset:
     if manual is not None:
         return frozenset(manual.varying)
     return frozenset(getattr(aval, "vma", None) or ())
+
+
+def unreduced_axes_in_body(x: Any) -> frozenset:
+    """Returns the mesh axes over which `x` is typed unreduced inside `jax.shard_map`.
+
+    Empty outside `jax.shard_map`, with `check_vma=False`, and before JAX 0.10.0.
+    """
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(getattr(manual, "unreduced", None) or ())

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import itertools
 import math
 import numbers
 from collections.abc import Callable, Hashable, Sequence
@@ -12,10 +15,16 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax import _validation, _window
-from gradaccum_jax._compat import pcast_to_varying, varying_axes
+from gradaccum_jax._compat import pcast_to_varying, unreduced_axes_in_body, varying_axes
 from gradaccum_jax._microbatch import microbatch_value_and_grad
 
 AxisName = Hashable | Sequence[Hashable]
+
+# Set while `unreduced_value_and_grad` traces `fun` for one device: the mesh axes
+# its batch is split over (see `per_device_axes`).
+_PER_DEVICE_AXES: contextvars.ContextVar[tuple[Any, ...] | None] = contextvars.ContextVar(
+    "gradaccum_jax_per_device_axes", default=None
+)
 
 
 def _positions(name: str, value: Any) -> tuple[int, ...]:
@@ -147,9 +156,18 @@ def unreduced_value_and_grad(
     slice's statistics and the returned running statistics are the average
     of the devices' running statistics (the running mean is the global one,
     the running variance misses the variance between the devices' means).
+    `gradaccum_jax.flax.AccumBatchNorm` without `axis_name` keeps a window
+    per device instead: an aux leaf that `fun` leaves typed unreduced over
+    `axis_name` (a partial sum) is returned unreduced, with no collective
+    (`fun` is then traced twice, the first time to learn which leaves are).
     `aux_out_specs` replaces this rule: a `PartitionSpec` (or a pytree prefix
     of the aux of them) as `jax.shard_map`'s `out_specs` would take, e.g.
     `jax.P("data")` for per-example outputs, concatenated in batch order.
+
+    An argument that is neither differentiated nor a batch argument reaches
+    `fun` replicated, except its leaves unreduced over `axis_name` (such as
+    that window, from the previous step): each device receives its own
+    partial sum, typed unreduced, instead of an all-reduce on every call.
 
     Args:
       fun: The loss, `fun(*args, **kwargs)`, returning a scalar (or
@@ -230,12 +248,32 @@ def unreduced_value_and_grad(
         )
     unreduced = jax.P(unreduced=frozenset(axes))
 
-    def reduce_aux(leaf: Any) -> Any:
+    def aux_spec(leaf: Any) -> Any:
+        partial = unreduced_axes_in_body(leaf)
+        return jax.P(unreduced=partial) if partial else jax.P()
+
+    def reduce_aux(leaf: Any, keep_unreduced: bool) -> Any:
+        if unreduced_axes_in_body(leaf):
+            # A per-device partial sum (AccumBatchNorm's window) leaves unreduced;
+            # the first pass, which only learns the aux's types, sums it.
+            return leaf if keep_unreduced else jax.lax.psum(leaf, axes)
         if not (_varying_axes(leaf) & set(axes)):
             return leaf
         if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
             return jax.lax.pmean(leaf, axes)
         return jax.lax.psum(leaf, axes)
+
+    def arg_spec(i: int, leaf: Any) -> Any:
+        if i in batch_nums:
+            return jax.P(axes)
+        # Partial sums over the axis (AccumBatchNorm's window from an earlier step)
+        # reach `fun` as they are, each device its own; reduced, they would cost
+        # an all-reduce on every call.
+        if i not in grad_nums and isinstance(leaf, jax.Array):
+            spec = _spec(leaf)
+            if spec.unreduced == frozenset(axes) and not _mesh_axes_of(spec):
+                return unreduced
+        return jax.P()
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         devices = mesh_axes_size(axes, f"unreduced_value_and_grad(..., axis_name={axis_name!r})")
@@ -246,34 +284,151 @@ def unreduced_value_and_grad(
                     f"{len(args)} positional argument(s)."
                 )
         _check_batch(args, batch_nums, devices, axes)
+        is_spec = lambda x: isinstance(x, jax.P)  # noqa: E731
+        in_specs = tuple(jax.tree.map(lambda x, i=i: arg_spec(i, x), a) for i, a in enumerate(args))
+        # shard_map takes arrays already in its in_specs: params sharded over
+        # the axis (FSDP) are gathered here, a replicated batch is sliced.
+        args = tuple(
+            jax.tree.map(
+                lambda x, s: jax.reshard(x, s) if isinstance(x, jax.Array) else x,
+                a,
+                spec,
+                is_leaf=is_spec,
+            )
+            for a, spec in zip(args, in_specs, strict=True)
+        )
+        seen: list[Any] = []
 
-        def local(*given: Any) -> Any:
+        def local(keep_unreduced: bool, *given: Any) -> Any:
             local_args = list(given)
             for i in grad_nums:
                 # Invariant params would get their gradient summed across devices
                 # by the backward pass; varying ones keep it on the device.
                 local_args[i] = pcast_to_varying(local_args[i], axes)
-            out, grads = value_and_grad(*local_args, **kwargs)
+            token = _PER_DEVICE_AXES.set(axes)
+            try:
+                out, grads = value_and_grad(*local_args, **kwargs)
+            finally:
+                _PER_DEVICE_AXES.reset(token)
             value, aux = out if has_aux else (out, None)
             grads = jax.tree.map(lambda g: g / devices, grads)
             value = jax.lax.pmean(value, axes) if reduce_value else value / devices
             if has_aux and aux_out_specs is None:
-                aux = jax.tree.map(reduce_aux, aux)
+                seen.append(jax.tree.map(aux_spec, aux))
+                aux = jax.tree.map(lambda x: reduce_aux(x, keep_unreduced), aux)
             return value, grads, aux
 
-        in_specs = tuple(jax.P(axes) if i in batch_nums else jax.P() for i in range(len(args)))
-        # shard_map takes arrays already in its in_specs: params sharded over
-        # the axis (FSDP) are gathered here, a replicated batch is sliced.
-        args = tuple(
-            jax.tree.map(lambda x, s=spec: jax.reshard(x, s) if isinstance(x, jax.Array) else x, a)
-            for a, spec in zip(args, in_specs, strict=True)
-        )
-        aux_specs = jax.P() if aux_out_specs is None else aux_out_specs
-        out_specs = (jax.P() if reduce_value else unreduced, unreduced, aux_specs)
-        value, grads, aux = jax.shard_map(local, in_specs=in_specs, out_specs=out_specs)(*args)
+        def run(aux_specs: Any, keep_unreduced: bool) -> Any:
+            out_specs = (jax.P() if reduce_value else unreduced, unreduced, aux_specs)
+            body = functools.partial(local, keep_unreduced)
+            return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs)(*args)
+
+        value, grads, aux = run(jax.P() if aux_out_specs is None else aux_out_specs, False)
+        if seen and any(s.unreduced for s in jax.tree.leaves(seen[0], is_leaf=is_spec)):
+            # The aux holds partial sums: trace again with their specs (the first
+            # pass, unused, is dropped from the program).
+            value, grads, aux = run(seen[0], True)
         return ((value, aux), grads) if has_aux else (value, grads)
 
     return wrapped
+
+
+# --- partial sums that layers keep per device (AccumBatchNorm's window) -------------
+
+
+def per_device_axes() -> tuple[Any, ...] | None:
+    """The mesh axes the batch is split over, while `unreduced_value_and_grad` traces `fun`.
+
+    `None` elsewhere. A layer that sums statistics of its input over the batch
+    (`AccumBatchNorm` without `axis_name`) sees only this device's slice
+    there, and can keep its sums as partial sums, unreduced over these axes.
+    """
+    return _PER_DEVICE_AXES.get()
+
+
+def _vary(x: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return pcast_to_varying(x, missing) if missing else x
+
+
+def as_partial(x: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
+    """Inside `jax.shard_map`: `x`, the same on every device, as a partial sum over `axes`.
+
+    Device 0 holds `x` and the others zeros, so the sum is `x` exactly; the
+    result is typed unreduced over `axes`. No communication.
+    """
+    x = _vary(x, axes)
+    first = jax.lax.axis_index(axes) == 0
+    return jax.lax.pcast(jnp.where(first, x, jnp.zeros_like(x)), axes, to="unreduced")
+
+
+def add_partial(acc: jax.Array, term: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
+    """Inside `jax.shard_map`: `acc + term` as a partial sum, typed unreduced over `axes`.
+
+    `term` is this device's own contribution. `acc` is either unreduced over
+    `axes` already (partial sums from earlier calls), or the same on every
+    device (a total, e.g. zeros from `init`), which `as_partial` splits.
+    """
+    term = jax.lax.pcast(_vary(term, axes), axes, to="unreduced")
+    if unreduced_axes_in_body(acc) >= set(axes):
+        return acc + term
+    return as_partial(acc, axes) + term
+
+
+def _global_spec(x: Any) -> Any:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return getattr(sharding, "spec", None)
+
+
+def is_partial(x: Any) -> bool:
+    """Whether `x` is typed unreduced over some mesh axis, in global view or inside `shard_map`."""
+    spec = _global_spec(x)
+    return bool(unreduced_axes_in_body(x) or (spec is not None and spec.unreduced))
+
+
+def _ravel(x: jax.Array) -> jax.Array:
+    spec = _global_spec(x)
+    if spec is not None and spec.unreduced:
+        # jnp.ravel cannot infer the sharding of an unreduced array of rank > 1.
+        return jnp.reshape(x, (-1,), out_sharding=jax.P(unreduced=spec.unreduced))
+    return jnp.ravel(x)
+
+
+def reduced(tree: Any) -> Any:
+    """`tree` with its unreduced leaves summed over their axes, in one reduction.
+
+    The unreduced leaves must share their axes and be otherwise replicated
+    (as `AccumBatchNorm`'s window is). They are flattened into one vector,
+    so that they travel in a single collective: in global view a
+    `jax.reshard` to `P()`, inside `jax.shard_map` a `jax.lax.psum`. Leaves
+    that are not unreduced are returned as they are.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    partial = [i for i, leaf in enumerate(leaves) if is_partial(leaf)]
+    if not partial:
+        return tree
+    first = leaves[partial[0]]
+    inside = unreduced_axes_in_body(first)
+    flat = jnp.concatenate([_ravel(leaves[i]) for i in partial])
+    if inside:
+        flat = jax.lax.psum(flat, tuple(sorted(inside, key=str)))
+    else:
+        flat = jax.reshard(flat, jax.P())
+    starts = itertools.accumulate([leaves[i].size for i in partial], initial=0)
+    for i, start in zip(partial, starts, strict=False):
+        leaves[i] = jnp.reshape(flat[start : start + leaves[i].size], leaves[i].shape)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def partial_zeros_like(x: jax.Array) -> jax.Array:
+    """Zeros shaped and typed like `x`, a partial sum (unreduced). No communication."""
+    zeros = jnp.zeros(jnp.shape(x), x.dtype)
+    inside = unreduced_axes_in_body(x)
+    if inside:
+        axes = tuple(sorted(inside, key=str))
+        return jax.lax.pcast(pcast_to_varying(zeros, axes), axes, to="unreduced")
+    spec = _global_spec(x)
+    return jax.reshard(zeros, jax.P(*spec.partitions, unreduced=spec.unreduced))
 
 
 # --- the unreduced window of `accumulate` ------------------------------------------
@@ -297,7 +452,7 @@ def _is_unreduced(leaf: Any) -> bool:
 def _mesh_axes_of(spec: Any) -> set:
     return {
         a
-        for part in spec
+        for part in spec.partitions
         if part is not None
         for a in (part if isinstance(part, tuple) else (part,))
     }
@@ -365,7 +520,7 @@ def _unsplit(leaf: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
         kept = tuple(a for a in names if a is not None and a not in axes)
         return kept if len(kept) > 1 else (kept[0] if kept else None)
 
-    return jax.reshard(leaf, jax.P(*(drop(part) for part in spec)))
+    return jax.reshard(leaf, jax.P(*(drop(part) for part in spec.partitions)))
 
 
 def _per_device(
@@ -498,7 +653,8 @@ def local_count(
 
 def _dense(spec: Any) -> Any:
     """`spec` without its unreduced axes: the sharding the reduction produces."""
-    return jax.P(*spec)
+    # `*spec` refuses a spec with unreduced axes; its partitions are what is kept.
+    return jax.P(*spec.partitions)
 
 
 def dense_spec(leaf: Any) -> Any:
@@ -600,7 +756,8 @@ def inner_specs(params: Any, shard_inner_state: Any, axes: tuple[Any, ...] | Non
     devices = mesh_axes_size(axes, f"shard_inner_state={name!r}")
 
     def split_first(p: Any) -> Any:
-        parts = list(_dense(_spec(p))) + [None] * (jnp.ndim(p) - len(_dense(_spec(p))))
+        dense = _dense(_spec(p)).partitions
+        parts = list(dense) + [None] * (jnp.ndim(p) - len(dense))
         if jnp.ndim(p) and jnp.shape(p)[0] % devices == 0 and parts[0] is None:
             parts[0] = name
         return jax.P(*parts)

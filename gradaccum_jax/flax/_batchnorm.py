@@ -18,7 +18,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.typing import Dtype, Initializer, PromoteDtypeFn
 from jax import lax
 
-from gradaccum_jax import _validation
+from gradaccum_jax import _global_view, _validation
 
 _WINDOW_KEYS = ("window_count", "window_sum", "window_sum_sq", "window_shift")
 _FLAX_KEYS = frozenset(("mean", "var"))
@@ -133,6 +133,8 @@ def _check_committed(
     concrete values, through a host callback under `jit`/`pmap`, where the
     error surfaces as a `jax.errors.JaxRuntimeError` carrying this message.
     """
+    # Per-device windows (global view) are summed first: an evaluation call, not the hot path.
+    window_count, recorded = _global_view.reduced((window_count, recorded))
     stale = jnp.any(window_count > 0) & ~jnp.array_equal(recorded, fingerprint, equal_nan=True)
     message = _uncommitted_message(where)
 
@@ -159,14 +161,18 @@ def _micro_batch_sums(
     reduction_axes: tuple[int, ...],
     mask: jax.Array | None,
     running_mean: jax.Array,
-    window: _Window,
+    window: _Window | None,
     *,
     stats_dtype: jnp.dtype,
     use_fast_variance: bool,
     axis_name: Any,
     axis_index_groups: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Returns `(count, shift, Σ(x - shift), Σ(x - shift)²)` of this call, over replicas."""
+    """Returns `(count, shift, Σ(x - shift), Σ(x - shift)²)` of this call, over replicas.
+
+    `window=None` is a per-device window (see `_train_call`), shifted by the
+    running mean.
+    """
     x = x.astype(stats_dtype)
 
     def masked_sum(v):
@@ -185,10 +191,13 @@ def _micro_batch_sums(
     else:
         count = jnp.sum(jnp.broadcast_to(mask, x.shape), reduction_axes, dtype=stats_dtype)
     running_mean = running_mean.astype(stats_dtype)
-    window_open = window.count > 0
-    if use_fast_variance:
-        shift = jnp.where(window_open, window.shift.astype(stats_dtype), running_mean)
+    one_pass = use_fast_variance or window is None
+    if window is None:
+        shift = running_mean
+    elif use_fast_variance:
+        shift = jnp.where(window.count > 0, window.shift.astype(stats_dtype), running_mean)
     else:
+        window_open = window.count > 0
         count, raw_total = over_replicas(count, masked_sum(x))
         # The first micro-batch of a window sets the shift to its own mean, so the
         # window's sums stay accurate even when the running mean is far off.
@@ -196,7 +205,7 @@ def _micro_batch_sums(
         shift = jnp.where(window_open, window.shift.astype(stats_dtype), first)
     shift = lax.stop_gradient(shift)
     centred = x - jnp.expand_dims(shift, reduction_axes)
-    if use_fast_variance:
+    if one_pass:
         count, total, total_sq = over_replicas(
             count, masked_sum(centred), masked_sum(centred * centred)
         )
@@ -230,6 +239,94 @@ def _add_to_window(
     )
 
 
+def _add_to_partial_window(
+    window: _Window,
+    count: jax.Array,
+    shift: jax.Array,
+    total: jax.Array,
+    total_sq: jax.Array,
+    axes: tuple[Any, ...],
+) -> _Window:
+    """`_add_to_window` for a per-device window: each device adds its own sums, unreduced."""
+    ok = jnp.all(jnp.isfinite(total)) & jnp.all(jnp.isfinite(total_sq))
+
+    def add(old, new):
+        term = jnp.where(ok, lax.stop_gradient(new).astype(old.dtype), 0.0).astype(old.dtype)
+        return _global_view.add_partial(old, term, axes)
+
+    return _Window(
+        count=add(window.count, count),
+        total=add(window.total, total),
+        total_sq=add(window.total_sq, total_sq),
+        # The running mean: the same on every device, and constant within a window.
+        shift=lax.stop_gradient(shift).astype(window.shift.dtype),
+    )
+
+
+def _partial_window_axes(axis_name: Any, initializing: bool) -> tuple[Any, ...] | None:
+    """The axes of a per-device window, or `None` for a window held whole."""
+    if axis_name is not None or initializing:
+        return None
+    return _global_view.per_device_axes()
+
+
+def _train_call(
+    x: jax.Array,
+    reduction_axes: tuple[int, ...],
+    mask: jax.Array | None,
+    running_mean: jax.Array,
+    window: _Window,
+    recorded: jax.Array,
+    fingerprint: jax.Array,
+    *,
+    partial_axes: tuple[Any, ...] | None,
+    stats_dtype: jnp.dtype,
+    use_fast_variance: bool,
+    axis_name: Any,
+    axis_index_groups: Any,
+    where: str,
+) -> tuple[jax.Array, jax.Array, _Window, jax.Array]:
+    """A training call: the micro-batch's mean and variance, the new window and `window_params`.
+
+    With `partial_axes` (a layer without `axis_name` in the function that
+    `unreduced_value_and_grad` runs per device) each device sees its slice of
+    the batch: it normalises with the slice's statistics and adds its sums to
+    its own partial window, typed unreduced over those axes, which
+    `commit_batch_stats` sums once when the window closes. No collective runs.
+    The shift is the running mean (the same on every device), and the layer's
+    parameters are recorded on every call (they do not move within a window).
+    """
+    kwargs = dict(
+        stats_dtype=stats_dtype,
+        use_fast_variance=use_fast_variance,
+        axis_name=axis_name,
+        axis_index_groups=axis_index_groups,
+    )
+    if partial_axes is None:
+        if _global_view.is_partial(window.count):
+            raise ValueError(
+                f"{where}: its window holds per-device partial sums, written by a training "
+                "call inside gradaccum_jax.unreduced_value_and_grad, and this training call "
+                "is outside it (or the layer has an axis_name). Call the model inside the "
+                "function given to unreduced_value_and_grad, or sum the window first: "
+                "batch_stats = jax.tree.map(lambda x: jax.reshard(x, jax.P()), batch_stats)."
+            )
+        sums = _micro_batch_sums(x, reduction_axes, mask, running_mean, window, **kwargs)
+        new_window = _add_to_window(window, *sums)
+        return (*_moments(*sums), new_window, _open_window_params(window, recorded, fingerprint))
+    if not use_fast_variance:
+        raise ValueError(
+            f"{where} has use_fast_variance=False, which shifts the window by its first "
+            "micro-batch's mean; inside unreduced_value_and_grad each device sees only its "
+            "slice, and a common shift would need a collective on every call. Use "
+            "use_fast_variance=True (shift by the running mean), or pool the statistics "
+            "over the devices with axis_name=<the data axis>."
+        )
+    sums = _micro_batch_sums(x, reduction_axes, mask, running_mean, None, **kwargs)
+    new_window = _add_to_partial_window(window, *sums, partial_axes)
+    return (*_moments(*sums), new_window, _global_view.as_partial(fingerprint, partial_axes))
+
+
 def _fold_window(
     mean: jax.Array, var: jax.Array, window: _Window, momentum: Any, closes: jax.Array
 ) -> tuple[jax.Array, jax.Array, _Window]:
@@ -252,6 +349,51 @@ def _fold_window(
         shift=window.shift,
     )
     return new_mean.astype(mean.dtype), new_var.astype(var.dtype), new_window
+
+
+def _fold_windows(
+    items: list[tuple[jax.Array, jax.Array, _Window, Any]], closes: jax.Array
+) -> list[tuple[jax.Array, jax.Array, _Window]]:
+    """`_fold_window` of several layers' `(mean, var, window, momentum)`.
+
+    Per-device windows (partial sums, unreduced over mesh axes) are summed,
+    folded and reset inside one `jax.lax.cond` on `closes`, with a single
+    reduction for all of them: no collective runs when the window does not
+    close.
+    """
+    folded: list[Any] = [None] * len(items)
+    partial = [i for i, item in enumerate(items) if _global_view.is_partial(item[2].count)]
+    for i, (mean, var, window, momentum) in enumerate(items):
+        if i not in partial:
+            folded[i] = _fold_window(mean, var, window, momentum, closes)
+    if not partial:
+        return folded
+
+    momenta = [items[i][3] for i in partial]
+
+    def close(operands):
+        sums = [(w.count, w.total, w.total_sq) for _, _, w in operands]
+        results = []
+        for (mean, var, window), momentum, (count, total, total_sq) in zip(
+            operands, momenta, _global_view.reduced(sums), strict=True
+        ):
+            whole = window._replace(count=count, total=total, total_sq=total_sq)
+            new_mean, new_var, _ = _fold_window(mean, var, whole, momentum, jnp.array(True))
+            empty = window._replace(
+                count=_global_view.partial_zeros_like(window.count),
+                total=_global_view.partial_zeros_like(window.total),
+                total_sq=_global_view.partial_zeros_like(window.total_sq),
+            )
+            results.append((new_mean, new_var, empty))
+        return results
+
+    def keep(operands):
+        return operands
+
+    operands = [items[i][:3] for i in partial]
+    for i, result in zip(partial, lax.cond(closes, close, keep, operands), strict=True):
+        folded[i] = result
+    return folded
 
 
 def _normalize(
@@ -371,7 +513,9 @@ class AccumBatchNorm(nn.Module):
       scale_init: Initialiser of `scale`.
       axis_name: Mapped axis (or axes) to pool statistics over, inside
         `jax.shard_map` or `jax.pmap`; one `psum` of the stacked sums per
-        call.
+        call. Without it, inside `gradaccum_jax.unreduced_value_and_grad`
+        (global-view `jit`) each device keeps its own window, typed unreduced,
+        which `commit_batch_stats` sums once per window.
       axis_index_groups: Groups of indices along `axis_name` that pool
         separately, as in `jax.lax.psum`.
       use_fast_variance: If `True` (default) one pass: the sums are shifted by
@@ -487,29 +631,33 @@ class AccumBatchNorm(nn.Module):
             bias = self.param("bias", self.bias_init, feature_shape, self.param_dtype)
         fingerprint = _fingerprint(scale, bias, feature_shape)
 
+        where = "AccumBatchNorm " + ("/".join(self.path) or "(top level)")
         if use_running_average:
             mean, var = ra_mean.value, ra_var.value
             if not self.is_initializing():
-                where = "AccumBatchNorm " + ("/".join(self.path) or "(top level)")
                 _check_committed(window_vars.count.value, window_params.value, fingerprint, where)  # type: ignore[attr-defined]
         else:
             window = _Window(*(v.value for v in window_vars))  # type: ignore[attr-defined]
-            sums = _micro_batch_sums(
+            initializing = self.is_initializing()
+            mean, var, new_window, recorded = _train_call(
                 x,
                 reduction_axes,
                 mask,
                 ra_mean.value,
                 window,
+                window_params.value,
+                fingerprint,
+                partial_axes=_partial_window_axes(self.axis_name, initializing),
                 stats_dtype=_stats_dtype(self.dtype, x),
                 use_fast_variance=self.use_fast_variance,
                 # As in nn.BatchNorm, init does not need the mapped axis to exist.
-                axis_name=None if self.is_initializing() else self.axis_name,
+                axis_name=None if initializing else self.axis_name,
                 axis_index_groups=self.axis_index_groups,
+                where=where,
             )
-            mean, var = _moments(*sums)
-            if not self.is_initializing():
-                window_params.value = _open_window_params(window, window_params.value, fingerprint)
-                for variable, value in zip(window_vars, _add_to_window(window, *sums), strict=True):
+            if not initializing:
+                window_params.value = recorded
+                for variable, value in zip(window_vars, new_window, strict=True):
                     variable.value = value  # type: ignore[attr-defined]
                 momentum.value = jnp.asarray(self.momentum, jnp.float32)
 
@@ -541,7 +689,11 @@ def commit_batch_stats(batch_stats: Any, closes: jax.typing.ArrayLike = True) ->
     `nn.BatchNorm` statistics, are returned unchanged. A feature whose window
     is empty (fully masked) keeps its running statistics. With `closes`
     false nothing changes, so the call can sit in every micro-step of a jitted
-    train step with `closes=ga.closes_window(opt_state)`.
+    train step with `closes=ga.closes_window(opt_state)`. Windows held per
+    device in a global-view step (typed unreduced, see `AccumBatchNorm`'s
+    `axis_name`) are summed in one all-reduce for all layers, inside a
+    `jax.lax.cond` on `closes`: no collective runs when the window does not
+    close.
 
     Args:
       batch_stats: The `batch_stats` collection returned by
@@ -573,25 +725,31 @@ def commit_batch_stats(batch_stats: Any, closes: jax.typing.ArrayLike = True) ->
     """
     closes = _check_closes(closes)
     is_state = _is_mapping_with(_ACCUM_KEYS)
-    found = 0
+    items = []
+
+    def collect(node):
+        if is_state(node):
+            mean, var = jnp.asarray(node["mean"]), jnp.asarray(node["var"])
+            momentum = jnp.asarray(node["momentum"])
+            # Layers stacked by nn.scan or nn.vmap carry one momentum per layer.
+            momentum = momentum.reshape(momentum.shape + (1,) * (mean.ndim - momentum.ndim))
+            window = _Window(*(jnp.asarray(node[key]) for key in _WINDOW_KEYS))
+            items.append((mean, var, window, momentum))
+        return node
+
+    jax.tree.map(collect, batch_stats, is_leaf=is_state)
+    folded = iter(_fold_windows(items, closes))
 
     def fold(node):
-        nonlocal found
         if not is_state(node):
             return node
-        found += 1
-        mean, var = jnp.asarray(node["mean"]), jnp.asarray(node["var"])
-        momentum = jnp.asarray(node["momentum"])
-        # Layers stacked by nn.scan or nn.vmap carry one momentum per layer.
-        momentum = momentum.reshape(momentum.shape + (1,) * (mean.ndim - momentum.ndim))
-        window = _Window(*(jnp.asarray(node[key]) for key in _WINDOW_KEYS))
-        new_mean, new_var, new_window = _fold_window(mean, var, window, momentum, closes)
+        new_mean, new_var, new_window = next(folded)
         entries = {**node, "mean": new_mean, "var": new_var}
         entries.update(zip(_WINDOW_KEYS, new_window, strict=True))
         return type(node)(entries)
 
     result = jax.tree.map(fold, batch_stats, is_leaf=is_state)
-    if not found:
+    if not items:
         raise ValueError(
             "batch_stats contains no AccumBatchNorm statistics (a mapping with keys "
             f"{sorted(_ACCUM_KEYS)}); got a tree with structure "
@@ -708,7 +866,9 @@ class NNXAccumBatchNorm(nnx.Module):
       bias_init: Initialiser of `bias`.
       scale_init: Initialiser of `scale`.
       axis_name: Mapped axis to pool statistics over (`jax.shard_map`,
-        `jax.pmap`); one collective of the stacked sums per call.
+        `jax.pmap`); one collective of the stacked sums per call. Without it,
+        inside `gradaccum_jax.unreduced_value_and_grad` each device keeps its
+        own window, as for `AccumBatchNorm`.
       axis_index_groups: Groups of indices along `axis_name`, as in
         `jax.lax.psum`.
       use_fast_variance: One pass shifted by the running mean (`True`) or a
@@ -848,23 +1008,23 @@ class NNXAccumBatchNorm(nnx.Module):
                 self.window_count[...], self.window_params[...], fingerprint, "NNXAccumBatchNorm"
             )
         else:
-            window = self._window()
-            self.window_params[...] = _open_window_params(
-                window, self.window_params[...], fingerprint
-            )
-            sums = _micro_batch_sums(
+            mean, var, window, recorded = _train_call(
                 x,
                 reduction_axes,
                 mask,
                 self.mean[...],
-                window,
+                self._window(),
+                self.window_params[...],
+                fingerprint,
+                partial_axes=_partial_window_axes(self.axis_name, initializing=False),
                 stats_dtype=_stats_dtype(self.dtype, x),
                 use_fast_variance=self.use_fast_variance,
                 axis_name=self.axis_name,
                 axis_index_groups=self.axis_index_groups,
+                where="NNXAccumBatchNorm",
             )
-            mean, var = _moments(*sums)
-            self._set_window(_add_to_window(window, *sums))
+            self.window_params[...] = recorded
+            self._set_window(window)
         return _normalize(
             x, mean, var, scale, bias, feature_axes, reduction_axes, self.epsilon, self.dtype
         )
@@ -879,13 +1039,7 @@ class NNXAccumBatchNorm(nnx.Module):
         Raises:
           TypeError: If `closes` is not a boolean scalar.
         """
-        closes = _check_closes(closes)
-        mean, var, window = _fold_window(
-            self.mean[...], self.var[...], self._window(), self.momentum, closes
-        )
-        self.mean[...] = mean
-        self.var[...] = var
-        self._set_window(window)
+        _commit_layers([self], _check_closes(closes))
 
     def set_view(self, use_running_average: bool | None = None) -> None:
         """Sets `use_running_average` for `nnx.view`.
@@ -997,5 +1151,12 @@ def commit_nnx_batch_stats(model: nnx.Module, closes: jax.typing.ArrayLike = Tru
             f"model contains no NNXAccumBatchNorm layer; got {type(model).__name__}. "
             "Replace its nnx.BatchNorm layers with gradaccum_jax.flax.NNXAccumBatchNorm."
         )
-    for layer in layers:
-        layer.commit(closes)
+    _commit_layers(layers, closes)
+
+
+def _commit_layers(layers: list[NNXAccumBatchNorm], closes: jax.Array) -> None:
+    items = [(layer.mean[...], layer.var[...], layer._window(), layer.momentum) for layer in layers]
+    for layer, (mean, var, window) in zip(layers, _fold_windows(items, closes), strict=True):
+        layer.mean[...] = mean
+        layer.var[...] = var
+        layer._set_window(window)
