@@ -42,14 +42,19 @@ script says so.)
     python examples/transformer_lm.py [--steps 200] [--plot /tmp/transformer_lm.png]
     python examples/transformer_lm.py --compute-dtype float32
     python examples/transformer_lm.py --quick
-    python examples/transformer_lm.py --adaptive-k   # K that follows the noise scale
+    python examples/transformer_lm.py --adaptive-k [--plot /tmp/adaptive_k.png]
 
-With ``--adaptive-k`` it also trains two more copies on one stream of calls,
-with token weights and ``track_noise_scale=True``: one with the fixed window of
-``--calls`` calls, one whose window length comes from
-``gradaccum_jax.critical_batch_schedule``, and prints the measured noise scale
-``b_simple`` (in tokens), the K chosen and the loss, against optimizer steps
-and against sequences seen.
+With ``--adaptive-k`` it runs another comparison instead: three copies see
+one stream of ``--sequences`` sequences in calls of ``--call-batch`` (default 2)
+sequences, with token weights and ``track_noise_scale=True``, and AdamW at a
+constant learning rate, so they differ only in the window length K: fixed
+``--k-min`` (2), fixed ``--k-max`` (64), and K from
+``gradaccum_jax.critical_batch_schedule`` between the two. It prints and plots
+the measured noise scale ``b_simple`` (in tokens), the K chosen, and the
+validation loss against optimizer steps and against tokens seen, and how many
+steps and tokens each run needed to reach the loss that all of them reach.
+About 3 minutes on 2 CPU cores; ``--quick`` (800 sequences, the small model)
+under a minute.
 """
 
 from __future__ import annotations
@@ -272,63 +277,154 @@ def make_unweighted_step(loss_sum_and_tokens, tx, num_microbatches: int):
     return step
 
 
-def compare_adaptive_k(args, loss_sum_and_tokens, inner, params0, train_rows) -> dict[str, Any]:
-    """Fixed K against `critical_batch_schedule`, on the same stream of calls.
+def compare_adaptive_k(args, model, params0, train_rows, val_rows) -> dict[str, Any]:
+    """Fixed K against `critical_batch_schedule`, on one stream of calls.
 
-    Both runs see the same calls of `--call-batch` sequences in the same order
-    (drawn at random, not length-sorted: the noise-scale estimate assumes
-    independent micro-batches), for the same number of sequences in all
-    (`--steps` x `--calls` calls), weighted by real tokens, so `b_simple` is in
-    tokens. The adaptive run starts at K = 2 and lets K follow `b_simple`
-    divided by the mean real tokens per call, between 2 and 8 x `--calls`.
+    Every run sees the same `--sequences` sequences in the same order, in calls
+    of `--call-batch` sequences (drawn at random, not length-sorted: the
+    noise-scale estimate assumes independent micro-batches), each call's
+    gradient weighted by its real tokens, so `b_simple` is in tokens. The inner
+    optimizer has a constant learning rate, so the runs differ only in K:
+    fixed `--k-min`, fixed `--k-max`, and K from `critical_batch_schedule`
+    between the two, which aims the window's batch (K x the mean real tokens
+    per call) at `b_simple`. The validation loss is taken at `--evals` points
+    spaced evenly in sequences seen, each at the first window close past it.
     """
+    loss_sum_and_tokens = make_loss(model)
     rng = np.random.default_rng(1)
-    num_calls = args.steps * args.calls
-    picks = rng.choice(len(train_rows), (num_calls, args.call_batch))
-    calls = train_rows[picks]
-    tokens_per_call = float((calls[:, :, 1:] != PAD).sum((1, 2)).mean())
+    num_calls = args.sequences // args.call_batch
+    calls = train_rows[rng.choice(len(train_rows), (num_calls, args.call_batch))]
+    call_tokens = (calls[:, :, 1:] != PAD).sum((1, 2))
+    tokens_per_call = float(call_tokens.mean())
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr, weight_decay=0.01))
     sched = ga.critical_batch_schedule(
-        2, 8 * args.calls, warmup_steps=5, batch_per_micro_step=tokens_per_call
+        args.k_min,
+        args.k_max,
+        warmup_steps=args.k_warmup,
+        max_change=args.max_change,
+        batch_per_micro_step=tokens_per_call,
+    )
+    tracked = functools.partial(
+        ga.accumulate, track_noise_scale=True, noise_scale_decay=args.noise_decay
     )
     txs = {
-        f"fixed K={args.calls}": ga.accumulate(inner, args.calls, track_noise_scale=True),
-        "adaptive K": ga.accumulate(inner, sched, track_noise_scale=True, noise_scale_decay=0.9),
+        f"fixed K={args.k_min}": tracked(inner, args.k_min),
+        f"fixed K={args.k_max}": tracked(inner, args.k_max),
+        "adaptive K": tracked(inner, sched),
     }
-    out: dict[str, Any] = {"tokens_per_call": tokens_per_call}
+    val_loss = jax.jit(lambda p: jnp.divide(*loss_sum_and_tokens(p, val_rows)))
+    eval_every = max(num_calls // args.evals, 1)
+    print(
+        f"adaptive K: critical_batch_schedule({args.k_min}, {args.k_max}, "
+        f"warmup_steps={args.k_warmup}, max_change={args.max_change}, batch_per_micro_step="
+        f"{tokens_per_call:.1f}) against fixed K={args.k_min} and K={args.k_max}; each run sees "
+        f"the same {num_calls} calls of {args.call_batch} sequences ({int(call_tokens.sum()):,} "
+        f"real tokens, {tokens_per_call:.1f} per call); AdamW at a constant {args.lr}; "
+        f"noise_scale_decay={args.noise_decay}"
+    )
+    out: dict[str, Any] = {"tokens_per_call": tokens_per_call, "runs": {}}
     for name, tx in txs.items():
-        step = make_weighted_step(loss_sum_and_tokens, tx, args.microbatches)
+        step = make_weighted_step(loss_sum_and_tokens, tx, 1)
         params, state = params0, tx.init(params0)
-        rows_seen, window = [], {"loss": 0.0, "tokens": 0.0}
-        log = {"loss": [], "sequences": [], "k": [], "b_simple": []}
-        for c in range(num_calls):
+        windows: dict[str, list[float]] = {"tokens": [], "k": [], "b_simple": [], "loss": []}
+        evals: dict[str, list[float]] = {"tokens": [0], "steps": [0], "val_loss": []}
+        evals["val_loss"].append(float(val_loss(params)))
+        tokens_seen, next_eval = 0, eval_every
+        window_loss = window_tokens = 0.0
+        progress = tqdm(range(num_calls), desc=name, unit="call", disable=args.no_progress)
+        for c in progress:
             k = int(state.window_length)
             params, state, loss, n = step(params, state, jnp.asarray(calls[c]))
-            window["loss"] += float(loss) * float(n)
-            window["tokens"] += float(n)
-            rows_seen.append(args.call_batch)
-            if bool(ga.has_updated(state)):
-                log["loss"].append(window["loss"] / window["tokens"])
-                log["sequences"].append(sum(rows_seen))
-                log["k"].append(k)
-                log["b_simple"].append(float(ga.gradient_noise_scale(state).b_simple))
-                window = {"loss": 0.0, "tokens": 0.0}
-        out[name] = log
-    print(
-        f"adaptive K (critical_batch_schedule) vs fixed K, {num_calls} calls of "
-        f"{args.call_batch} sequences (~{tokens_per_call:.0f} real tokens per call):"
-    )
-    print(
-        f"{'run':<12} {'step':>5} {'sequences':>10} {'K':>4} {'b_simple (tokens)':>18} {'loss':>7}"
-    )
-    for name in txs:
-        log = out[name]
-        n = len(log["loss"])
-        for i in sorted({0, n // 4, n // 2, 3 * n // 4, n - 1}):
-            print(
-                f"{name:<12} {i + 1:>5} {log['sequences'][i]:>10} {log['k'][i]:>4} "
-                f"{log['b_simple'][i]:>18.0f} {log['loss'][i]:>7.4f}"
-            )
+            tokens_seen += int(n)
+            window_loss += float(loss) * float(n)
+            window_tokens += float(n)
+            if not bool(ga.has_updated(state)):
+                continue
+            windows["tokens"].append(tokens_seen)
+            windows["k"].append(k)
+            windows["b_simple"].append(float(ga.gradient_noise_scale(state).b_simple))
+            windows["loss"].append(window_loss / window_tokens)
+            window_loss = window_tokens = 0.0
+            if c + 1 >= next_eval:
+                evals["tokens"].append(tokens_seen)
+                evals["steps"].append(int(ga.optimizer_step(state)))
+                evals["val_loss"].append(float(val_loss(params)))
+                next_eval += eval_every
+        progress.close()
+        out["runs"][name] = {"windows": windows, "evals": evals}
+    print_adaptive_k_table(out["runs"])
     return out
+
+
+def print_adaptive_k_table(runs: dict[str, Any]) -> None:
+    print(
+        f"{'run':<12} {'tokens seen':>12} {'steps':>6} {'K':>4} {'b_simple (tokens)':>18} "
+        f"{'val loss':>8}"
+    )
+    for name, run in runs.items():
+        windows, evals = run["windows"], run["evals"]
+        n = len(evals["tokens"])
+        for i in sorted({(n - 1) // 4, (n - 1) // 2, 3 * (n - 1) // 4, n - 1}):
+            # The window that closed at this evaluation point.
+            w = windows["tokens"].index(evals["tokens"][i]) if i else 0
+            print(
+                f"{name:<12} {evals['tokens'][i]:>12,} {evals['steps'][i]:>6} "
+                f"{windows['k'][w]:>4} {windows['b_simple'][w]:>18.0f} {evals['val_loss'][i]:>8.4f}"
+            )
+    # The comparison that matters: the cost of reaching a loss every run reaches.
+    target = max(run["evals"]["val_loss"][-1] for run in runs.values())
+    print(f"to reach the validation loss {target:.4f} (the highest final one):")
+    for name, run in runs.items():
+        evals = run["evals"]
+        i = next(j for j, v in enumerate(evals["val_loss"]) if v <= target)
+        print(
+            f"  {name:<12} {evals['steps'][i]:>6} optimizer steps, {evals['tokens'][i]:>10,} tokens"
+        )
+    changes = runs["adaptive K"]["windows"]["k"]
+    print(
+        f"adaptive K: from {changes[0]} to {changes[-1]} (range {min(changes)} to "
+        f"{max(changes)}) over {len(changes)} optimizer steps"
+    )
+
+
+def write_adaptive_k_plot(path: str, result: dict[str, Any], title: str) -> None:
+    fig = Figure(figsize=(11, 8), layout="constrained")
+    (ax_noise, ax_k), (ax_steps, ax_tokens) = fig.subplots(2, 2)
+    runs = result["runs"]
+    for name, run in runs.items():
+        windows, evals = run["windows"], run["evals"]
+        (line,) = ax_noise.plot(windows["tokens"], windows["b_simple"], label=f"b_simple, {name}")
+        ax_k.plot(windows["tokens"], windows["k"], label=name, color=line.get_color())
+        ax_steps.plot(evals["steps"][1:], evals["val_loss"][1:], "o-", ms=3, label=name)
+        ax_tokens.plot(evals["tokens"], evals["val_loss"], "o-", ms=3, label=name)
+    adaptive = runs["adaptive K"]["windows"]
+    window_batch = np.asarray(adaptive["k"]) * result["tokens_per_call"]
+    ax_noise.plot(
+        adaptive["tokens"],
+        window_batch,
+        "k:",
+        label="adaptive window's batch (K x tokens per call)",
+    )
+    ax_noise.set(
+        xlabel="training tokens seen",
+        ylabel="tokens",
+        yscale="log",
+        title="measured noise scale b_simple (EMA) and the adaptive batch",
+    )
+    ax_k.set(xlabel="training tokens seen", ylabel="K (calls per window)", title="window length K")
+    ax_steps.set(
+        xscale="log",
+        xlabel="optimizer step",
+        ylabel="validation loss",
+        title="loss against optimizer steps",
+    )
+    ax_tokens.set(
+        xlabel="training tokens seen", ylabel="validation loss", title="loss against tokens seen"
+    )
+    for ax in (ax_noise, ax_k, ax_steps, ax_tokens):
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
 
 
 @jax.jit
@@ -360,7 +456,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--calls", type=int, default=2, help="jitted calls per optimizer step")
-    parser.add_argument("--call-batch", type=int, default=32, help="sequences per call")
+    parser.add_argument(
+        "--call-batch",
+        type=int,
+        default=None,
+        help="sequences per call (default 32; 16 with --quick; 2 with --adaptive-k)",
+    )
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per call")
     parser.add_argument("--seq-len", type=int, default=80, help="characters per sequence")
     parser.add_argument("--width", type=int, default=64, help="model width")
@@ -376,15 +477,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--plot", default="/tmp/transformer_lm.png", help="PNG file to write")
     parser.add_argument("--quick", action="store_true", help="reduced size (a smoke test)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    parser.add_argument(
+    adaptive = parser.add_argument_group(
+        "adaptive K",
+        "instead of the token-weighting comparison: fixed K against K that "
+        "follows the measured noise scale",
+    )
+    adaptive.add_argument(
         "--adaptive-k",
         action="store_true",
-        help="also train with K from critical_batch_schedule and compare with fixed K",
+        help="compare critical_batch_schedule with fixed --k-min and --k-max",
+    )
+    adaptive.add_argument(
+        "--sequences",
+        type=int,
+        default=None,
+        help="training sequences each run sees (default 6000; 800 with --quick)",
+    )
+    adaptive.add_argument("--k-min", type=int, default=2, help="smallest window length")
+    adaptive.add_argument("--k-max", type=int, default=64, help="largest window length")
+    adaptive.add_argument("--k-warmup", type=int, default=20, help="optimizer steps at K = --k-min")
+    adaptive.add_argument(
+        "--max-change", type=float, default=1.25, help="largest change of K per window"
+    )
+    adaptive.add_argument(
+        "--noise-decay", type=float, default=0.95, help="noise_scale_decay of accumulate"
+    )
+    adaptive.add_argument(
+        "--evals", type=int, default=24, help="validation-loss evaluations per run"
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.call_batch, args.seq_len = 15, 16, 32
+        args.steps, args.seq_len = 15, 32
         args.width, args.depth, args.heads = 32, 1, 2
+    if args.call_batch is None:
+        args.call_batch = 2 if args.adaptive_k else 16 if args.quick else 32
+    if args.sequences is None:
+        args.sequences = 800 if args.quick else 6000
+    if args.adaptive_k and args.sequences < args.k_max * args.call_batch:
+        parser.error(
+            f"--sequences {args.sequences} is less than one window of the fixed K={args.k_max} "
+            f"run ({args.k_max} calls of {args.call_batch}); give more sequences or a smaller "
+            "--k-max."
+        )
     start = time.perf_counter()
 
     lines = load_lines()
@@ -393,6 +527,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = rows[rng.permutation(len(rows))]
     num_val = len(rows) // 20
     val_rows, train_rows = jnp.asarray(rows[:num_val]), rows[num_val:]
+    print(
+        f"corpus: docstrings of {len(CORPUS_MODULES)} standard-library modules (Python "
+        f"{sys.version.split()[0]}), {len(lines)} lines, {sum(map(len, lines))} characters "
+        f"-> {len(rows)} sequences of 1 to {args.seq_len} characters ({len(train_rows)} "
+        f"train, {num_val} validation)"
+    )
+    compute_dtype = jnp.dtype(args.compute_dtype)
+    model = CharTransformer(args.seq_len, args.width, args.depth, args.heads, compute_dtype)
+    params0 = model.init(jax.random.key(0), jnp.asarray(rows[:1, :-1]))["params"]
+    if args.adaptive_k:
+        print(
+            f"model: depth {args.depth}, width {args.width}, {args.heads} heads, "
+            f"{sum(x.size for x in jax.tree.leaves(params0)):,} float32 parameters; compute in "
+            f"{compute_dtype.name}"
+        )
+        results: dict[str, Any] = {
+            "adaptive_k": compare_adaptive_k(args, model, params0, train_rows, val_rows)
+        }
+        write_adaptive_k_plot(
+            args.plot,
+            results["adaptive_k"],
+            f"character LM ({args.width} wide, {args.depth} deep), calls of "
+            f"{args.call_batch} sequences: fixed K against critical_batch_schedule",
+        )
+        results["plot"] = args.plot
+        results["seconds"] = time.perf_counter() - start
+        print(f"plot written to {args.plot}; {results['seconds']:.1f} s in all")
+        return results
+
     batch_size = args.calls * args.call_batch
     picks = np.stack(
         [rng.choice(len(train_rows), batch_size, replace=False) for _ in range(args.steps)]
@@ -403,16 +566,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lengths = (batches[:, :, 1:] != PAD).sum(-1)
     batches = np.take_along_axis(batches, np.argsort(lengths, axis=1)[:, :, None], axis=1)
     tokens_per_call = (batches[:, :, 1:] != PAD).reshape(args.steps, args.calls, -1).sum(-1)
-    print(
-        f"corpus: docstrings of {len(CORPUS_MODULES)} standard-library modules (Python "
-        f"{sys.version.split()[0]}), {len(lines)} lines, {sum(map(len, lines))} characters "
-        f"-> {len(rows)} sequences of 1 to {args.seq_len} characters ({len(train_rows)} "
-        f"train, {num_val} validation)"
-    )
-
-    compute_dtype = jnp.dtype(args.compute_dtype)
-    model = CharTransformer(args.seq_len, args.width, args.depth, args.heads, compute_dtype)
-    params0 = model.init(jax.random.key(0), jnp.asarray(rows[:1, :-1]))["params"]
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup_steps=max(args.steps // 10, 1), decay_steps=args.steps
     )

@@ -273,7 +273,8 @@ class CriticalBatchSchedule(NamedTuple):
       min_k: Smallest window length.
       max_k: Largest window length.
       warmup_steps: Optimizer steps during which `K = min_k`.
-      max_change: Largest factor by which `K` may grow or shrink per window.
+      max_change: Largest factor by which `K` may grow or shrink per window
+        (a step of one is always allowed).
       batch_per_micro_step: Units of `b_simple` that one micro-step adds to
         the window's batch.
     """
@@ -293,12 +294,19 @@ class CriticalBatchSchedule(NamedTuple):
         self, gradient_step: jax.Array, current_k: jax.Array, noise: GradientNoiseScale
     ) -> jax.Array:
         """The next window's length, from the current one and the measured noise scale."""
-        target = noise.b_simple / self.batch_per_micro_step
+        # An average |G|² at or below zero under a positive tr(Σ) means the noise
+        # swamps the gradient at this batch: B_simple is beyond measure, K grows.
+        swamped = (noise.grad_sq_norm <= 0) & (noise.trace_cov > 0)
+        target = jnp.where(swamped, jnp.inf, noise.b_simple / self.batch_per_micro_step)
         k = current_k.astype(jnp.float32)
-        limited = jnp.clip(target, k / self.max_change, k * self.max_change)
-        chosen = jnp.clip(jnp.round(limited), self.min_k, self.max_k)
-        # No estimate yet (NaN) keeps K; so does the warm-up.
-        keep = (gradient_step < self.warmup_steps) | ~jnp.isfinite(target)
+        # At least one either way: 2 x 1.25 rounds back to 2, so a small K with a
+        # small max_change could otherwise never move.
+        up = jnp.maximum(jnp.floor(k * self.max_change), k + 1.0)
+        down = jnp.minimum(jnp.ceil(k / self.max_change), k - 1.0)
+        chosen = jnp.clip(jnp.clip(jnp.round(target), down, up), self.min_k, self.max_k)
+        # No estimate yet (NaN) keeps K, so does a non-positive tr(Σ) (no
+        # usable estimate), and so does the warm-up.
+        keep = (gradient_step < self.warmup_steps) | ~(noise.trace_cov > 0) | jnp.isnan(target)
         return jnp.where(keep, current_k, chosen.astype(jnp.int32)).astype(jnp.int32)
 
 
@@ -318,14 +326,21 @@ def critical_batch_schedule(
     noise scale of `gradient_noise_scale`:
 
     $$
-    K_\text{next} = \operatorname{clip}\Big(\operatorname{round}\big(
-    \operatorname{clip}(B_\text{simple} / b,\ K / c,\ K c)\big),\ K_\text{min},\ K_\text{max}\Big),
+    K_\text{next} = \operatorname{clip}\Big(\operatorname{round}(B_\text{simple} / b),\
+    K_\downarrow,\ K_\uparrow\Big)\ \text{clipped to}\ [K_\text{min}, K_\text{max}],
+    \qquad K_\uparrow = \max(\lfloor K c \rfloor, K + 1),\quad
+    K_\downarrow = \min(\lceil K / c \rceil, K - 1),
     $$
 
     with $b$ = `batch_per_micro_step` and $c$ = `max_change`, so that the
     window's batch `K × b` follows $B_\text{simple}$ without jumping with one
-    noisy estimate. While there is no estimate (NaN), `K` stays. Windows are
-    exact whatever `K`: the mean divides by what was accepted.
+    noisy estimate. `K` moves by at least one when the target differs (else
+    `K = 2` with `c = 1.25` would round back to 2 forever), and by at most a
+    factor `c` otherwise. While there is no estimate (NaN, or an averaged
+    $\operatorname{tr}(\Sigma) \le 0$), `K` stays; an averaged $|G|^2 \le 0$
+    with a positive $\operatorname{tr}(\Sigma)$ means the noise swamps the
+    gradient at this batch, so `K` grows to $K_\uparrow$. Windows are exact
+    whatever `K`: the mean divides by what was accepted.
 
     Args:
       min_k: Smallest window length, `>= 2` (one micro-gradient gives no
@@ -333,7 +348,8 @@ def critical_batch_schedule(
       max_k: Largest window length, `>= min_k`.
       warmup_steps: Optimizer steps during which `K` stays `min_k`: the first
         estimates are few and taken far from the trained parameters.
-      max_change: Factor `> 1` by which `K` may grow or shrink per window.
+      max_change: Factor `> 1` by which `K` may grow or shrink per window;
+        a step of one is allowed whatever the factor.
       batch_per_micro_step: How many units of `b_simple` one micro-step adds
         to the window's batch: `1` when `b_simple` counts micro-batches
         (`micro_batch_size=None`, one device); the number of replicas under

@@ -78,3 +78,29 @@ def test_transformer_lm_quick_float32_is_exact(example, tmp_path, capsys):
     # unweighted run's scale, 2.4e-2.
     assert results["param_diff_weighted"] < 1e-4
     assert results["param_diff_unweighted"] > 1e-2
+
+
+def test_transformer_lm_quick_adaptive_k_follows_the_noise_scale(example, tmp_path, capsys):
+    plot = tmp_path / "adaptive.png"
+    results = example.main(["--quick", "--adaptive-k", "--no-progress", "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert "critical_batch_schedule(2, 64, warmup_steps=20" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = results["adaptive_k"]["runs"]
+    assert list(runs) == ["fixed K=2", "fixed K=64", "adaptive K"]
+    assert set(runs["fixed K=2"]["windows"]["k"]) == {2}
+    assert set(runs["fixed K=64"]["windows"]["k"]) == {64}
+    ks = np.array(runs["adaptive K"]["windows"]["k"])
+    # K starts at min_k, stays there through the warm-up of 20 optimizer
+    # steps, then moves (measured: 2 to 15 in 64 steps, b_simple 742 tokens,
+    # 47 tokens per call), within the bounds and by at most the larger of
+    # one and a factor 1.25 per window.
+    assert np.all(ks[:20] == 2)
+    assert ks.max() >= 6
+    assert np.all((ks >= 2) & (ks <= 64))
+    assert np.all(np.abs(np.diff(ks)) <= np.maximum(1, np.floor(0.25 * ks[:-1])))
+    b_simple = np.array(runs["adaptive K"]["windows"]["b_simple"])
+    assert np.isfinite(b_simple[-1]) and b_simple[-1] > 0
+    # Each window took exactly its K calls of the 400: what is left is less
+    # than one more window.
+    assert 0 <= 400 - ks.sum() < 64
