@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import checkify
 
-from gradaccum_jax import _collectives, _global_view, _noise_scale, _validation, _window
+from gradaccum_jax import _collectives, _compat, _global_view, _noise_scale, _validation, _window
 
 AxisName = Hashable | Sequence[Hashable]
 
@@ -379,7 +379,7 @@ def accumulate(
             acc, acc_weight, num_skipped = _global_view.unreduced_zeros(
                 (acc, acc_weight, num_skipped), axes
             )
-            inner_params = jax.tree.map(jax.reshard, params, specs)
+            inner_params = jax.tree.map(_compat.reshard, params, specs)
         inner_state = inner.init(inner_params)
         # Imported here: _mixed_precision builds on this module.
         from gradaccum_jax._mixed_precision import refuse_inside_accumulate
@@ -614,13 +614,13 @@ def accumulate(
                 reduced = jax.tree.map(lambda t: t / window.weight.astype(t.dtype), window.total)
             else:
                 reduced = jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
-            inner_params = None if params is None else jax.tree.map(jax.reshard, params, specs)
+            inner_params = None if params is None else jax.tree.map(_compat.reshard, params, specs)
             updates, new_inner = _window.inner_update(
                 inner, reduced, inner_state, grads, inner_params, extra_args
             )
             # Back to the params' sharding (an all-gather of the sharded updates).
             back = jax.tree.map(
-                lambda u, p: jax.reshard(u, _global_view.dense_spec(p)), updates, like
+                lambda u, p: _compat.reshard(u, _global_view.dense_spec(p)), updates, like
             )
             return back, new_inner
 

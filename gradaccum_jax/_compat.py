@@ -8,6 +8,8 @@ version-specific API, so one module knows which release spells what:
   removed in JAX 0.10.0.
 - The varying mesh axes of a value inside `jax.shard_map` moved from the
   aval's `vma` field to `manual_axis_type.varying` in JAX 0.10.0.
+- `jax.reshard` is new in JAX 0.8.2; `jax.sharding.reshard` is the same
+  function.
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+
+
+def reshard(x: Any, spec: Any) -> Any:
+    """`jax.reshard(x, spec)`: `x` (an array or a pytree) with the sharding `spec`."""
+    if hasattr(jax, "reshard"):
+        return jax.reshard(x, spec)
+    return jax.sharding.reshard(x, spec)  # JAX < 0.8.2 only
 
 
 def pcast_to_varying(x: Any, axes: Any) -> Any:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax import _validation, _window
-from gradaccum_jax._compat import pcast_to_varying, varying_axes
+from gradaccum_jax._compat import pcast_to_varying, reshard, varying_axes
 from gradaccum_jax._microbatch import microbatch_value_and_grad
 
 AxisName = Hashable | Sequence[Hashable]
@@ -134,7 +134,10 @@ def unreduced_value_and_grad(
 
     The value is the global mean (one scalar all-reduce per call, which XLA
     removes when the value is not used); with `reduce_value=False` it is
-    unreduced like the gradients, $L_d / n$ on each device.
+    unreduced like the gradients, $L_d / n$ on each device. JAX before 0.9.1
+    cannot return an unreduced scalar from `jax.shard_map`: there it sums the
+    value across devices itself (the same scalar all-reduce) and returns the
+    global mean, replicated.
 
     Auxiliary outputs (`has_aux=True`) that are the same on every device are
     returned as they are. Each one that differs between devices is averaged
@@ -171,7 +174,7 @@ def unreduced_value_and_grad(
         micro-batch.
       reduce_value: If `True` (default) the value is the global mean; if
         `False` it is unreduced over `axis_name`, and no collective runs at
-        all.
+        all (JAX >= 0.9.1; see above).
       aux_out_specs: `None` (default: the rule above), or the out specs of the
         aux outputs.
 
@@ -190,7 +193,8 @@ def unreduced_value_and_grad(
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> import gradaccum_jax as ga
-      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> explicit = (jax.sharding.AxisType.Explicit,)
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=explicit)
       >>> def loss(w, batch):
       ...     return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
       >>> batch = {"x": jnp.arange(32.0).reshape(16, 2) / 16, "y": jnp.ones(16)}
@@ -201,7 +205,7 @@ def unreduced_value_and_grad(
       ...     step = jax.jit(ga.unreduced_value_and_grad(loss, "data"))
       ...     value, grad = step(jax.device_put(w, jax.P()), sharded)
       ...     print(jax.typeof(grad))
-      ...     summed = jax.jit(lambda g: jax.reshard(g, jax.P()))(grad)
+      ...     summed = jax.jit(lambda g: jax.sharding.reshard(g, jax.P()))(grad)
       ...     print(jnp.allclose(summed, full_grad), jnp.allclose(value, full_value))
       float32[2]{U:data}
       True True
@@ -265,7 +269,7 @@ def unreduced_value_and_grad(
         # shard_map takes arrays already in its in_specs: params sharded over
         # the axis (FSDP) are gathered here, a replicated batch is sliced.
         args = tuple(
-            jax.tree.map(lambda x, s=spec: jax.reshard(x, s) if isinstance(x, jax.Array) else x, a)
+            jax.tree.map(lambda x, s=spec: reshard(x, s) if isinstance(x, jax.Array) else x, a)
             for a, spec in zip(args, in_specs, strict=True)
         )
         aux_specs = jax.P() if aux_out_specs is None else aux_out_specs
@@ -365,7 +369,7 @@ def _unsplit(leaf: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
         kept = tuple(a for a in names if a is not None and a not in axes)
         return kept if len(kept) > 1 else (kept[0] if kept else None)
 
-    return jax.reshard(leaf, jax.P(*(drop(part) for part in spec)))
+    return reshard(leaf, jax.P(*(drop(part) for part in spec)))
 
 
 def _per_device(
@@ -522,7 +526,7 @@ def spec_axes(name: str, specs: Any) -> tuple[Any, ...]:
 def unreduced_zeros(tree: Any, axes: tuple[Any, ...]) -> Any:
     """`tree` of zeros typed unreduced over `axes` (each device holds zeros: no communication)."""
     unreduced = jax.P(unreduced=frozenset(axes))
-    return jax.tree.map(lambda z: jax.reshard(z, unreduced), tree)
+    return jax.tree.map(lambda z: reshard(z, unreduced), tree)
 
 
 def check_shard_inner_state(
@@ -566,8 +570,8 @@ def unreduced_gate(specs: Any) -> _window.Gate:
     """
 
     def reduce(window: _window.Window) -> _window.Window:
-        total = jax.tree.map(jax.reshard, window.total, specs)
-        return window._replace(total=total, weight=jax.reshard(window.weight, jax.P()))
+        total = jax.tree.map(reshard, window.total, specs)
+        return window._replace(total=total, weight=reshard(window.weight, jax.P()))
 
     def zeros_like(leaf: jax.Array, dtype: Any, zero: jax.Array) -> jax.Array:
         # Adding the leaf's own zero keeps equal-shaped leaves' zeros apart (no CSE, no copy).
