@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _validation, _window
+from gradaccum_jax import _compat, _validation, _window
 from gradaccum_jax._compat import pcast_to_varying, reshard, varying_axes
 from gradaccum_jax._microbatch import microbatch_value_and_grad
 
@@ -529,6 +529,17 @@ def unreduced_zeros(tree: Any, axes: tuple[Any, ...]) -> Any:
     return jax.tree.map(lambda z: reshard(z, unreduced), tree)
 
 
+def check_unreduced_windows(what: str) -> None:
+    """Raises where the installed JAX cannot accumulate unreduced gradients (see `_compat`)."""
+    if not _compat.UNREDUCED_IN_SHARD_MAP:
+        raise ValueError(
+            f"{what}: an unreduced window needs JAX >= 0.9.1 (installed {jax.__version__}). "
+            "Upgrade JAX, or reduce the gradients before accumulate "
+            "(jax.sharding.reshard(grads, jax.P()), an all-reduce per micro-step) and build "
+            "accumulate without shard_inner_state."
+        )
+
+
 def check_shard_inner_state(
     shard_inner_state: Any, axis_name: Any, compensated: bool
 ) -> tuple[Any, ...] | None:
@@ -545,19 +556,20 @@ def check_shard_inner_state(
             "compensated=True is not available with shard_inner_state: the window is "
             "unreduced over mesh axes; use a float32 accumulator (accumulator_dtype=None)."
         )
-    if callable(shard_inner_state):
-        return None
     is_spec = lambda x: isinstance(x, jax.P)  # noqa: E731
+    axes = None
     if isinstance(shard_inner_state, str | tuple) and not is_spec(shard_inner_state):
-        return _validation.check_axis_name("shard_inner_state", shard_inner_state)
-    leaves = jax.tree.leaves(shard_inner_state, is_leaf=is_spec)
-    if not leaves or not all(is_spec(x) for x in leaves):
-        raise TypeError(
-            "shard_inner_state must be a mesh axis name (such as 'data'), a tuple of names, "
-            "a callable (path, param) -> PartitionSpec, or a tree of PartitionSpecs shaped "
-            f"like the params; got {shard_inner_state=!r}."
-        )
-    return None
+        axes = _validation.check_axis_name("shard_inner_state", shard_inner_state)
+    elif not callable(shard_inner_state):
+        leaves = jax.tree.leaves(shard_inner_state, is_leaf=is_spec)
+        if not leaves or not all(is_spec(x) for x in leaves):
+            raise TypeError(
+                "shard_inner_state must be a mesh axis name (such as 'data'), a tuple of "
+                "names, a callable (path, param) -> PartitionSpec, or a tree of "
+                f"PartitionSpecs shaped like the params; got {shard_inner_state=!r}."
+            )
+    check_unreduced_windows(f"shard_inner_state={shard_inner_state!r}")
+    return axes
 
 
 def unreduced_gate(specs: Any) -> _window.Gate:
