@@ -16,6 +16,15 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compiled programs are kept on disk, keyed by their HLO, the compile options and the
+# jax/jaxlib version: a rerun of the suite, the pytest-xdist workers, the examples run
+# as subprocesses and `dev.sh test-wheel` reuse them instead of compiling again (on
+# this 2-core machine a warm rerun of tests/test_accumulation.py takes a fifth of the
+# cold one). `JAX_COMPILATION_CACHE_DIR=` (empty) turns the cache off.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), ".jax_cache")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def _release(version: str) -> tuple[int, ...]:

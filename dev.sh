@@ -45,7 +45,8 @@ task="${1:-test}"
 shift || true
 case "$task" in
   run) exec "$py" examples/digits_convnet.py "$@" ;;
-  test) exec "$py" -m pytest "$@" ;;
+  # One pytest worker per core (pytest-xdist); `-n 0` in the arguments runs in one process.
+  test) exec "$py" -m pytest -n auto --dist worksteal "$@" ;;
   lint)
     "$py" -m ruff check .
     "$py" -m ruff format --check .
@@ -71,6 +72,9 @@ case "$task" in
     tar -c --exclude=./gradaccum_jax --exclude=./.git --exclude='./.venv*' --exclude=./dist \
       --exclude=./build --exclude=./site --exclude='./.*_cache' . | tar -x -C "$work"
     oldpy="$PWD/$old/bin/python"
+    # The repository's compilation cache (see conftest.py): the copy's conftest would
+    # otherwise put it in the temporary copy, which is deleted.
+    export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR-$PWD/.jax_cache}"
     cd "$work"
     installed="$("$oldpy" -c 'import gradaccum_jax, os; print(os.path.dirname(gradaccum_jax.__file__))')"
     case "$installed" in
@@ -81,7 +85,8 @@ case "$task" in
     [ $# -gt 0 ] || set -- tests "$installed"
     # --confcutdir: the repository's conftest.py lies above the venv; loading it for the
     # doctests would put the source tree on sys.path, ahead of the wheel.
-    "$oldpy" -m pytest -p no:cacheprovider --confcutdir="${oldpy%/bin/python}" -m "not slow" "$@"
+    "$oldpy" -m pytest -n auto --dist worksteal -p no:cacheprovider \
+      --confcutdir="${oldpy%/bin/python}" -m "not slow" "$@"
     ;;
   *) echo "usage: bash dev.sh {run|test|lint|docs|bench|dist|test-wheel|test-oldest} [args...]" >&2; exit 2 ;;
 esac

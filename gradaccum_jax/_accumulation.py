@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import checkify
 
-from gradaccum_jax import _collectives, _global_view, _noise_scale, _validation, _window
+from gradaccum_jax import _collectives, _compat, _global_view, _noise_scale, _validation, _window
 
 AxisName = Hashable | Sequence[Hashable]
 
@@ -167,7 +167,8 @@ def accumulate(
     in a global-view `jax.jit` step) are accumulated unreduced, with no
     collective on the micro-steps: each device drops its own non-finite
     partial sum, and the window's close reduces the sums and weights once
-    (`jax.reshard`). See the distributed-training guide.
+    (`jax.reshard`). See the distributed-training guide. Unreduced windows
+    need JAX 0.9.1 or newer.
 
     The gate is a `jax.lax.cond`: the inner optimizer is not computed on the
     micro-steps. The accumulator is updated after the conditional, in one fused
@@ -263,7 +264,8 @@ def accumulate(
         per leaf. The window's close then reduces the unreduced sums straight
         into that sharding (a reduce-scatter) and all-gathers the updates
         back to the params' sharding; the accumulator is unreduced from
-        `init` on. Not with `axis_name` or `compensated`.
+        `init` on. Not with `axis_name` or `compensated`; needs JAX 0.9.1 or
+        newer.
       track_noise_scale: If `True`, measure the gradient noise scale
         (McCandlish et al. 2018) for free: each micro-step also sums its
         micro-gradient's squared norm (one scalar), each window with at least
@@ -302,14 +304,15 @@ def accumulate(
         `compensated=True` without a 16-bit `accumulator_dtype` or with
         `shard_inner_state`, or `should_skip_update_fn`,
         `count_skipped_steps=False` or `shard_inner_state` is combined
-        with `axis_name`, or `noise_scale_decay` is outside `[0, 1)`,
+        with `axis_name`, or `shard_inner_state` is given on JAX older than
+        0.9.1, or `noise_scale_decay` is outside `[0, 1)`,
         `micro_batch_size` is not a positive int, or `track_noise_scale=True`
         with `every_k_schedule=1` and no `axis_name`; at trace time, if
         `weight=` is passed together with `micro_batch_size`, if an
         `axis_name` is not bound where `update` runs, or (under
         `shard_map`) the gradients are already replica-invariant, or
         unreduced gradients mix unreduced axes or sit beside leaves sharded
-        over them.
+        over them, or come on JAX older than 0.9.1.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -380,7 +383,7 @@ def accumulate(
             acc, acc_weight, num_skipped = _global_view.unreduced_zeros(
                 (acc, acc_weight, num_skipped), axes
             )
-            inner_params = jax.tree.map(jax.reshard, params, specs)
+            inner_params = jax.tree.map(_compat.reshard, params, specs)
         inner_state = inner.init(inner_params)
         # Imported here: _mixed_precision builds on this module.
         from gradaccum_jax._mixed_precision import refuse_inside_accumulate
@@ -570,6 +573,7 @@ def accumulate(
             axes = _global_view.spec_axes(
                 "shard_inner_state", _global_view.inner_specs(params, shard_inner_state, None)
             )
+        _global_view.check_unreduced_windows(f"updates unreduced over mesh axes {axes}")
         if zero_axes is not None and set(axes) != set(zero_axes):
             raise ValueError(
                 f"the gradients are unreduced over {axes}, but shard_inner_state="
@@ -624,13 +628,13 @@ def accumulate(
                 reduced = jax.tree.map(lambda t: t / window.weight.astype(t.dtype), window.total)
             else:
                 reduced = jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
-            inner_params = None if params is None else jax.tree.map(jax.reshard, params, specs)
+            inner_params = None if params is None else jax.tree.map(_compat.reshard, params, specs)
             updates, new_inner = _window.inner_update(
                 inner, reduced, inner_state, grads, inner_params, extra_args
             )
             # Back to the params' sharding (an all-gather of the sharded updates).
             back = jax.tree.map(
-                lambda u, p: jax.reshard(u, _global_view.dense_spec(p)), updates, like
+                lambda u, p: _compat.reshard(u, _global_view.dense_spec(p)), updates, like
             )
             return back, new_inner
 

@@ -9,6 +9,9 @@ version-specific API, so one module knows which release spells what:
 - The varying mesh axes of a value inside `jax.shard_map` moved from the
   aval's `vma` field to `manual_axis_type.varying` in JAX 0.10.0, which also
   records there the axes a value is unreduced over (`manual_axis_type.unreduced`).
+- `jax.reshard` is new in JAX 0.8.2; `jax.sharding.reshard` is the same
+  function.
+- Unreduced arrays in `jax.shard_map` (`UNREDUCED_IN_SHARD_MAP`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,19 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+
+# From JAX 0.9.1 `jax.shard_map` hands its body an unreduced input as each
+# device's partial sum, a plain array, and returns a scalar unreduced. JAX 0.8.1
+# to 0.9.0 keep the input's unreduced type inside the body, where element-wise
+# rules such as `abs` are missing, and all-reduce an unreduced scalar output.
+UNREDUCED_IN_SHARD_MAP = jax.__version_info__ >= (0, 9, 1)
+
+
+def reshard(x: Any, spec: Any) -> Any:
+    """`jax.reshard(x, spec)`: `x` (an array or a pytree) with the sharding `spec`."""
+    if hasattr(jax, "reshard"):
+        return jax.reshard(x, spec)
+    return jax.sharding.reshard(x, spec)  # JAX < 0.8.2 only
 
 
 def pcast_to_varying(x: Any, axes: Any) -> Any:

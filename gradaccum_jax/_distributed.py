@@ -122,8 +122,8 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
       >>> import gradaccum_jax as ga
       >>> tx = ga.accumulate(optax.sgd(0.1), 4, axis_name="data")
       >>> specs = ga.replica_state_specs(jax.eval_shape(tx.init, jnp.zeros(3)), "data")
-      >>> specs.acc_grads, specs.micro_step
-      (P('data',), P())
+      >>> specs.acc_grads == jax.P("data"), specs.micro_step == jax.P()
+      (True, True)
     """
     names = _validation.check_axis_name("axis_name", axis_name)
     replica_spec = PartitionSpec(names[0] if len(names) == 1 else names)

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _validation, _window
-from gradaccum_jax._compat import pcast_to_varying, unreduced_axes_in_body, varying_axes
+from gradaccum_jax import _compat, _validation, _window
+from gradaccum_jax._compat import pcast_to_varying, reshard, unreduced_axes_in_body, varying_axes
 from gradaccum_jax._microbatch import microbatch_value_and_grad
 
 AxisName = Hashable | Sequence[Hashable]
@@ -143,7 +143,10 @@ def unreduced_value_and_grad(
 
     The value is the global mean (one scalar all-reduce per call, which XLA
     removes when the value is not used); with `reduce_value=False` it is
-    unreduced like the gradients, $L_d / n$ on each device.
+    unreduced like the gradients, $L_d / n$ on each device. JAX before 0.9.1
+    cannot return an unreduced scalar from `jax.shard_map`: there it sums the
+    value across devices itself (the same scalar all-reduce) and returns the
+    global mean, replicated.
 
     Auxiliary outputs (`has_aux=True`) that are the same on every device are
     returned as they are. Each one that differs between devices is averaged
@@ -189,7 +192,7 @@ def unreduced_value_and_grad(
         micro-batch.
       reduce_value: If `True` (default) the value is the global mean; if
         `False` it is unreduced over `axis_name`, and no collective runs at
-        all.
+        all (JAX >= 0.9.1; see above).
       aux_out_specs: `None` (default: the rule above), or the out specs of the
         aux outputs.
 
@@ -208,7 +211,8 @@ def unreduced_value_and_grad(
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> import gradaccum_jax as ga
-      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> explicit = (jax.sharding.AxisType.Explicit,)
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=explicit)
       >>> def loss(w, batch):
       ...     return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
       >>> batch = {"x": jnp.arange(32.0).reshape(16, 2) / 16, "y": jnp.ones(16)}
@@ -219,7 +223,7 @@ def unreduced_value_and_grad(
       ...     step = jax.jit(ga.unreduced_value_and_grad(loss, "data"))
       ...     value, grad = step(jax.device_put(w, jax.P()), sharded)
       ...     print(jax.typeof(grad))
-      ...     summed = jax.jit(lambda g: jax.reshard(g, jax.P()))(grad)
+      ...     summed = jax.jit(lambda g: jax.sharding.reshard(g, jax.P()))(grad)
       ...     print(jnp.allclose(summed, full_grad), jnp.allclose(value, full_value))
       float32[2]{U:data}
       True True
@@ -290,7 +294,7 @@ def unreduced_value_and_grad(
         # the axis (FSDP) are gathered here, a replicated batch is sliced.
         args = tuple(
             jax.tree.map(
-                lambda x, s: jax.reshard(x, s) if isinstance(x, jax.Array) else x,
+                lambda x, s: reshard(x, s) if isinstance(x, jax.Array) else x,
                 a,
                 spec,
                 is_leaf=is_spec,
@@ -413,7 +417,7 @@ def reduced(tree: Any) -> Any:
     if inside:
         flat = jax.lax.psum(flat, tuple(sorted(inside, key=str)))
     else:
-        flat = jax.reshard(flat, jax.P())
+        flat = reshard(flat, jax.P())
     starts = itertools.accumulate([leaves[i].size for i in partial], initial=0)
     for i, start in zip(partial, starts, strict=False):
         leaves[i] = jnp.reshape(flat[start : start + leaves[i].size], leaves[i].shape)
@@ -428,7 +432,7 @@ def partial_zeros_like(x: jax.Array) -> jax.Array:
         axes = tuple(sorted(inside, key=str))
         return jax.lax.pcast(pcast_to_varying(zeros, axes), axes, to="unreduced")
     spec = _global_spec(x)
-    return jax.reshard(zeros, jax.P(*spec.partitions, unreduced=spec.unreduced))
+    return reshard(zeros, jax.P(*spec.partitions, unreduced=spec.unreduced))
 
 
 # --- the unreduced window of `accumulate` ------------------------------------------
@@ -520,7 +524,7 @@ def _unsplit(leaf: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
         kept = tuple(a for a in names if a is not None and a not in axes)
         return kept if len(kept) > 1 else (kept[0] if kept else None)
 
-    return jax.reshard(leaf, jax.P(*(drop(part) for part in spec.partitions)))
+    return reshard(leaf, jax.P(*(drop(part) for part in spec.partitions)))
 
 
 def _per_device(
@@ -678,7 +682,18 @@ def spec_axes(name: str, specs: Any) -> tuple[Any, ...]:
 def unreduced_zeros(tree: Any, axes: tuple[Any, ...]) -> Any:
     """`tree` of zeros typed unreduced over `axes` (each device holds zeros: no communication)."""
     unreduced = jax.P(unreduced=frozenset(axes))
-    return jax.tree.map(lambda z: jax.reshard(z, unreduced), tree)
+    return jax.tree.map(lambda z: reshard(z, unreduced), tree)
+
+
+def check_unreduced_windows(what: str) -> None:
+    """Raises where the installed JAX cannot accumulate unreduced gradients (see `_compat`)."""
+    if not _compat.UNREDUCED_IN_SHARD_MAP:
+        raise ValueError(
+            f"{what}: an unreduced window needs JAX >= 0.9.1 (installed {jax.__version__}). "
+            "Upgrade JAX, or reduce the gradients before accumulate "
+            "(jax.sharding.reshard(grads, jax.P()), an all-reduce per micro-step) and build "
+            "accumulate without shard_inner_state."
+        )
 
 
 def check_shard_inner_state(
@@ -697,19 +712,20 @@ def check_shard_inner_state(
             "compensated=True is not available with shard_inner_state: the window is "
             "unreduced over mesh axes; use a float32 accumulator (accumulator_dtype=None)."
         )
-    if callable(shard_inner_state):
-        return None
     is_spec = lambda x: isinstance(x, jax.P)  # noqa: E731
+    axes = None
     if isinstance(shard_inner_state, str | tuple) and not is_spec(shard_inner_state):
-        return _validation.check_axis_name("shard_inner_state", shard_inner_state)
-    leaves = jax.tree.leaves(shard_inner_state, is_leaf=is_spec)
-    if not leaves or not all(is_spec(x) for x in leaves):
-        raise TypeError(
-            "shard_inner_state must be a mesh axis name (such as 'data'), a tuple of names, "
-            "a callable (path, param) -> PartitionSpec, or a tree of PartitionSpecs shaped "
-            f"like the params; got {shard_inner_state=!r}."
-        )
-    return None
+        axes = _validation.check_axis_name("shard_inner_state", shard_inner_state)
+    elif not callable(shard_inner_state):
+        leaves = jax.tree.leaves(shard_inner_state, is_leaf=is_spec)
+        if not leaves or not all(is_spec(x) for x in leaves):
+            raise TypeError(
+                "shard_inner_state must be a mesh axis name (such as 'data'), a tuple of "
+                "names, a callable (path, param) -> PartitionSpec, or a tree of "
+                f"PartitionSpecs shaped like the params; got {shard_inner_state=!r}."
+            )
+    check_unreduced_windows(f"shard_inner_state={shard_inner_state!r}")
+    return axes
 
 
 def unreduced_gate(specs: Any) -> _window.Gate:
@@ -722,8 +738,8 @@ def unreduced_gate(specs: Any) -> _window.Gate:
     """
 
     def reduce(window: _window.Window) -> _window.Window:
-        total = jax.tree.map(jax.reshard, window.total, specs)
-        return window._replace(total=total, weight=jax.reshard(window.weight, jax.P()))
+        total = jax.tree.map(reshard, window.total, specs)
+        return window._replace(total=total, weight=reshard(window.weight, jax.P()))
 
     def zeros_like(leaf: jax.Array, dtype: Any, zero: jax.Array) -> jax.Array:
         # Adding the leaf's own zero keeps equal-shaped leaves' zeros apart (no CSE, no copy).

@@ -33,6 +33,7 @@ def main(port: str, process_id: int, out_dir: Path) -> None:
     import optax
 
     import gradaccum_jax as ga
+    from gradaccum_jax._compat import reshard
 
     data = np.load(out_dir / "data.npz")
     xs, ys = data["xs"], data["ys"]
@@ -63,7 +64,7 @@ def main(port: str, process_id: int, out_dir: Path) -> None:
                 x = global_batch(xs[w, i].reshape(-1, xs.shape[-1]))
                 y = global_batch(ys[w, i].reshape(-1, ys.shape[-1]))
                 params, state = step(params, state, x, y)
-        skipped = jax.jit(lambda n: jax.reshard(n, jax.P()))(state.num_skipped)
+        skipped = jax.jit(lambda n: reshard(n, jax.P()))(state.num_skipped)
     np.savez(
         out_dir / f"result_{process_id}.npz",
         gradient_step=np.asarray(state.gradient_step.addressable_data(0)),

@@ -107,6 +107,7 @@ def test_sum_mode_returns_sum_of_micro_gradients():
     chex.assert_trees_all_close(u, jax.tree.map(lambda p: jnp.full_like(p, -6.0), params))
 
 
+@pytest.mark.slow
 def test_weighted_mean_of_unequal_micro_batches_equals_large_batch_gradient():
     params = _init_params()
     sizes = [1, 3, 5, 7]
@@ -123,6 +124,7 @@ def test_weighted_mean_of_unequal_micro_batches_equals_large_batch_gradient():
     chex.assert_trees_all_close(u, expected, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_weighted_adam_over_windows_equals_large_batch():
     params = _init_params()
     sizes = [2, 6, 4]
@@ -158,6 +160,7 @@ def test_weighted_adam_over_windows_equals_large_batch():
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("position", [0, 1, 2, 3])
+@pytest.mark.slow
 def test_nonfinite_micro_gradient_is_dropped(position, bad):
     k = 4
     params = _init_params()
@@ -287,6 +290,7 @@ def test_checkpoint_at_every_micro_step_resumes_bit_identically(tmp_path):
         (jnp.float32, jnp.bfloat16, jnp.bfloat16),
     ],
 )
+@pytest.mark.slow
 def test_state_dtypes_stable_under_scan(param_dtype, accumulator_dtype, expected_acc):
     params = jax.tree.map(lambda p: p.astype(param_dtype), _init_params())
     tx = ga.accumulate(optax.adam(1e-2), 3, accumulator_dtype=accumulator_dtype)
@@ -344,6 +348,7 @@ def test_updates_have_gradient_dtype():
 # Window-length schedules.
 
 
+@pytest.mark.slow
 def test_schedule_changes_window_without_recompiling():
     params = _init_params()
     sizes = [2, 2, 3, 3]  # windows: gradient_step 0, 1 -> K=2; then K=3
@@ -693,6 +698,7 @@ STATEFUL = {
 @pytest.mark.parametrize("name", sorted(STATEFUL))
 @pytest.mark.parametrize("grad_dtype", [None, jnp.float32])
 @pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.slow
 def test_16_bit_params_keep_state_dtypes_under_scan(name, param_dtype, grad_dtype):
     params = {"w": jnp.linspace(-1, 1, 6, dtype=param_dtype), "b": jnp.ones(3, param_dtype)}
     tx = ga.accumulate(STATEFUL[name](), 2)

@@ -52,6 +52,7 @@ AGREE = {
 
 
 @pytest.mark.requires("optax.adaptive_grad_clip takes rank-5 kernels from 0.2.7", optax="0.2.7")
+@pytest.mark.slow
 def test_matches_optax_where_layouts_agree():
     params = _random_tree(jax.random.key(0), AGREE)
     grads = _random_tree(jax.random.key(1), AGREE, scale=0.02)
@@ -65,6 +66,7 @@ def test_matches_optax_where_layouts_agree():
 
 
 @pytest.mark.requires("optax.adaptive_grad_clip takes rank-5 kernels from 0.2.7", optax="0.2.7")
+@pytest.mark.slow
 def test_optax_mode_reproduces_optax_on_every_rank():
     shapes = dict(AGREE, conv1d=(3, 2, 4), row=(1, 5), mha=(2, 3, 4))
     params = _random_tree(jax.random.key(2), shapes)
@@ -75,6 +77,7 @@ def test_optax_mode_reproduces_optax_on_every_rank():
         np.testing.assert_allclose(ours[name], ref[name], rtol=RTOL, err_msg=name)
 
 
+@pytest.mark.slow
 def test_conv1d_and_attention_output_against_hand_computation():
     params = {
         "Conv_0": {"kernel": jnp.ones((3, 2, 4)) * jnp.arange(1.0, 5.0)},  # (W, I, O)
@@ -153,6 +156,7 @@ def test_default_units_for_real_flax_models():
     assert axes["key/bias"] == (0, 1)
 
 
+@pytest.mark.slow
 def test_unit_axes_tree_prefix_and_callable():
     params = {"a": jnp.arange(1.0, 13.0).reshape(3, 4), "b": {"c": jnp.ones((2, 3, 4))}}
     grads = jax.tree.map(lambda p: jnp.sin(p * 3.0) * 10, params)
@@ -189,6 +193,7 @@ def test_unit_axes_tree_prefix_and_callable():
     assert ("['a']", (3, 4)) in seen and ("['b']['c']", (2, 3, 4)) in seen
 
 
+@pytest.mark.slow
 def test_zero_gradients_zero_params_and_dtypes():
     params = {"kernel": jnp.zeros((3, 2)), "bias": jnp.zeros(2)}
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -262,6 +267,7 @@ def _run_window(tx, params, micro_grads):
     return jax.tree.map(lambda u: u[-1], updates)  # the window's update
 
 
+@pytest.mark.slow
 def test_agc_inside_accumulate_bounds_the_accumulated_gradient():
     """AGC on the accumulated gradient honours its bound; per-micro-batch AGC does not.
 
@@ -313,6 +319,7 @@ def test_agc_inside_accumulate_bounds_the_accumulated_gradient():
     np.testing.assert_allclose(_unit_norms(g_same["bias"], None), K * bound["bias"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_agc_in_accumulate_equals_large_batch_training():
     key = jax.random.key(3)
     x = jax.random.normal(key, (K * 8, 3))

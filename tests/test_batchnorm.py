@@ -390,6 +390,7 @@ def _loss(model, params, stats, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new["batch_stats"]
 
 
+@pytest.mark.slow
 def test_end_to_end_with_accumulate_a_scan_loop_and_microbatch_value_and_grad():
     k, windows, lr = 2, 3, 0.3
     rng = np.random.default_rng(7)

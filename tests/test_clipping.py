@@ -144,6 +144,7 @@ def test_clip_norm_hand_values_for_each_ord():
     np.testing.assert_allclose(np.var(np.asarray(out, np.float64), ddof=1), 0.5, rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_clip_norm_and_normalize_match_reference_for_all_ords():
     tree = _tree(0, scale=2.0)
 
@@ -169,6 +170,7 @@ def test_clip_norm_and_normalize_match_reference_for_all_ords():
     ("dim", "inverse_dims"),
     [(None, False), (0, False), (-1, True), ((0, 2), False), ((0, -1), True), ("global", False)],
 )
+@pytest.mark.slow
 def test_units_follow_dim_and_inverse_dims(dim, inverse_dims):
     tree = _tree(1, scale=3.0)
     min_size = 1 if dim == "global" else 2
@@ -268,6 +270,7 @@ def test_centralize_flax_pytorch_and_global():
     np.testing.assert_allclose(glob["bias"], np.array([1.0, 2.0, 6.0]) - mean, rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_zero_updates_stay_zero_without_nan():
     zeros = jax.tree.map(jnp.zeros_like, _tree(3))
     txs = [
@@ -379,6 +382,7 @@ def ref_by_ema(grads_list, beta, ord, eps, tensorwise, growth, init, normalize_)
         (True, math.inf, False, 1.5, "update"),
     ],
 )
+@pytest.mark.slow
 def test_ema_norm_clippers_over_several_steps(normalize_, ord, tensorwise, growth, init):
     shapes = {"s": (), "v": (3,), "m": (2, 3), "t4": (2, 1, 2, 2)}
     scales = [1.0, 0.2, 5.0, 0.0, 3.0, 40.0]
@@ -489,6 +493,7 @@ def test_clip_value_growth_hand_sequence():
     np.testing.assert_allclose(outs[2]["w"], [2.0, -2.0, 1.0, 0.6], rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_non_finite_updates_leave_state_unchanged():
     params = {"w": jnp.zeros(3), "m": jnp.zeros((2, 2))}
     good = {"w": jnp.array([1.0, 2.0, 3.0]), "m": jnp.ones((2, 2))}
@@ -510,6 +515,7 @@ def test_non_finite_updates_leave_state_unchanged():
         assert not np.all(np.isfinite(outs[1]["w"]))
 
 
+@pytest.mark.slow
 def test_low_precision_updates_keep_dtype_and_state_dtype():
     params = {"w": jnp.zeros((2, 3)), "v": jnp.zeros(4)}
     grads = {"w": jnp.ones((2, 3), jnp.bfloat16), "v": jnp.ones(4, jnp.float16) * 3}
@@ -640,6 +646,7 @@ def _prop_clip_and_normalize(tree, bound, ord, dim, inverse_dims):
     bound=st.floats(0.01, 10.0),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
 )
+@pytest.mark.slow
 def test_property_clip_bounds_and_normalize_reaches_target(
     shape, ord, dims, seed, log_scale, bound, dtype
 ):
@@ -676,6 +683,7 @@ def test_property_clip_bounds_and_normalize_reaches_target(
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),
     which=st.integers(0, 5),
 )
+@pytest.mark.slow
 def test_property_zero_stays_zero_and_dtype_preserved(shape, dtype, which):
     zeros = {"a": jnp.zeros(shape, dtype)}
     tx = [

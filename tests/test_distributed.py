@@ -147,6 +147,7 @@ def test_nonfinite_on_one_replica_does_not_poison_the_others(mode):
     assert int(np.asarray(state.gradient_step).reshape(-1)[0]) == 2
 
 
+@pytest.mark.slow
 def test_weighted_mean_sums_weights_across_replicas():
     """Token-count weights: the mean is over every replica's tokens, not a mean of means."""
     k, windows = 2, 2
@@ -224,6 +225,7 @@ def test_shard_map_without_type_checks():
     chex.assert_trees_all_close(params, _large_batch(optax.sgd(0.1), xs, ys), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow
 def test_tuple_of_axis_names_shard_map_and_pmap_of_vmap():
     xs, ys = _data(windows=2, k=2, seed=4)
     expected = _large_batch(optax.sgd(0.1), xs, ys)

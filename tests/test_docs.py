@@ -184,6 +184,7 @@ def test_index_page_shows_the_readme_snippet():
     assert readme in python_blocks(ROOT / "docs" / "index.md")[0].code
 
 
+@pytest.mark.slow
 def test_multisteps_matches_the_large_batch_as_the_readme_says():
     # The README's features table: optax.MultiSteps equals the large batch to round-off.
     k, windows = 4, 5

@@ -16,6 +16,7 @@ import pytest
 
 import gradaccum_jax as ga
 from benchmarks import harness
+from gradaccum_jax import _compat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_global_view_worker.py"
@@ -94,7 +95,7 @@ def sharded(tree):
 
 
 def reduce(tree):
-    return jax.jit(lambda t: jax.reshard(t, P()))(tree)
+    return jax.jit(lambda t: _compat.reshard(t, P()))(tree)
 
 
 def test_gradients_are_unreduced_and_sum_to_the_global_gradient(mesh):
@@ -108,10 +109,29 @@ def test_gradients_are_unreduced_and_sum_to_the_global_gradient(mesh):
     np.testing.assert_allclose(value, want_value, RTOL)
 
 
+UNREDUCED_SCALAR = (
+    "jax.shard_map returns an unreduced scalar from 0.9.1; 0.8.1 to 0.9.0 all-reduce it "
+    "(one f32[] all-reduce) and return it replicated"
+)
+# Older JAX keeps the unreduced type inside jax.shard_map's body, where `abs` has no
+# rule; accumulate refuses unreduced gradients there (test_unreduced_windows_need_...).
+UNREDUCED_WINDOWS = (
+    "accumulating unreduced gradients needs 0.9.1; 0.8.1 to 0.9.0 keep the unreduced "
+    "type inside jax.shard_map (no rule for abs), and accumulate refuses them there"
+)
+
+
+@pytest.mark.requires(UNREDUCED_SCALAR, jax="0.9.1")
+def test_no_collective_at_all_with_an_unreduced_value(mesh):
+    params, batch = replicated(init_params()), sharded(make_batch(0))
+    silent = jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS, reduce_value=False))
+    assert collectives(silent.lower(params, batch).compile()) == {}
+    value, _ = silent(params, batch)
+    assert jax.typeof(value).sharding.spec.unreduced == {AXIS}
+
+
 def test_no_collective_on_the_gradients(mesh):
     params, batch = replicated(init_params()), sharded(make_batch(0))
-    silent = ga.unreduced_value_and_grad(loss_fn, AXIS, reduce_value=False)
-    assert collectives(jax.jit(silent).lower(params, batch).compile()) == {}
     # The default reduces the scalar value only: one all-reduce of an f32[].
     compiled = jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS)).lower(params, batch).compile()
     assert collectives(compiled) == {"all-reduce": 1}
@@ -122,11 +142,11 @@ def test_no_collective_on_the_gradients(mesh):
 
 
 def test_unreduced_value_sums_to_the_global_mean(mesh):
+    # Unreduced from JAX 0.9.1 (test above); before, summed by JAX: the same number.
     params, batch = init_params(), make_batch(1)
     want = loss_fn(params, batch)
     step = jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS, reduce_value=False))
     value, _ = step(replicated(params), sharded(batch))
-    assert jax.typeof(value).sharding.spec.unreduced == {AXIS}
     np.testing.assert_allclose(reduce(value), want, RTOL)
 
 
@@ -144,6 +164,7 @@ def test_several_argnums_and_replicated_extra_arguments(mesh):
     assert_trees_close(reduce(grads), want)
 
 
+@pytest.mark.requires(UNREDUCED_SCALAR, jax="0.9.1")
 @pytest.mark.slow
 def test_composes_with_microbatches_within_each_device(mesh):
     params, batch = init_params(), make_batch(3, size=64)
@@ -259,6 +280,7 @@ class _AccumBNNet(nn.Module):
         return nn.Dense(3)(jnp.tanh(x))
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 @pytest.mark.parametrize("axis_name", [None, AXIS], ids=["per_device", "pooled"])
 def test_accum_batchnorm_in_the_global_view_step(mesh, axis_name):
@@ -347,6 +369,7 @@ def test_flax_nnx_model_through_split_and_merge(mesh):
     assert_trees_close(reduce(grads), want)
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 def test_nnx_accum_batchnorm_per_device_windows(mesh):
     """NNXAccumBatchNorm through nnx.split / merge: one reduction per window, at the commit."""
@@ -452,6 +475,7 @@ def global_view_step(tx):
     return jax.jit(step)
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 def test_accumulate_unreduced_matches_the_large_batch(mesh):
     k, params0 = 4, init_params()
@@ -494,6 +518,7 @@ def test_multisteps_in_the_same_step_reduces_every_micro_step(mesh):
     assert "all-reduce" in every_step
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 def test_weighted_windows_and_sum(mesh):
     k, params0 = 3, init_params()
@@ -524,6 +549,7 @@ def test_weighted_windows_and_sum(mesh):
         assert_trees_close(params, want)
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 def test_a_non_finite_partial_is_dropped_on_its_device_only(mesh):
     k, params0 = 2, init_params()
@@ -555,6 +581,7 @@ def test_a_non_finite_partial_is_dropped_on_its_device_only(mesh):
     assert int(ga.optimizer_step(opt_state)) == 2
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 def test_schedule_and_window_with_nothing_accepted(mesh):
     schedule = lambda step: jnp.where(step < 1, 2, 3)  # noqa: E731
@@ -575,6 +602,7 @@ def test_schedule_and_window_with_nothing_accepted(mesh):
     assert int(opt_state.micro_step) == 0
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 def test_mixed_leaves_work_or_name_the_fix(mesh):
     k, params0 = 2, init_params()
@@ -587,7 +615,7 @@ def test_mixed_leaves_work_or_name_the_fix(mesh):
     def step(params, opt_state, batch):
         _, grads = grad_fn(params, batch)
         # One leaf reduced already (replicated): it counts as split evenly.
-        grads[0]["b"] = jax.reshard(grads[0]["b"], P())
+        grads[0]["b"] = _compat.reshard(grads[0]["b"], P())
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -600,13 +628,14 @@ def test_mixed_leaves_work_or_name_the_fix(mesh):
     @jax.jit
     def scattered(params, opt_state, batch):
         _, grads = grad_fn(params, batch)
-        grads[0]["b"] = jax.reshard(grads[0]["b"], P(AXIS))  # reduce-scattered
+        grads[0]["b"] = _compat.reshard(grads[0]["b"], P(AXIS))  # reduce-scattered
         return tx.update(grads, opt_state, params)
 
     with pytest.raises(ValueError, match=r"\[0\]\['b'\].*sharded over \['data'\]"):
         scattered(params, tx.init(params), sharded(make_batch(0)))
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "inner",
@@ -643,6 +672,28 @@ def test_zero1_sharded_inner_state_matches_the_large_batch(mesh, inner):
     assert "all-gather" in everywhere
 
 
+def test_unreduced_windows_need_jax_0_9_1_and_name_the_fix(mesh, monkeypatch):
+    # What a user of JAX 0.8.1 to 0.9.0 meets (measured there); on newer JAX, pretended.
+    monkeypatch.setattr(_compat, "UNREDUCED_IN_SHARD_MAP", False)
+    fix = (
+        r"an unreduced window needs JAX >= 0\.9\.1 \(installed .*"
+        r"jax\.sharding\.reshard\(grads, jax\.P\(\)\)"
+    )
+    with pytest.raises(ValueError, match="shard_inner_state='data': " + fix):
+        ga.accumulate(optax.sgd(0.1), 2, shard_inner_state=AXIS)
+    params, batch = replicated(init_params()), sharded(make_batch(0))
+    _, grads = jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS))(params, batch)
+    tx = ga.accumulate(optax.sgd(0.1), 1)
+    update = jax.jit(tx.update)
+    with pytest.raises(ValueError, match=r"updates unreduced over mesh axes \('data',\): " + fix):
+        update(grads, tx.init(params), params)
+    # The fix it names: reduced gradients take the replicated path, which any JAX runs.
+    want = jax.jit(jax.grad(loss_fn))(init_params(), make_batch(0))
+    updates, _ = update(reduce(grads), tx.init(params), params)
+    assert_trees_close(updates, jax.tree.map(lambda g: -0.1 * g, want))
+
+
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 def test_zero1_spec_tree_and_callable(mesh):
     params = replicated(init_params(sizes=(6, 16, 8)))
     only_w = lambda path, p: P(AXIS) if p.ndim == 2 and p.shape[0] % 8 == 0 else P()  # noqa: E731
@@ -670,6 +721,7 @@ def test_shard_inner_state_errors():
         ga.accumulate(optax.sgd(0.1), 2, shard_inner_state=3)
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 def test_a_traced_schedule_below_one_is_counted_and_params_are_optional(mesh):
     """As on one device: a window length below 1 is taken as 1 and counted."""
@@ -697,6 +749,7 @@ def test_a_traced_schedule_below_one_is_counted_and_params_are_optional(mesh):
         noisy(params, tx.init(params), sharded(make_batch(0)))
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 def test_a_reduced_state_resumes_the_window(mesh):
     """Checkpointing: unreduced fields reduced to P() mid-window are accepted again."""
@@ -730,11 +783,12 @@ def summed(tree):
 
     def dense(x):
         spec = jax.typeof(x).sharding.spec
-        return jax.reshard(x, jax.P(*spec.partitions)) if spec.unreduced else x
+        return _compat.reshard(x, jax.P(*spec.partitions)) if spec.unreduced else x
 
     return jax.tree.map(dense, tree)
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 def test_orbax_checkpoint_mid_window_resumes_the_run(mesh, tmp_path):
     """The documented recipe: save the summed state, restore into a fresh state's shardings."""
@@ -779,6 +833,7 @@ def test_orbax_checkpoint_mid_window_resumes_the_run(mesh, tmp_path):
     assert int(reduce(got_state.num_skipped)) == int(reduce(want_state.num_skipped)) == 2
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 def test_fsdp_params_reduce_scatter_once_per_window(mesh):
     """Params sharded over the data axis: one reduction per window, into their sharding."""
@@ -813,6 +868,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 def test_two_processes_run_the_global_view_step(tmp_path):
     """2 processes x 2 host devices, gloo collectives, an explicit 4-device mesh."""
@@ -879,6 +935,7 @@ def test_two_processes_run_the_global_view_step(tmp_path):
         assert int(result["num_skipped_total"]) == 1
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 def test_donated_steps_copy_no_parameter_sized_buffer(mesh):
     params0 = init_params(sizes=(6, 64, 32))

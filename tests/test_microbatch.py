@@ -201,6 +201,7 @@ def _dropout_loss(params, batch, key):
     return loss, jax.random.uniform(key)
 
 
+@pytest.mark.slow
 def test_key_argnums_folds_a_raw_key():
     # Typed keys need no key_argnums (see the test below); raw keys are listed.
     k = 4
@@ -305,6 +306,7 @@ def test_carry_errors():
 
 
 @pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
+@pytest.mark.slow
 def test_sharded_batch_stays_sharded(axis_type):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
     batch = jax.device_put(BATCH, NamedSharding(mesh, P("data")))
@@ -482,6 +484,7 @@ def test_bool_aux_sum_has_the_same_dtype_at_every_k():
     assert [int(r) for r in results] == expected
 
 
+@pytest.mark.slow
 def test_typed_key_gets_a_distinct_key_per_microbatch_without_key_argnums():
     k = 4
     key = jax.random.key(3)

@@ -77,6 +77,7 @@ EXPECTED_SCALES = {
 
 
 @pytest.mark.parametrize("position", range(K))
+@pytest.mark.slow
 def test_overflow_drops_only_its_micro_batch(position):
     params, xs, ys = batches()
     # float16 activations overflow (|x @ w| > 65504) for this micro-batch alone.
@@ -338,6 +339,7 @@ class BF16MLP(nn.Module):
         return nn.Dense(4, dtype=jnp.bfloat16, param_dtype=jnp.float32)(x).astype(jnp.float32)
 
 
+@pytest.mark.slow
 def test_flax_bfloat16_compute_with_float32_params_matches_large_batch():
     model = BF16MLP()
     rng = np.random.default_rng(0)
@@ -377,6 +379,7 @@ def test_flax_bfloat16_compute_with_float32_params_matches_large_batch():
     assert max(np.max(np.abs(a - b)) for a, b in zip(p_acc, p_0, strict=True)) > 1e-2
 
 
+@pytest.mark.slow
 def test_docs_flax_pattern_with_agc_and_accum_batchnorm_runs_in_bfloat16():
     page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "mixed_precision.md"
     section = page.read_text().split("## Flax: bfloat16 compute")[1].split("## API")[0]
@@ -401,6 +404,7 @@ def test_docs_flax_pattern_with_agc_and_accum_batchnorm_runs_in_bfloat16():
     assert k == 4
 
 
+@pytest.mark.slow
 def test_docs_float16_flax_pattern_with_loss_scale_runs():
     page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "mixed_precision.md"
     section = page.read_text().split("## Flax: bfloat16 compute")[1].split("## API")[0]
@@ -498,6 +502,7 @@ def test_loss_scale_inside_accumulate_is_refused_naming_the_order(scale):
         ga.current_loss_scale(state)
 
 
+@pytest.mark.slow
 def test_scaled_value_and_grad_reads_the_scale_so_updates_equal_unscaled_sgd():
     params, xs, ys = batches()
     tx = optax.chain(

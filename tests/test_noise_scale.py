@@ -60,6 +60,7 @@ def _assert_close_to_closed_form(est, batch_unit):
 
 
 @pytest.mark.parametrize("micro_batch_size", [4, None])
+@pytest.mark.slow
 def test_linear_regression_closed_form(micro_batch_size):
     b, k, windows = 4, 4, 300
     tx = ga.accumulate(optax.sgd(0.0), k, track_noise_scale=True, micro_batch_size=micro_batch_size)

@@ -24,6 +24,7 @@ def run(tx, params, inputs):
     return outputs, state
 
 
+@pytest.mark.slow
 def test_no_bound_sum_equals_plain_sum_accumulation():
     params = {"w": jnp.zeros((4, 5)), "b": jnp.zeros(5)}
     key = jax.random.key(0)
@@ -163,6 +164,7 @@ def test_one_sided_bounds_and_exponent_one_is_multiplicative():
 
 
 @pytest.mark.parametrize("reduction", ["max", "min", "mean", "geometric_mean", "median"])
+@pytest.mark.slow
 def test_empty_components_reduce_to_zero(reduction):
     params = {"w": jnp.array([0.2, 0.8])}
     tx = ga.split_accumulate(3, reduction=reduction, bound="multiplicative", upper=1.0, paired=True)
@@ -228,6 +230,7 @@ def test_schedule_changes_the_window_length():
 
 
 @pytest.mark.parametrize("reduction", ["geometric_mean", "median"])
+@pytest.mark.slow
 def test_scan_keeps_state_dtypes(reduction):
     params = {"w": jnp.full((3,), 0.5, jnp.bfloat16), "b": jnp.zeros(2)}
     tx = ga.split_accumulate(
