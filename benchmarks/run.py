@@ -7,7 +7,7 @@ the machine they were measured on, and plots the headline ratios.
 
     python benchmarks/run.py            # full sizes (tens of minutes on 2 CPU cores)
     python benchmarks/run.py --quick    # tiny sizes: checks that everything runs
-    python benchmarks/run.py --only accumulate microbatch
+    python benchmarks/run.py --only global_view   # re-measure one, keep the others' results
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -153,6 +154,19 @@ def plot(results: dict[str, list[dict]], path: pathlib.Path) -> bool:
     return True
 
 
+SECTION = re.compile(rf"^## ({'|'.join(BENCHMARKS)}) \(", re.M)
+
+
+def report_sections(text: str) -> dict[str, str]:
+    """The per-benchmark sections of a report, by benchmark name (the header dropped)."""
+    starts = [(m.start(), m[1]) for m in SECTION.finditer(text)]
+    ends = [start for start, _ in starts[1:]] + [len(text)]
+    return {
+        name: text[start:end].rstrip() + "\n"
+        for (start, name), end in zip(starts, ends, strict=True)
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
@@ -164,22 +178,33 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only or BENCHMARKS
     machine = machine_description()
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    results, sections = {}, []
+    suffix = "_quick" if args.quick else ""
+    report = out / f"report{suffix}.md"
+    rows_file = out / f"rows{suffix}.json"
+    # With --only, the other benchmarks' rows and sections of an earlier run stay.
+    results: dict[str, list[dict]] = {}
+    sections: dict[str, str] = {}
+    if args.only and rows_file.exists() and report.exists():
+        results = json.loads(rows_file.read_text())
+        sections = report_sections(report.read_text())
     for name in names:
         print(f"running benchmarks/{name}.py{' --quick' if args.quick else ''} ...", flush=True)
         rows, printed, seconds = run_one(name, args.quick)
         results[name] = rows
-        sections.append(f"## {name} ({seconds:.0f} s)\n\n```text\n{printed.strip()}\n```\n")
+        sections[name] = (
+            f"## {name} ({seconds:.0f} s, measured {stamp})\n\n```text\n{printed.strip()}\n```\n"
+        )
         print(printed, flush=True)
-    suffix = "_quick" if args.quick else ""
-    report = out / f"report{suffix}.md"
+    order = [name for name in BENCHMARKS if name in results]
+    results = {name: results[name] for name in order}
     header = (
-        f"# Benchmark report\n\nMeasured {stamp} on {machine}.\n"
-        f"Command: `python benchmarks/run.py{' --quick' if args.quick else ''}`. "
-        "Every table is measured side by side in one process; read the ratios.\n\n"
+        f"# Benchmark report\n\nMeasured on {machine}.\n"
+        f"Command: `python benchmarks/run.py{' --quick' if args.quick else ''}` "
+        "(`--only NAME` re-measures one benchmark and keeps the others). Every table is "
+        "measured side by side in one process; read the ratios.\n\n"
     )
-    report.write_text(header + "\n".join(sections))
-    (out / f"rows{suffix}.json").write_text(json.dumps(results, indent=1, default=str))
+    report.write_text(header + "\n".join(sections[name] for name in order if name in sections))
+    rows_file.write_text(json.dumps(results, indent=1, default=str))
     plotted = plot(results, out / f"ratios{suffix}.png")
     print(f"wrote {report}" + (f" and {out / f'ratios{suffix}.png'}" if plotted else ""))
     return 0

@@ -244,12 +244,25 @@ def unreduced_value_and_grad(
         raise TypeError(f"reduce_value must be a bool; got {reduce_value=!r}.")
     if aux_out_specs is not None and not has_aux:
         raise ValueError(f"aux_out_specs is given but has_aux=False; got {aux_out_specs=!r}.")
-    if k == 1:
-        value_and_grad = jax.value_and_grad(fun, argnums, has_aux=has_aux)
-    else:
-        value_and_grad = microbatch_value_and_grad(
-            fun, k, has_aux=has_aux, argnums=argnums, batch_argnums=batch_argnums
+
+    def value_and_grad_over(devices: int) -> Callable[..., Any]:
+        """`value_and_grad` of `fun / devices`: the gradient comes out of the backward
+        pass already scaled (the scalar seeds it), with no pass of its own over the
+        gradient, whose result would be one more parameter-sized buffer per call."""
+
+        def fun_over_devices(*args: Any, **kwargs: Any) -> Any:
+            out = fun(*args, **kwargs)
+            if has_aux:
+                return out[0] / devices, out[1]
+            return out / devices
+
+        if k == 1:
+            return jax.value_and_grad(fun_over_devices, argnums, has_aux=has_aux)
+        return microbatch_value_and_grad(
+            fun_over_devices, k, has_aux=has_aux, argnums=argnums, batch_argnums=batch_argnums
         )
+
+    value_and_grad_over(1)  # checks the options now, not at the first call
     unreduced = jax.P(unreduced=frozenset(axes))
 
     def aux_spec(leaf: Any) -> Any:
@@ -311,12 +324,12 @@ def unreduced_value_and_grad(
                 local_args[i] = pcast_to_varying(local_args[i], axes)
             token = _PER_DEVICE_AXES.set(axes)
             try:
-                out, grads = value_and_grad(*local_args, **kwargs)
+                out, grads = value_and_grad_over(devices)(*local_args, **kwargs)
             finally:
                 _PER_DEVICE_AXES.reset(token)
             value, aux = out if has_aux else (out, None)
-            grads = jax.tree.map(lambda g: g / devices, grads)
-            value = jax.lax.pmean(value, axes) if reduce_value else value / devices
+            # The value is this device's loss / devices: summed, the global mean.
+            value = jax.lax.psum(value, axes) if reduce_value else value
             if has_aux and aux_out_specs is None:
                 seen.append(jax.tree.map(aux_spec, aux))
                 aux = jax.tree.map(lambda x: reduce_aux(x, keep_unreduced), aux)

@@ -43,6 +43,7 @@ def micro(rows: Rows, candidate: str, model: str = BIG) -> dict[str, Any]:
 
 
 TIMES = "\u00d7"  # the multiplication sign the pages print after a ratio
+DASH = "\u2013"  # the en dash of a range
 
 
 def times(x: float, digits: int = 2) -> str:
@@ -66,6 +67,180 @@ def _distributed(rows: Rows, k: int) -> dict[str, Any]:
 
 def _microbatch(rows: Rows, k: int) -> dict[str, Any]:
     return row(rows, "microbatch", method="ours", K=k)
+
+
+# --- whole tables ------------------------------------------------------------------------------
+# A span may hold a Markdown table: `<!-- fig:table.NAME -->`, a blank line, the table, a blank
+# line, `<!-- /fig -->` (the blank lines end the HTML comment's block for Markdown).
+
+
+def table(header: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(cells) + " |" for cells in lines]
+    return "\n\n" + "\n".join(out) + "\n\n"
+
+
+def sci(x: float) -> str:
+    return f"{x:.1e}"
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f}"
+
+
+MICROBATCH_NAMES = {
+    "full": "`jax.value_and_grad`",
+    "ours": "ours",
+    "optax.microbatch": "`optax.microbatching.microbatch`",
+    "optax.micro_grad": "`optax.microbatching.micro_grad`",
+}
+
+
+def microbatch_table(rows: Rows) -> str:
+    runs = rows["microbatch"]
+    largest = max(r["K"] for r in runs)
+    shown = [r for r in runs if r["method"] in ("full", "ours") or r["K"] == largest]
+    return table(
+        ["method", "K", "temp MiB", "temp / full", "time / full", "time / optax.microbatch"],
+        [
+            [
+                MICROBATCH_NAMES[r["method"]],
+                str(r["K"]),
+                mib(r["temp_bytes"]),
+                f"{r['temp_vs_full']:.3f}",
+                f"{r['time_vs_full']:.2f}",
+                "" if r["method"] == "full" else f"{r['time_vs_optax_microbatch']:.2f}",
+            ]
+            for r in shown
+        ],
+    )
+
+
+def _microbatch_speed_range(rows: Rows) -> str:
+    ratios = [r["time_vs_optax_microbatch"] for r in rows["microbatch"] if r["method"] == "ours"]
+    return f"{min(ratios):.2f}{DASH}{max(ratios):.2f}"
+
+
+def _accuracy(rows: Rows, accumulator: str) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in rows["mixed_precision"]
+        if r["table"] == "accuracy" and r["accumulator"] == accumulator
+    ]
+
+
+def mixed_accuracy_table(rows: Rows) -> str:
+    acc = [r for r in rows["mixed_precision"] if r["table"] == "accuracy"]
+    columns = sorted({(r["K"], r["regime"]) for r in acc}, key=lambda c: (c[0], c[1] != "init"))
+    names = list(dict.fromkeys(r["accumulator"] for r in acc))
+    return table(
+        ["accumulator", *(f"K={k} {regime}" for k, regime in columns)],
+        [
+            [
+                name,
+                *(
+                    sci(
+                        row(rows, "mixed_precision", accumulator=name, K=k, regime=g)[
+                            "rel_l2_error"
+                        ]
+                    )
+                    for k, g in columns
+                ),
+            ]
+            for name in names
+        ],
+    )
+
+
+def mixed_memory_table(rows: Rows) -> str:
+    mem = [r for r in rows["mixed_precision"] if r["table"] == "memory"]
+    return table(
+        [
+            "accumulator",
+            "accumulator state, bytes/param",
+            "temp bytes/param",
+            "copies",
+            "micro-step time",
+        ],
+        [
+            [
+                r["accumulator"],
+                f"{r['accumulator_bytes_per_param']:g}",
+                f"{r['temp_bytes_per_param']:.0f}",
+                str(r["argument_copies"]),
+                f"{r['micro_step_time_vs_float32']:.2f}",
+            ]
+            for r in mem
+        ],
+    )
+
+
+def _percent_range(errors: list[float]) -> str:
+    return f"{100 * min(errors):.2f}{DASH}{100 * max(errors):.2f} %"
+
+
+def _bf16_gain(rows: Rows) -> str:
+    plain = max(r["rel_l2_error"] for r in _accuracy(rows, "bfloat16"))
+    kahan = max(r["rel_l2_error"] for r in _accuracy(rows, "bfloat16 + Kahan"))
+    return f"{plain / kahan:.0f}{TIMES}"
+
+
+GLOBAL_VIEW_NAMES = {
+    "multisteps": "`optax.MultiSteps` in the jitted step",
+    "unreduced": "`accumulate` + `unreduced_value_and_grad`",
+    "zero1": 'the same with `shard_inner_state="data"`',
+    "shard_map": "`shard_map` + `axis_name`",
+    "fsdp": "params sharded (FSDP), `jax.grad` + `accumulate`",
+    "fsdp_unreduced": "params sharded, `unreduced_value_and_grad` + `accumulate`",
+}
+
+
+def _collectives(ops: str) -> str:
+    """ "all-gatherx12,all-reducex1" (the benchmark's field) as "12 all-gather + 1 all-reduce"."""
+    counts = [op.rpartition("x") for op in ops.split(",") if op]
+    return " + ".join(f"{n} {name}" for name, _, n in counts) or "none"
+
+
+def global_view_table(rows: Rows) -> str:
+    runs = rows["global_view"]
+    ks = sorted({r["k"] for r in runs})
+
+    def per_k(name: str, field: str, fmt: Callable[[Any], str]) -> str:
+        values = [fmt(row(rows, "global_view", k=k, candidate=name)[field]) for k in ks]
+        return values[0] if len(set(values)) == 1 else " / ".join(values)
+
+    return table(
+        [
+            "per window, K = " + " / ".join(map(str, ks)),
+            "collectives",
+            "MB moved",
+            "time / MultiSteps",
+            "time / `shard_map`",
+            "inner state MB per device",
+            "temp MB",
+        ],
+        [
+            [
+                label,
+                per_k(name, "collective_ops", _collectives),
+                per_k(name, "mb_per_window", lambda mb: f"{mb:.2f}"),
+                per_k(name, "time_over_multisteps", lambda x: f"{x:.2f}"),
+                per_k(name, "time_over_shard_map", lambda x: f"{x:.2f}"),
+                per_k(name, "inner_state_mb_per_device", lambda mb: f"{mb:.2f}"),
+                per_k(name, "temp_mb", lambda mb: f"{mb:.2f}"),
+            ]
+            for name, label in GLOBAL_VIEW_NAMES.items()
+        ],
+    )
+
+
+def _global_view_ratio(rows: Rows, name: str, field: str = "time_over_multisteps") -> str:
+    runs = sorted((r for r in rows["global_view"] if r["candidate"] == name), key=lambda r: r["k"])
+    return " / ".join(f"{r[field]:.2f}" for r in runs) + TIMES
+
+
+def _noise(rows: Rows, step: str) -> dict[str, Any]:
+    return row(rows, "noise_scale", step=step)
 
 
 FIGURES: dict[str, Callable[[Rows], str]] = {
@@ -134,6 +309,43 @@ FIGURES: dict[str, Callable[[Rows], str]] = {
     ),
     "distributed16.usual_mb": lambda r: megabytes(
         row(r, "distributed", k=16, candidate="usual")["mb_reduced_per_window"]
+    ),
+    # whole tables and ranges, one page each
+    "table.microbatch": microbatch_table,
+    "microbatch8.temp_mib": lambda r: f"{mib(_microbatch(r, 8)['temp_bytes'])} MiB",
+    "microbatch.full_temp_mib": lambda r: (
+        f"{mib(row(r, 'microbatch', method='full')['temp_bytes'])} MiB"
+    ),
+    "microbatch.time_vs_optax_range": _microbatch_speed_range,
+    "microbatch.max_rel_err": lambda r: sci(max(x["rel_err"] for x in r["microbatch"])),
+    "table.mixed_precision.accuracy": mixed_accuracy_table,
+    "table.mixed_precision.memory": mixed_memory_table,
+    "mixed.float32_max_error": lambda r: sci(
+        max(x["rel_l2_error"] for x in _accuracy(r, "float32 (default)"))
+    ),
+    "mixed.bfloat16_error_range": lambda r: _percent_range(
+        [x["rel_l2_error"] for x in _accuracy(r, "bfloat16")]
+    ),
+    "mixed.kahan_gain": _bf16_gain,
+    "table.global_view": global_view_table,
+    "noise.micro_on_vs_off": lambda r: times(_noise(r, "micro-step")["on_vs_off"]),
+    "noise.close_on_vs_off": lambda r: times(_noise(r, "window close")["on_vs_off"]),
+    "noise.temp_growth": lambda r: megabytes(
+        (_noise(r, "micro-step")["temp_bytes_on"] - _noise(r, "micro-step")["temp_bytes_off"]) / 1e6
+    ),
+    "microbatch.time_vs_full_by_k": lambda r: " / ".join(
+        f"{x['time_vs_full']:.2f}" for x in r["microbatch"] if x["method"] == "ours"
+    ),
+    "step.large.x_scan": lambda r: times(
+        row(r, "accumulate", model=TRAIN_STEP, candidate="1 x 256 large batch")["x_scan"]
+    ),
+    "global_view.unreduced_vs_multisteps": lambda r: _global_view_ratio(r, "unreduced"),
+    "global_view.zero1_vs_multisteps": lambda r: _global_view_ratio(r, "zero1"),
+    "global_view.unreduced_vs_shard_map": lambda r: _global_view_ratio(
+        r, "unreduced", "time_over_shard_map"
+    ),
+    "global_view.zero1_vs_shard_map": lambda r: _global_view_ratio(
+        r, "zero1", "time_over_shard_map"
     ),
 }
 
