@@ -7,7 +7,8 @@
 #   bash dev.sh bench        run every benchmark; report under benchmarks/results/
 #   bash dev.sh dist         build the wheel and the sdist into dist/
 #   bash dev.sh test-wheel   build the wheel, install it into .venv-wheel (the pinned
-#                            versions of constraints.txt) and run the quick suite against it
+#                            versions of constraints.txt) and run the quick suite against it,
+#                            compiled with XLA's default settings (GRADACCUM_XLA_DEFAULTS=1)
 #   bash dev.sh test-oldest  build the wheel, install it into .venv-oldest (the oldest
 #                            supported jax/optax/flax, constraints-oldest.txt) and run
 #                            the quick suite (-m "not slow") against the installed package
@@ -75,6 +76,9 @@ case "$task" in
     # The repository's compilation cache (see conftest.py): the copy's conftest would
     # otherwise put it in the temporary copy, which is deleted.
     export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR-$PWD/.jax_cache}"
+    # XLA's default compiler settings, as a user has them (`dev.sh test` compiles with
+    # faster ones; see conftest.py): every quick test runs both ways in CI.
+    export GRADACCUM_XLA_DEFAULTS=1
     cd "$work"
     installed="$("$oldpy" -c 'import gradaccum_jax, os; print(os.path.dirname(gradaccum_jax.__file__))')"
     case "$installed" in

@@ -7,13 +7,14 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
-import digits_convnet
 
 pytestmark = pytest.mark.slow  # runs an example end to end
 
 
 @pytest.mark.slow  # four training runs, about 10 s of CPU time
 def test_digits_convnet_quick(tmp_path, capsys):
+    import digits_convnet  # at run time: the example imports its plotting and data libraries
+
     plot = tmp_path / "curves.png"
     result = digits_convnet.main(["--quick", "--no-progress", "--plot", str(plot)])
     out = capsys.readouterr().out

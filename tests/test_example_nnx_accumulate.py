@@ -7,11 +7,11 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
-import nnx_accumulate
-
 
 @pytest.mark.slow  # five short training runs, about 6 s of CPU time
 def test_nnx_accumulate_matches_large_batch(capsys):
+    import nnx_accumulate  # at run time: the example imports its plotting and data libraries
+
     result = nnx_accumulate.main(["--steps", "6", "--k", "3", "--micro-batch", "8"])
     assert "running statistics vs nnx.BatchNorm" in capsys.readouterr().out
     assert result["optimizer_steps"] == 6

@@ -1,6 +1,7 @@
 """Packaging: import cost, the shipped type marker, declared bounds, the compatibility layer."""
 
 import importlib.resources
+import os
 import pathlib
 import re
 import subprocess
@@ -152,3 +153,12 @@ def test_compat_inside_shard_map_reads_and_widens_varying_axes():
     }
     # Each row's sum, counted once per device along "b" (4 of them).
     np.testing.assert_allclose(np.asarray(out)[:, 0], [4 * 6.0, 4 * 22.0])
+
+
+def test_compiler_settings_follow_gradaccum_xla_defaults():
+    # conftest.py compiles with faster XLA:CPU settings unless GRADACCUM_XLA_DEFAULTS=1,
+    # which dev.sh test-wheel and test-oldest set: there every quick test runs with the
+    # settings a user has.
+    fast = os.environ.get("GRADACCUM_XLA_DEFAULTS", "") in ("", "0")
+    assert jax.config.read("jax_disable_most_optimizations") is fast
+    assert ("--xla_cpu_use_fusion_emitters=false" in os.environ["XLA_FLAGS"]) is fast
