@@ -166,6 +166,7 @@ def test_several_argnums_and_replicated_extra_arguments(mesh):
 
 @pytest.mark.requires(UNREDUCED_SCALAR, jax="0.9.1")
 @pytest.mark.slow
+@pytest.mark.hlo
 def test_composes_with_microbatches_within_each_device(mesh):
     params, batch = init_params(), make_batch(3, size=64)
     want_value, want_grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -283,6 +284,7 @@ class _AccumBNNet(nn.Module):
 @pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 @pytest.mark.parametrize("axis_name", [None, AXIS], ids=["per_device", "pooled"])
+@pytest.mark.hlo
 def test_accum_batchnorm_in_the_global_view_step(mesh, axis_name):
     """Running statistics of the window's global batch, committed when the window closes.
 
@@ -371,6 +373,7 @@ def test_flax_nnx_model_through_split_and_merge(mesh):
 
 @pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
+@pytest.mark.hlo
 def test_nnx_accum_batchnorm_per_device_windows(mesh):
     """NNXAccumBatchNorm through nnx.split / merge: one reduction per window, at the commit."""
     from flax import nnx
@@ -477,6 +480,7 @@ def global_view_step(tx):
 
 @pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
+@pytest.mark.hlo
 def test_accumulate_unreduced_matches_the_large_batch(mesh):
     k, params0 = 4, init_params()
     batches = [make_batch(10 + i) for i in range(3 * k)]
@@ -505,6 +509,7 @@ def test_accumulate_unreduced_matches_the_large_batch(mesh):
 
 @pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
+@pytest.mark.hlo
 def test_global_view_step_keeps_no_more_temporaries_than_the_shard_map_step(mesh):
     # unreduced_value_and_grad divides the loss by the device count before
     # differentiating, so the gradient leaves the backward pass scaled; dividing the
@@ -542,6 +547,7 @@ def test_global_view_step_keeps_no_more_temporaries_than_the_shard_map_step(mesh
 
 
 @pytest.mark.slow
+@pytest.mark.hlo
 def test_multisteps_in_the_same_step_reduces_every_micro_step(mesh):
     tx = optax.MultiSteps(optax.adam(1e-2), 4)
 
@@ -683,6 +689,7 @@ def test_mixed_leaves_work_or_name_the_fix(mesh):
     ],
     ids=["clip_adamw", "agc_sgd"],
 )
+@pytest.mark.hlo
 def test_zero1_sharded_inner_state_matches_the_large_batch(mesh, inner):
     k, params0 = 2, init_params(sizes=(6, 16, 8))
     batches = [make_batch(60 + i) for i in range(2 * k)]
@@ -873,6 +880,7 @@ def test_orbax_checkpoint_mid_window_resumes_the_run(mesh, tmp_path):
 
 @pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
+@pytest.mark.hlo
 def test_fsdp_params_reduce_scatter_once_per_window(mesh):
     """Params sharded over the data axis: one reduction per window, into their sharding."""
     k, params0 = 2, init_params(sizes=(8, 16, 8))
@@ -975,6 +983,7 @@ def test_two_processes_run_the_global_view_step(tmp_path):
 
 @pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
+@pytest.mark.hlo
 def test_donated_steps_copy_no_parameter_sized_buffer(mesh):
     params0 = init_params(sizes=(6, 64, 32))
     shapes = {("f32", p.shape) for p in jax.tree.leaves(params0)}

@@ -307,6 +307,7 @@ def test_carry_errors():
 
 @pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
 @pytest.mark.slow
+@pytest.mark.hlo
 def test_sharded_batch_stays_sharded(axis_type):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
     batch = jax.device_put(BATCH, NamedSharding(mesh, P("data")))

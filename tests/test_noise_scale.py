@@ -244,6 +244,7 @@ def _shard_map_step(tx, scan: bool):
 
 
 @pytest.mark.slow
+@pytest.mark.hlo
 def test_closed_form_across_replicas_with_one_all_reduce_per_window():
     b, k, windows = 2, 2, 300
     tx = ga.accumulate(optax.sgd(0.0), k, track_noise_scale=True, axis_name="data")

@@ -54,6 +54,7 @@ def _full_peak():
 
 
 @pytest.mark.slow
+@pytest.mark.hlo
 def test_chosen_k_fits_and_the_next_smaller_divisor_does_not():
     budget = _full_peak() // 3
     plan = ga.plan_microbatches(loss_fn, _shapes(PARAMS), _shapes(BATCH), memory_budget=budget)
