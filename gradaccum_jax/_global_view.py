@@ -21,9 +21,10 @@ from gradaccum_jax._microbatch import microbatch_value_and_grad
 AxisName = Hashable | Sequence[Hashable]
 
 # Set while `unreduced_value_and_grad` traces `fun` for one device: the mesh axes
-# its batch is split over (see `per_device_axes`).
-_PER_DEVICE_AXES: contextvars.ContextVar[tuple[Any, ...] | None] = contextvars.ContextVar(
-    "gradaccum_jax_per_device_axes", default=None
+# its batch is split over and the number of micro-batches of each device's slice
+# (see `per_device_axes`).
+_PER_DEVICE: contextvars.ContextVar[tuple[tuple[Any, ...], int] | None] = contextvars.ContextVar(
+    "gradaccum_jax_per_device", default=None
 )
 
 
@@ -189,7 +190,8 @@ def unreduced_value_and_grad(
         slice in that many sequential micro-batches, with
         `gradaccum_jax.microbatch_value_and_grad` (the slice must be divisible
         by it). The result is the same; peak activation memory is that of a
-        micro-batch.
+        micro-batch. `AccumBatchNorm` layers without `axis_name` (per-device
+        windows) need 1 and raise a `ValueError` otherwise.
       reduce_value: If `True` (default) the value is the global mean; if
         `False` it is unreduced over `axis_name`, and no collective runs at
         all (JAX >= 0.9.1; see above).
@@ -322,11 +324,11 @@ def unreduced_value_and_grad(
                 # Invariant params would get their gradient summed across devices
                 # by the backward pass; varying ones keep it on the device.
                 local_args[i] = pcast_to_varying(local_args[i], axes)
-            token = _PER_DEVICE_AXES.set(axes)
+            token = _PER_DEVICE.set((axes, k))
             try:
                 out, grads = value_and_grad_over(devices)(*local_args, **kwargs)
             finally:
-                _PER_DEVICE_AXES.reset(token)
+                _PER_DEVICE.reset(token)
             value, aux = out if has_aux else (out, None)
             # The value is this device's loss / devices: summed, the global mean.
             value = jax.lax.psum(value, axes) if reduce_value else value
@@ -360,7 +362,14 @@ def per_device_axes() -> tuple[Any, ...] | None:
     (`AccumBatchNorm` without `axis_name`) sees only this device's slice
     there, and can keep its sums as partial sums, unreduced over these axes.
     """
-    return _PER_DEVICE_AXES.get()
+    context = _PER_DEVICE.get()
+    return None if context is None else context[0]
+
+
+def per_device_microbatches() -> int:
+    """`num_microbatches` of the `unreduced_value_and_grad` tracing `fun` now; 1 elsewhere."""
+    context = _PER_DEVICE.get()
+    return 1 if context is None else context[1]
 
 
 def _vary(x: jax.Array, axes: tuple[Any, ...]) -> jax.Array:

@@ -353,6 +353,51 @@ def test_accum_batchnorm_in_the_global_view_step(mesh, axis_name):
     np.testing.assert_allclose(evaluate(params, stats, batches[0]["x"]), want, RTOL, ATOL)
 
 
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
+@pytest.mark.slow
+def test_accum_batchnorm_with_microbatches_within_each_device(mesh):
+    # Pooled statistics (axis_name) split into micro-batches within each device still
+    # give the window's running statistics; per-device windows cannot be averaged over
+    # micro-batches, and say what to use instead.
+    k, batches = 2, [make_batch(90 + i) for i in range(2)]
+
+    def run(axis_name):
+        variables = _AccumBNNet(axis_name).init(jax.random.key(0), batches[0]["x"])
+
+        def loss(params, batch_stats, batch):
+            pred, updated = _AccumBNNet(axis_name).apply(
+                {"params": params, "batch_stats": batch_stats}, batch["x"], mutable=["batch_stats"]
+            )
+            return jnp.mean((pred - batch["y"]) ** 2), updated["batch_stats"]
+
+        grad_fn = ga.unreduced_value_and_grad(
+            loss, AXIS, batch_argnums=2, has_aux=True, num_microbatches=2
+        )
+        tx = ga.accumulate(optax.sgd(0.0), k)
+
+        @jax.jit
+        def step(params, batch_stats, opt_state, batch):
+            (_, batch_stats), grads = grad_fn(params, batch_stats, batch)
+            batch_stats = ga.flax.commit_batch_stats(batch_stats, ga.closes_window(opt_state))
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), batch_stats, opt_state
+
+        params, stats = replicated(variables["params"]), replicated(variables["batch_stats"])
+        opt_state = jax.jit(tx.init)(params)
+        for batch in batches:
+            params, stats, opt_state = step(params, stats, opt_state, sharded(batch))
+        return variables, stats["BatchNorm_0"]
+
+    variables, bn = run(AXIS)
+    window = np.concatenate([b["x"] for b in batches])
+    dense = variables["params"]["Dense_0"]
+    hidden = window @ np.asarray(dense["kernel"]) + np.asarray(dense["bias"])
+    np.testing.assert_allclose(bn["mean"], 0.5 * hidden.mean(0), 1e-5, 1e-6)
+    np.testing.assert_allclose(bn["var"], 0.5 + 0.5 * hidden.var(0), 1e-5, 1e-6)
+    with pytest.raises(ValueError, match=r"num_microbatches=2.*num_microbatches=1"):
+        run(None)
+
+
 @pytest.mark.slow
 def test_flax_nnx_model_through_split_and_merge(mesh):
     from flax import nnx

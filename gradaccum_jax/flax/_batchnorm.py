@@ -267,7 +267,19 @@ def _partial_window_axes(axis_name: Any, initializing: bool) -> tuple[Any, ...] 
     """The axes of a per-device window, or `None` for a window held whole."""
     if axis_name is not None or initializing:
         return None
-    return _global_view.per_device_axes()
+    axes = _global_view.per_device_axes()
+    k = _global_view.per_device_microbatches()
+    if axes is not None and k > 1:
+        # The micro-batches' outputs would be averaged, and a per-device partial sum
+        # cannot be divided by a count that is the same on every device.
+        raise ValueError(
+            "AccumBatchNorm without axis_name keeps a per-device window inside "
+            f"unreduced_value_and_grad, which cannot be split into num_microbatches={k}. "
+            "Use num_microbatches=1 and let accumulate's window collect the micro-batches "
+            "(one per call), or give the layer axis_name=<the data axis> to pool its "
+            "statistics over the devices on every call."
+        )
+    return axes
 
 
 def _train_call(
