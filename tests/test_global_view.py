@@ -281,21 +281,13 @@ class _AccumBNNet(nn.Module):
         return nn.Dense(3)(jnp.tanh(x))
 
 
-@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
-@pytest.mark.slow
-@pytest.mark.parametrize("axis_name", [None, AXIS], ids=["per_device", "pooled"])
-@pytest.mark.hlo
-def test_accum_batchnorm_in_the_global_view_step(mesh, axis_name):
-    """Running statistics of the window's global batch, committed when the window closes.
+def _train_accum_bn_window(axis_name, batches, num_microbatches=1):
+    """One window of len(batches) global-view steps of `_AccumBNNet` (the params do not move).
 
-    Without axis_name each device normalises its slice and keeps its window's
-    sums unreduced: the step runs no collective outside the window's close.
-    With axis_name every call pools its statistics over the devices.
+    Returns the initial variables, the final (params, batch_stats, opt_state) and the step.
     """
-    k = 2
-    batches = [make_batch(90 + i) for i in range(k)]
     variables = _AccumBNNet(axis_name).init(jax.random.key(0), batches[0]["x"])
-    tx = ga.accumulate(optax.sgd(0.0), k)
+    tx = ga.accumulate(optax.sgd(0.0), len(batches))
 
     def loss(params, batch_stats, batch):
         pred, updated = _AccumBNNet(axis_name).apply(
@@ -303,7 +295,9 @@ def test_accum_batchnorm_in_the_global_view_step(mesh, axis_name):
         )
         return jnp.mean((pred - batch["y"]) ** 2), updated["batch_stats"]
 
-    grad_fn = ga.unreduced_value_and_grad(loss, AXIS, batch_argnums=2, has_aux=True)
+    grad_fn = ga.unreduced_value_and_grad(
+        loss, AXIS, batch_argnums=2, has_aux=True, num_microbatches=num_microbatches
+    )
 
     @jax.jit
     def step(params, batch_stats, opt_state, batch):
@@ -316,14 +310,33 @@ def test_accum_batchnorm_in_the_global_view_step(mesh, axis_name):
     opt_state = jax.jit(tx.init)(params)
     for batch in batches:
         params, stats, opt_state = step(params, stats, opt_state, sharded(batch))
-    # nn.BatchNorm's one EMA step on the window's concatenated batch.
+    return variables, (params, stats, opt_state), step
+
+
+def _assert_window_statistics(variables, batches, bn):
+    """nn.BatchNorm's one EMA step (momentum 0.5) on the window's concatenated batch."""
     window = np.concatenate([b["x"] for b in batches])
-    hidden = window @ np.asarray(variables["params"]["Dense_0"]["kernel"]) + np.asarray(
-        variables["params"]["Dense_0"]["bias"]
-    )
-    bn = stats["BatchNorm_0"]
+    dense = variables["params"]["Dense_0"]
+    hidden = window @ np.asarray(dense["kernel"]) + np.asarray(dense["bias"])
     np.testing.assert_allclose(bn["mean"], 0.5 * hidden.mean(0), 1e-5, 1e-6)
     np.testing.assert_allclose(bn["var"], 0.5 + 0.5 * hidden.var(0), 1e-5, 1e-6)
+
+
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
+@pytest.mark.slow
+@pytest.mark.parametrize("axis_name", [None, AXIS], ids=["per_device", "pooled"])
+@pytest.mark.hlo
+def test_accum_batchnorm_in_the_global_view_step(mesh, axis_name):
+    """Running statistics of the window's global batch, committed when the window closes.
+
+    Without axis_name each device normalises its slice and keeps its window's
+    sums unreduced: the step runs no collective outside the window's close.
+    With axis_name every call pools its statistics over the devices.
+    """
+    batches = [make_batch(90 + i) for i in range(2)]
+    variables, (params, stats, opt_state), step = _train_accum_bn_window(axis_name, batches)
+    bn = stats["BatchNorm_0"]
+    _assert_window_statistics(variables, batches, bn)
     partial = {name for name, leaf in bn.items() if jax.typeof(leaf).sharding.spec.unreduced}
     hlo = harness.Hlo(step.lower(params, stats, opt_state, sharded(batches[0])).compile())
     every_step = hlo.collective_counts(hlo.every_step())
@@ -359,43 +372,11 @@ def test_accum_batchnorm_with_microbatches_within_each_device(mesh):
     # Pooled statistics (axis_name) split into micro-batches within each device still
     # give the window's running statistics; per-device windows cannot be averaged over
     # micro-batches, and say what to use instead.
-    k, batches = 2, [make_batch(90 + i) for i in range(2)]
-
-    def run(axis_name):
-        variables = _AccumBNNet(axis_name).init(jax.random.key(0), batches[0]["x"])
-
-        def loss(params, batch_stats, batch):
-            pred, updated = _AccumBNNet(axis_name).apply(
-                {"params": params, "batch_stats": batch_stats}, batch["x"], mutable=["batch_stats"]
-            )
-            return jnp.mean((pred - batch["y"]) ** 2), updated["batch_stats"]
-
-        grad_fn = ga.unreduced_value_and_grad(
-            loss, AXIS, batch_argnums=2, has_aux=True, num_microbatches=2
-        )
-        tx = ga.accumulate(optax.sgd(0.0), k)
-
-        @jax.jit
-        def step(params, batch_stats, opt_state, batch):
-            (_, batch_stats), grads = grad_fn(params, batch_stats, batch)
-            batch_stats = ga.flax.commit_batch_stats(batch_stats, ga.closes_window(opt_state))
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), batch_stats, opt_state
-
-        params, stats = replicated(variables["params"]), replicated(variables["batch_stats"])
-        opt_state = jax.jit(tx.init)(params)
-        for batch in batches:
-            params, stats, opt_state = step(params, stats, opt_state, sharded(batch))
-        return variables, stats["BatchNorm_0"]
-
-    variables, bn = run(AXIS)
-    window = np.concatenate([b["x"] for b in batches])
-    dense = variables["params"]["Dense_0"]
-    hidden = window @ np.asarray(dense["kernel"]) + np.asarray(dense["bias"])
-    np.testing.assert_allclose(bn["mean"], 0.5 * hidden.mean(0), 1e-5, 1e-6)
-    np.testing.assert_allclose(bn["var"], 0.5 + 0.5 * hidden.var(0), 1e-5, 1e-6)
+    batches = [make_batch(90 + i) for i in range(2)]
+    variables, (_, stats, _), _ = _train_accum_bn_window(AXIS, batches, num_microbatches=2)
+    _assert_window_statistics(variables, batches, stats["BatchNorm_0"])
     with pytest.raises(ValueError, match=r"num_microbatches=2.*num_microbatches=1"):
-        run(None)
+        _train_accum_bn_window(None, batches, num_microbatches=2)
 
 
 @pytest.mark.slow
