@@ -7,11 +7,12 @@
 #   bash dev.sh bench        run every benchmark; report under benchmarks/results/
 #   bash dev.sh dist         build the wheel and the sdist into dist/
 #   bash dev.sh test-wheel   build the wheel, install it into .venv-wheel (the pinned
-#                            versions of constraints.txt) and run the quick suite against it,
-#                            compiled with XLA's default settings (GRADACCUM_XLA_DEFAULTS=1)
+#                            versions of constraints.txt) and run the quick suite and the
+#                            `hlo` tests (-m "not slow or hlo") against it, compiled with
+#                            XLA's default settings (GRADACCUM_XLA_DEFAULTS=1)
 #   bash dev.sh test-oldest  build the wheel, install it into .venv-oldest (the oldest
 #                            supported jax/optax/flax, constraints-oldest.txt) and run
-#                            the quick suite (-m "not slow or hlo") against the installed package
+#                            the same tests against the installed package
 # Needs only python3 (>= 3.11) with venv and pip; everything else is installed
 # into .venv from constraints.txt, the versions the suite was verified with.
 set -euo pipefail

@@ -1,5 +1,6 @@
 """The benchmark runner: every benchmark runs at quick sizes and the report is written."""
 
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -36,3 +37,27 @@ def test_run_all_benchmarks_quick(tmp_path):
     micro = {r["candidate"]: r for r in rows["accumulate"] if "state_copies" in r}
     assert micro["accumulate(adam) micro-step"]["state_copies"] == 0
     assert micro["optax.MultiSteps(adam) micro-step"]["state_copies"] > 0
+
+
+def test_only_keeps_the_other_benchmarks_results(tmp_path, monkeypatch):
+    # `run.py --only NAME` re-measures NAME and keeps the rows and report sections of the
+    # others; the benchmark itself is replaced by a stub here (the run above is real).
+    spec = importlib.util.spec_from_file_location("benchmarks_run", ROOT / "benchmarks" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+
+    earlier = {"accumulate": [{"a": 1}], "clipping": [{"c": 1}]}
+    (tmp_path / "rows.json").write_text(json.dumps(earlier))
+    (tmp_path / "report.md").write_text(
+        "# Benchmark report\n\nold header\n\n## accumulate (9 s, measured then)\n\nA\n\n"
+        "## clipping (1 s, measured then)\n\nC\n"
+    )
+    monkeypatch.setattr(run, "run_one", lambda name, quick: ([{"new": name}], "NEW", 2.0))
+    monkeypatch.setattr(run, "plot", lambda results, path: False)
+    assert run.main(["--only", "clipping", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert rows == {"accumulate": [{"a": 1}], "clipping": [{"new": "clipping"}]}
+    report = (tmp_path / "report.md").read_text()
+    assert "## accumulate (9 s, measured then)\n\nA" in report
+    assert "## clipping (2 s, measured " in report and "NEW" in report and "\nC\n" not in report
+    assert report.index("## accumulate") < report.index("## clipping")
