@@ -1,4 +1,4 @@
-"""Golden outputs of `accumulate`: every route gives the numbers recorded before the engine refactor.
+"""Golden outputs of `accumulate`: every route gives the numbers recorded before the refactor.
 
 Each scenario runs a few windows of a small MLP (one micro-step of every third window
 has a non-finite gradient, which must be dropped) and records the params and the whole
