@@ -258,6 +258,34 @@ class Hlo:
     def collective_counts(self, within: Iterable[str] | None = None) -> dict[str, int]:
         return {op: len(self.ops(op, within)) for op in COLLECTIVES}
 
+    def collectives_by_axis(
+        self, mesh_shape: Mapping[Hashable, int]
+    ) -> dict[tuple[str, str, tuple[Hashable, ...]], tuple[int, int]]:
+        """Collectives per place, opcode and mesh axes: `{(place, op, axes): (count, bytes)}`.
+
+        `place` is `"every step"` (outside conditional branches) or `"once"` (inside
+        a branch: once per window in `accumulate`). `axes` are the mesh axes along
+        which the members of a replica group differ, read from `replica_groups`
+        (explicit `{{0,1},{2,3}}` or iota `[G,S]<=[dims]T(perm)`), with device ids
+        the positions in the mesh (`mesh_shape`, as `dict(mesh.shape)`, in order).
+        An empty group list means every device: all axes.
+        """
+        every = self.every_step()
+        names, dims = tuple(mesh_shape), tuple(mesh_shape.values())
+        out: dict[tuple[str, str, tuple[Hashable, ...]], tuple[int, int]] = {}
+        for op in COLLECTIVES:
+            for inst in self.ops(op):
+                groups = replica_groups(inst.attributes, math.prod(dims))
+                axes = tuple(
+                    name
+                    for i, name in enumerate(names)
+                    if len({np.unravel_index(d, dims)[i] for d in groups[0]}) > 1
+                )
+                key = ("every step" if inst.computation in every else "once", op, axes)
+                count, nbytes = out.get(key, (0, 0))
+                out[key] = (count + 1, nbytes + inst.nbytes)
+        return out
+
     def per_window(self, opcode: str, k: int) -> tuple[int, int]:
         """(ops, bytes) that one window of `k` calls runs: ops outside branches run `k` times.
 
@@ -271,6 +299,26 @@ class Hlo:
             count += runs
             nbytes += runs * inst.nbytes
         return count, nbytes
+
+
+def replica_groups(attributes: str, devices: int) -> list[list[int]]:
+    """The replica groups of a collective's attributes, as lists of device ids."""
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attributes)
+    if explicit:
+        groups = [
+            [int(d) for d in g.split(",") if d]
+            for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))
+        ]
+        return groups if groups and groups[0] else [list(range(devices))]
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes)
+    if not iota:
+        return [list(range(devices))]
+    g, size = int(iota.group(1)), int(iota.group(2))
+    ids = np.arange(math.prod(int(d) for d in iota.group(3).split(",")))
+    ids = ids.reshape([int(d) for d in iota.group(3).split(",")])
+    if iota.group(4):
+        ids = ids.transpose([int(d) for d in iota.group(4).split(",")])
+    return ids.reshape(g, size).tolist()
 
 
 def smallest_leaf(tree: Any) -> int:

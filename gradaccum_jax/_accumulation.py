@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -10,88 +10,21 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import checkify
 
-from gradaccum_jax import _collectives, _compat, _global_view, _noise_scale, _validation, _window
-
-AxisName = Hashable | Sequence[Hashable]
-
-
-class AccumulateState(NamedTuple):
-    """State of `accumulate`.
-
-    Every field keeps its shape and dtype from `init` on, so the state can be
-    carried through `jax.lax.scan`, donated, sharded and checkpointed
-    mid-window like any other pytree.
-
-    Attributes:
-      micro_step: `int32[]`. Micro-steps already taken in the current window,
-        in `[0, window_length)`; `0` right after a window closed.
-      gradient_step: `int32[]`. Number of inner updates applied so far, i.e.
-        optimizer steps, not micro-steps. Saturates at the int32 maximum.
-      window_length: `int32[]`. The current window's length `K`: the int
-        given as `every_k_schedule`, or the schedule's value at
-        `gradient_step`, evaluated at `init` and whenever a window closes.
-        `closes_window` reads it.
-      updated: `bool[]`. Whether the last `update` call applied an inner
-        update (`False` at `init`, on micro-steps, and after a window in which
-        everything was dropped). `has_updated` reads it.
-      acc_grads: Tree shaped like the params, in the accumulator dtype. The
-        weighted sum of the micro-gradients accepted in the current window, in
-        units of `weight_unit`: `Σ (w / weight_unit) · g` (local to the
-        replica when `axis_name` is set).
-      acc_weight: `float32[]` (`float64[]` beside a float64 accumulator).
-        `Σ w / weight_unit` over the accepted
-        micro-gradients of the current window (their count when no `weight`
-        is passed): the window's mean is `acc_grads / acc_weight`. Local to
-        the replica when `axis_name` is set.
-      weight_unit: Scalar of `acc_weight`'s dtype. The first positive accepted `weight` of the
-        current window (`1` without `weight=`). Holding the sum in this unit
-        keeps it at the gradients' magnitude, so large weights (token counts)
-        cannot overflow a float16 accumulator. Local to the replica when
-        `axis_name` is set.
-      num_skipped: `int32[]`. Micro-gradients dropped so far because a leaf
-        or the weight was not finite (or the weight was negative). Saturates
-        at the int32 maximum. With `axis_name` it counts this replica's drops
-        only, like `acc_grads` a per-replica partial sum: the global count is
-        its sum over replicas, read from the host without a collective in the
-        step (`state.num_skipped.sum()` on the stacked state of `jax.pmap` or
-        of `replica_state_specs`).
-      inner_state: The inner transformation's state. It changes only when a
-        window closes, and keeps the dtypes of the inner `init`.
-      num_short_windows: `int32[]`. Windows for which a traced
-        `every_k_schedule` returned a length below 1, taken as 1 (inside `jit`
-        it cannot raise; see `check_values`). Saturates.
-      acc_compensation: `None` unless `compensated=True`; then a tree like
-        `acc_grads`, in the same dtype, holding the rounding error of
-        `acc_grads`: the window's sum is `acc_grads + acc_compensation`.
-      skip_state: `()` unless `should_skip_update_fn` is given; then the
-        metrics it returned for the last micro-gradient (the structure it
-        returns at `init` for zero gradients), as in `optax.MultiStepsState`.
-      noise_scale: `None` unless `track_noise_scale=True`; then a
-        `NoiseScaleState` (float32 scalars) holding the window's sum of the
-        micro-gradients' squared norms and the averages that
-        `gradient_noise_scale` reads.
-    """
-
-    micro_step: jax.Array
-    gradient_step: jax.Array
-    window_length: jax.Array
-    updated: jax.Array
-    acc_grads: optax.Updates
-    acc_weight: jax.Array
-    weight_unit: jax.Array
-    num_skipped: jax.Array
-    inner_state: optax.OptState
-    num_short_windows: jax.Array
-    acc_compensation: optax.Updates | None = None
-    skip_state: Any = ()
-    noise_scale: _noise_scale.NoiseScaleState | None = None
-
+from gradaccum_jax import (
+    _global_view,
+    _mixed_precision,
+    _noise_scale,
+    _routes,
+    _validation,
+    _window,
+)
+from gradaccum_jax._state import AccumulateState, AxisName
 
 ShouldSkipUpdateFn = Callable[[optax.Updates, jax.Array, optax.Params], tuple[jax.Array, Any]]
 
 
 def _check_skip_options(
-    should_skip_update_fn: Any, count_skipped_steps: Any, check_values: Any, axis_name: Any
+    should_skip_update_fn: Any, count_skipped_steps: Any, check_values: Any
 ) -> None:
     if should_skip_update_fn is not None and not callable(should_skip_update_fn):
         raise TypeError(
@@ -103,18 +36,81 @@ def _check_skip_options(
     for name, value in flags:
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool; got {name}={value!r}.")
-    if axis_name is not None and should_skip_update_fn is not None:
-        raise ValueError(
-            f"should_skip_update_fn is not supported with {axis_name=!r}: its metrics would "
-            "differ between replicas. Drop it (non-finite micro-gradients are already "
-            "dropped by skip_nonfinite=True), or accumulate without axis_name."
-        )
-    if axis_name is not None and not count_skipped_steps:
-        raise ValueError(
-            f"count_skipped_steps=False is not supported with {axis_name=!r}: replicas that "
-            "drop different micro-steps would close their windows at different calls and "
-            "wait for each other's all-reduce forever. Keep count_skipped_steps=True."
-        )
+
+
+class _Options(NamedTuple):
+    """The arguments of `accumulate` that some routes refuse (see `_REFUSED`)."""
+
+    axis_name: Any
+    shard_inner_state: Any
+    compensated: bool
+    should_skip_update_fn: Any
+    count_skipped_steps: bool
+    track_noise_scale: bool
+
+
+# The combinations of a route and an option that `accumulate` refuses, in one place:
+# (route, the option as written, whether it is set, why it cannot work there and the fix).
+# The replica route is known from `axis_name` when accumulate is built; the unreduced
+# route from `shard_inner_state` then, or from the gradients' types at trace time.
+_REFUSED: tuple[tuple[str, str, Callable[[_Options], bool], str], ...] = (
+    (
+        "replica",
+        "should_skip_update_fn",
+        lambda o: o.should_skip_update_fn is not None,
+        "its metrics would differ between replicas. Drop it (non-finite micro-gradients are "
+        "already dropped by skip_nonfinite=True), or accumulate without axis_name.",
+    ),
+    (
+        "replica",
+        "count_skipped_steps=False",
+        lambda o: not o.count_skipped_steps,
+        "replicas that drop different micro-steps would close their windows at different "
+        "calls and wait for each other's all-reduce forever. Keep count_skipped_steps=True.",
+    ),
+    (
+        "replica",
+        "shard_inner_state",
+        lambda o: o.shard_inner_state is not None,
+        "shard_inner_state is for global-view jax.jit on a mesh, axis_name for "
+        "jax.shard_map or jax.pmap; give one of them.",
+    ),
+    (
+        "unreduced",
+        "compensated=True",
+        lambda o: o.compensated,
+        "the window is unreduced over mesh axes; use a float32 accumulator "
+        "(accumulator_dtype=None).",
+    ),
+    (
+        "unreduced",
+        "should_skip_update_fn",
+        lambda o: o.should_skip_update_fn is not None,
+        "it needs the whole gradient on every device. Drop it (non-finite partial sums are "
+        "dropped per device already).",
+    ),
+    (
+        "unreduced",
+        "count_skipped_steps=False",
+        lambda o: not o.count_skipped_steps,
+        "it needs the whole gradient on every device. Keep count_skipped_steps=True "
+        "(non-finite partial sums are dropped per device already).",
+    ),
+    (
+        "unreduced",
+        "track_noise_scale=True",
+        lambda o: o.track_noise_scale,
+        "it measures each micro-gradient's norm, which needs the whole gradient on every "
+        "device. Drop track_noise_scale, or measure it with axis_name= under jax.shard_map.",
+    ),
+)
+
+
+def _refuse(route: str, options: _Options, where: str) -> None:
+    """Raises the `ValueError` of the first refused option of `route` that is set."""
+    for name, option, is_set, why in _REFUSED:
+        if name == route and is_set(options):
+            raise ValueError(f"{option} is not supported with {where}: {why}")
 
 
 def _check_weight(weight: Any) -> jax.Array:
@@ -337,15 +333,24 @@ def accumulate(
     if not callable(every_k_schedule):
         _validation.check_int("every_k_schedule", every_k_schedule, schedule=True)
     _validation.check_accumulator_dtype(accumulator_dtype, compensated=compensated)
-    if axis_name is None:
-        axis_names = None
-    else:
-        axis_names = _validation.check_axis_name("axis_name", axis_name)
-    _check_skip_options(should_skip_update_fn, count_skipped_steps, check_values, axis_name)
-    zero_axes = _global_view.check_shard_inner_state(shard_inner_state, axis_name, compensated)
+    axis_names = None if axis_name is None else _validation.check_axis_name("axis_name", axis_name)
+    _check_skip_options(should_skip_update_fn, count_skipped_steps, check_values)
+    zero_axes = _global_view.check_shard_inner_state(shard_inner_state)
     _check_noise_scale_args(
         track_noise_scale, noise_scale_decay, micro_batch_size, every_k_schedule, axis_name
     )
+    options = _Options(
+        axis_name=axis_name,
+        shard_inner_state=shard_inner_state,
+        compensated=compensated,
+        should_skip_update_fn=should_skip_update_fn,
+        count_skipped_steps=count_skipped_steps,
+        track_noise_scale=track_noise_scale,
+    )
+    if axis_name is not None:
+        _refuse("replica", options, f"{axis_name=!r}")
+    if shard_inner_state is not None:
+        _refuse("unreduced", options, f"shard_inner_state={shard_inner_state!r}")
     inner = optax.with_extra_args_support(inner)
 
     def length(step: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -368,6 +373,27 @@ def accumulate(
             )
         return should_skip, metrics
 
+    def route_for(grads: optax.Updates, like: optax.Params) -> Any:
+        """The reduction strategy, from the arguments and the gradients' types."""
+        if axis_names is not None:
+            return _routes.ReplicaRoute(compensated, axis_names, grads)
+        axes = _global_view.unreduced_axes("updates", grads) or zero_axes
+        if axes is None and shard_inner_state is None:
+            return _routes.LocalRoute(compensated)
+        if axes is None:
+            specs = _global_view.inner_specs(like, shard_inner_state, None)
+            axes = _global_view.spec_axes("shard_inner_state", specs)
+        _global_view.check_unreduced_windows(f"updates unreduced over mesh axes {axes}")
+        if zero_axes is not None and set(axes) != set(zero_axes):
+            raise ValueError(
+                f"the gradients are unreduced over {axes}, but shard_inner_state="
+                f"{shard_inner_state!r} shards the inner state over {zero_axes}; name the "
+                "same axis in both."
+            )
+        _refuse("unreduced", options, f"gradients unreduced over mesh axes {axes}")
+        specs = _global_view.inner_specs(like, shard_inner_state, zero_axes)
+        return _routes.UnreducedRoute(axes, specs)
+
     def init_fn(params: optax.Params) -> AccumulateState:
         params = _window.as_arrays(params)
         _validation.check_float_tree("params", params)
@@ -378,17 +404,13 @@ def accumulate(
         inner_params = params
         if shard_inner_state is not None:
             # ZeRO-1: the window is unreduced from the start, the inner state sharded.
-            specs = _global_view.inner_specs(params, shard_inner_state, zero_axes)
-            axes = zero_axes or _global_view.spec_axes("shard_inner_state", specs)
+            route = route_for(params, params)
             acc, acc_weight, num_skipped = _global_view.unreduced_zeros(
-                (acc, acc_weight, num_skipped), axes
+                (acc, acc_weight, num_skipped), route.axes
             )
-            inner_params = jax.tree.map(_compat.reshard, params, specs)
+            inner_params = route.inner_params(params)
         inner_state = inner.init(inner_params)
-        # Imported here: _mixed_precision builds on this module.
-        from gradaccum_jax._mixed_precision import refuse_inside_accumulate
-
-        refuse_inside_accumulate(inner_state)
+        _mixed_precision.refuse_inside_accumulate(inner_state)
         skip_state = ()
         if should_skip_update_fn is not None:
             zeros = jax.tree.map(jnp.zeros_like, params)
@@ -409,14 +431,6 @@ def accumulate(
             noise_scale=_noise_scale.init() if track_noise_scale else None,
         )
 
-    def gate(grads: optax.Updates) -> _window.Gate:
-        if axis_names is None:
-            return _window.local_gate()
-        typed = _collectives.check_axes_bound("axis_name", axis_names)
-        if typed:
-            _collectives.check_grads_vary("updates", grads, axis_names)
-        return _window.replica_gate(axis_names, typed)
-
     def update_fn(
         updates: optax.Updates,
         state: AccumulateState,
@@ -428,115 +442,94 @@ def accumulate(
         grads = _window.as_arrays(updates)
         _validation.check_same_structure("updates", grads, "state.acc_grads", state.acc_grads)
         _validation.check_float_tree("updates", grads)
-        w = None if weight is None else _check_weight(weight)
-        axes = None
-        if axis_names is None:
-            axes = _global_view.unreduced_axes("updates", grads) or zero_axes
-        if axes is not None or shard_inner_state is not None:
-            return unreduced_update(grads, state, params, w, axes, extra_args)
+        like = grads if params is None else params
+        route = route_for(grads, like)
+        probe = None
+        if track_noise_scale:
+            if weight is not None and micro_batch_size is not None:
+                raise ValueError(
+                    f"update got weight= but accumulate has {micro_batch_size=}: the noise "
+                    "scale's batch unit is the weight when one is passed. Build accumulate "
+                    "with micro_batch_size=None."
+                )
+            probe = _noise_scale.Probe(noise_scale_decay, micro_batch_size, route.sums_locally)
 
-        # Accept.
-        grads_sq = _noise_scale.sq_norm(grads) if track_noise_scale else None
-        if not skip_nonfinite:
-            accepted = jnp.array(True)
-        elif track_noise_scale:
-            accepted = _noise_scale.all_finite_given_sq_norm(grads, grads_sq)  # type: ignore[arg-type]
+        # Accept: a finite micro-gradient with a usable weight (per device when unreduced).
+        dtype = state.acc_weight.dtype
+        w = None if weight is None else _check_weight(weight).astype(dtype)
+        valid = jnp.array(True)
+        if w is not None:
+            ok = jnp.isfinite(w) & (w >= 0)
+            if check_values:
+                checkify.check(ok, "weight must be finite and >= 0; got weight={}", w)
+            if skip_nonfinite:
+                valid = ok
+        if probe is not None and skip_nonfinite:
+            accepted = valid & probe.finite(grads)
         else:
-            accepted = _window.all_finite(grads)
+            accepted = route.accept(grads, valid, skip_nonfinite)
         skip_state = state.skip_state
         if should_skip_update_fn is not None:
             should_skip, skip_state = skip_decision(grads, state.gradient_step, params)
             skip_state = _window.keep_state_types(skip_state, state.skip_state, "skip")
             accepted = accepted & ~should_skip
         if w is None:
-            scale, unit, term_weight = None, state.weight_unit, jnp.ones([], state.acc_weight.dtype)
+            scale, unit, term_weight = None, state.weight_unit, jnp.ones([], dtype)
         else:
-            w = w.astype(state.acc_weight.dtype)
-            valid = jnp.isfinite(w) & (w >= 0)
-            if check_values:
-                checkify.check(valid, "weight must be finite and >= 0; got weight={}", w)
-            if skip_nonfinite:
-                accepted = accepted & valid
-            first = accepted & (state.acc_weight == 0) & (w > 0)
+            # Sums are held in units of the window's first usable weight (see weight_unit).
+            first = route.starts_unit(accepted, valid, state) & (w > 0)
             unit = jnp.where(first, w, state.weight_unit)
             scale = term_weight = w / unit
-        window_weight = state.acc_weight + jnp.where(accepted, term_weight, 0.0)
+        window_weight, num_skipped = route.count(
+            state.acc_weight, state.num_skipped, accepted, term_weight, None
+        )
         counted = jnp.array(True) if count_skipped_steps else accepted
         micro_step = state.micro_step + counted.astype(jnp.int32)
         closes = counted & (micro_step >= state.window_length)
-        comp = state.acc_compensation
-        if track_noise_scale:
-            if w is not None and micro_batch_size is not None:
-                raise ValueError(
-                    f"update got weight= but accumulate has {micro_batch_size=}: the noise "
-                    "scale's batch unit is the weight when one is passed. Build accumulate "
-                    "with micro_batch_size=None."
-                )
-            noise = state.noise_scale
-            sq_sum, count = _noise_scale.window_sums(noise, grads_sq, accepted, term_weight)  # type: ignore[arg-type]
-            # Absolute units, so that replicas with different units add up.
-            stats = (sq_sum * unit, count)
-            inner_operand = (state.inner_state, noise)
-        else:
-            stats, inner_operand = None, state.inner_state
+        held = route.held(state)
+        stats, inner_operand = None, state.inner_state
+        if probe is not None:
+            stats = probe.stats(state.noise_scale, accepted, term_weight, unit)  # type: ignore[arg-type]
+            inner_operand = (state.inner_state, state.noise_scale)
 
-        def big_total_sq(window: _window.Window) -> jax.Array:
-            if axis_names is None and comp is None:
-                return _noise_scale.total_sq_norm(state.acc_grads, grads, grads_sq, accepted, scale)  # type: ignore[arg-type]
-            # Across replicas the reduced sum is a buffer of its own already.
-            return _noise_scale.sq_norm(window.total)
-
-        # Apply or skip.
-        def total(acc):
-            return _window.window_total(acc[0], acc[1], grads, accepted, scale)
-
-        def step(window: _window.Window, inner_operand):
+        # Apply (reduce once, run the inner optimizer once) or skip.
+        def apply(window: _window.Window, inner_operand: Any) -> tuple[Any, Any]:
             if use_grad_mean:
                 reduced = jax.tree.map(lambda t: t / window.weight.astype(t.dtype), window.total)
             else:
                 reduced = jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
-            if not track_noise_scale:
-                return _window.inner_update(
-                    inner, reduced, inner_operand, grads, params, extra_args
-                )
-            inner_state, noise = inner_operand
-            sq_sum, count = window.stats
-            noise = _noise_scale.update_averages(
-                noise,
-                big_sq_norm=big_total_sq(window) / jnp.square(window.weight),
-                small_sq_norm_sum=sq_sum,
-                count=count,
-                total_weight=window.weight * window.unit,
-                batch_unit=1.0 if micro_batch_size is None else float(micro_batch_size),
-                decay=noise_scale_decay,
-            )
+            inner_state = inner_operand if probe is None else inner_operand[0]
             new_updates, new_inner = _window.inner_update(
-                inner, reduced, inner_state, grads, params, extra_args
+                inner, reduced, inner_state, grads, route.inner_params(params), extra_args
             )
-            return new_updates, (new_inner, noise)
+            new_updates = route.back(new_updates, like)
+            if probe is None:
+                return new_updates, new_inner
+            big_sq = probe.big_sq_norm(window, held, grads, accepted, scale)
+            return new_updates, (new_inner, probe.fold(inner_operand[1], window, big_sq))
 
         new_updates, new_inner, reset, applied = _window.close(
-            gate(grads),
+            route.gate(),
             closes,
-            (state.acc_grads, comp),
+            held,
             inner_operand,
             window_weight,
             unit,
-            total=total,
-            step=step,
-            like=grads,
+            total=lambda held: route.total(held, grads, accepted, scale),
+            step=apply,
+            like=route.zeros_like(grads, params),
             stats=stats,
         )
         new_noise = None
-        if track_noise_scale:
+        if probe is not None:
             new_inner, new_noise = new_inner
-            new_noise = new_noise._replace(
-                acc_sq_norm=jnp.where(reset, 0.0, sq_sum).astype(jnp.float32),
-                acc_count=jnp.where(reset, 0.0, count).astype(jnp.float32),
-            )
+            new_noise = probe.after(new_noise, reset)
 
-        # Write: add the micro-gradient, or reset at the window's end.
-        new_acc, new_comp = _window.write(state.acc_grads, comp, grads, accepted, scale, reset)
+        # Write: add the micro-gradient, or reset at the window's end (after the gate).
+        new_acc, new_comp = route.write(held, grads, accepted, scale, reset)
+        acc_weight, _ = route.count(
+            state.acc_weight, state.num_skipped, accepted, term_weight, reset
+        )
         gradient_step = _window.increment_if(state.gradient_step, applied)
         next_length, short = length(gradient_step)
         if isinstance(every_k_schedule, _noise_scale.CriticalBatchSchedule):
@@ -551,124 +544,14 @@ def accumulate(
             window_length=jnp.where(reset, next_length, state.window_length).astype(jnp.int32),
             updated=applied,
             acc_grads=new_acc,
-            acc_weight=jnp.where(reset, 0.0, window_weight).astype(state.acc_weight.dtype),
-            weight_unit=jnp.where(reset, 1.0, unit).astype(state.acc_weight.dtype),
-            num_skipped=_window.increment_if(state.num_skipped, ~accepted),
+            acc_weight=acc_weight,
+            weight_unit=jnp.where(reset, 1.0, unit).astype(dtype),
+            num_skipped=num_skipped,
             inner_state=new_inner,
             num_short_windows=_window.increment_if(state.num_short_windows, reset & short),
             acc_compensation=new_comp,
             skip_state=skip_state,
             noise_scale=new_noise,
-        )
-        return new_updates, new_state
-
-    def unreduced_update(grads, state, params, w, axes, extra_args):
-        """`update_fn` for gradients unreduced over mesh axes (global-view `jit`).
-
-        Each device accepts or drops its own partial sum and adds it to its
-        part of the unreduced accumulator, with no collective; the window's
-        close reduces the sums once (`_global_view.unreduced_gate`).
-        """
-        if axes is None:
-            axes = _global_view.spec_axes(
-                "shard_inner_state", _global_view.inner_specs(params, shard_inner_state, None)
-            )
-        _global_view.check_unreduced_windows(f"updates unreduced over mesh axes {axes}")
-        if zero_axes is not None and set(axes) != set(zero_axes):
-            raise ValueError(
-                f"the gradients are unreduced over {axes}, but shard_inner_state="
-                f"{shard_inner_state!r} shards the inner state over {zero_axes}; name the "
-                "same axis in both."
-            )
-        if should_skip_update_fn is not None or not count_skipped_steps:
-            raise ValueError(
-                f"should_skip_update_fn and count_skipped_steps=False need the whole gradient "
-                f"on every device; the gradients are unreduced over mesh axes {axes}. Drop "
-                "them (non-finite partial sums are dropped per device already)."
-            )
-        if track_noise_scale:
-            raise ValueError(
-                "track_noise_scale=True measures each micro-gradient's norm, which needs the "
-                f"whole gradient on every device; the gradients are unreduced over mesh axes "
-                f"{axes}. Drop track_noise_scale, or measure it with axis_name= under "
-                "jax.shard_map."
-            )
-        if compensated:
-            raise ValueError(
-                "compensated=True is not available for gradients unreduced over mesh axes "
-                f"{axes}; use a float32 accumulator (accumulator_dtype=None)."
-            )
-        # Accept: the weight's checks are global, finiteness is each device's own.
-        valid = jnp.array(True)
-        if w is not None and skip_nonfinite:
-            valid = jnp.isfinite(w) & (w >= 0)
-        accepted = _global_view.local_accept(grads, valid, axes, check=skip_nonfinite)
-        if w is None:
-            scale, unit, term_weight = None, state.weight_unit, jnp.ones([], state.acc_weight.dtype)
-        else:
-            # The unit must be the same on every device: the first micro-step's
-            # weight if it is usable (any unit gives the same mean).
-            w = w.astype(state.acc_weight.dtype)
-            first = valid & (state.micro_step == 0) & (w > 0)
-            unit = jnp.where(first, w, state.weight_unit)
-            scale = term_weight = w / unit
-        window_weight, _ = _global_view.local_count(
-            state.acc_weight, state.num_skipped, accepted, term_weight, None, axes
-        )
-        micro_step = state.micro_step + 1
-        closes = micro_step >= state.window_length
-        like = grads if params is None else params
-        specs = _global_view.inner_specs(like, shard_inner_state, axes)
-
-        def total(acc):
-            return _global_view.local_add(acc, grads, accepted, scale, None, axes)
-
-        def step(window: _window.Window, inner_state):
-            if use_grad_mean:
-                reduced = jax.tree.map(lambda t: t / window.weight.astype(t.dtype), window.total)
-            else:
-                reduced = jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
-            inner_params = None if params is None else jax.tree.map(_compat.reshard, params, specs)
-            updates, new_inner = _window.inner_update(
-                inner, reduced, inner_state, grads, inner_params, extra_args
-            )
-            # Back to the params' sharding (an all-gather of the sharded updates).
-            back = jax.tree.map(
-                lambda u, p: _compat.reshard(u, _global_view.dense_spec(p)), updates, like
-            )
-            return back, new_inner
-
-        new_updates, new_inner, reset, applied = _window.close(
-            _global_view.unreduced_gate(specs),
-            closes,
-            state.acc_grads,
-            state.inner_state,
-            window_weight,
-            unit,
-            total=total,
-            step=step,
-            like=like,
-        )
-
-        # Write: after the conditional, each device on its own part.
-        new_acc = _global_view.local_add(state.acc_grads, grads, accepted, scale, reset, axes)
-        acc_weight, num_skipped = _global_view.local_count(
-            state.acc_weight, state.num_skipped, accepted, term_weight, reset, axes
-        )
-        gradient_step = _window.increment_if(state.gradient_step, applied)
-        next_length, short = length(gradient_step)
-        # _replace: fields this mode does not touch keep their values.
-        new_state = state._replace(
-            micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
-            gradient_step=gradient_step,
-            window_length=jnp.where(reset, next_length, state.window_length).astype(jnp.int32),
-            updated=applied,
-            acc_grads=new_acc,
-            acc_weight=acc_weight,
-            weight_unit=jnp.where(reset, 1.0, unit).astype(state.acc_weight.dtype),
-            num_skipped=num_skipped,
-            inner_state=new_inner,
-            num_short_windows=_window.increment_if(state.num_short_windows, reset & short),
         )
         return new_updates, new_state
 

@@ -22,8 +22,8 @@ import optax
 from jax.sharding import PartitionSpec
 
 from gradaccum_jax import _validation
-from gradaccum_jax._accumulation import AccumulateState, AxisName
 from gradaccum_jax._compat import varying_axes
+from gradaccum_jax._state import AccumulateState, AxisName
 
 # The rounding error of a replica's `acc_grads` is its own, like `acc_grads`; the
 # noise-scale window sums are the replica's own too (its averages are equal on

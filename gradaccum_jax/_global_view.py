@@ -549,6 +549,11 @@ def _unsplit(leaf: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
     return reshard(leaf, jax.P(*(drop(part) for part in spec.partitions)))
 
 
+def _with_unreduced(spec: Any, axes: tuple[Any, ...]) -> Any:
+    """`spec`'s partitions (sharding over other mesh axes, e.g. HSDP's `fsdp`), unreduced over `axes`."""
+    return jax.P(*spec.partitions, unreduced=frozenset(axes))
+
+
 def _per_device(
     body: Callable[..., Any],
     axes: tuple[Any, ...],
@@ -557,23 +562,27 @@ def _per_device(
     shared: tuple[Any, ...],
     out_specs: Any,
 ) -> Any:
-    """Runs `body(plain, *shares)` on every device, with no communication.
+    """Runs `body(plain, *shares)` on every device, with no communication over `axes`.
 
     `plain` operands reach the body as `jax.shard_map` gives them under
     `plain_specs`; each tree of `shared` arrives as this device's share of
-    its leaves (see `_share`). Outputs leave with `out_specs`.
+    its leaves (see `_share`), sharded over any other mesh axes as it is.
+    `out_specs` is a spec, a tree of them, or `None`: then the outputs are
+    shaped like the first tree of `shared`, each leaf sharded like its
+    counterpart there and unreduced over `axes`.
     """
     devices = _device_count(axes)
-    unreduced = jax.P(unreduced=frozenset(axes))
     # A state leaf sharded over the axes (the accumulator `init` made like
     # params sharded for FSDP) is gathered first; this happens on the call that
     # retypes the state as unreduced, not on later ones.
     shared = tuple(jax.tree.map(lambda x: _unsplit(x, axes), tree) for tree in shared)
     kinds = [jax.tree.map(_is_unreduced, tree) for tree in shared]
     specs = [
-        jax.tree.map(lambda x, u: unreduced if u else _spec(x), tree, kind)
+        jax.tree.map(lambda x, u: _with_unreduced(_spec(x), axes) if u else _spec(x), tree, kind)
         for tree, kind in zip(shared, kinds, strict=True)
     ]
+    if out_specs is None:
+        out_specs = jax.tree.map(lambda x: _with_unreduced(_spec(x), axes), shared[0])
 
     def local(plain, *trees):
         shares = [
@@ -588,20 +597,35 @@ def _per_device(
     )
 
 
+def _other_axes(tree: Any, axes: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The mesh axes other than `axes` that leaves of `tree` are sharded over (HSDP: `fsdp`)."""
+    names: set = set()
+    for leaf in jax.tree.leaves(tree):
+        names |= _mesh_axes_of(_spec(leaf))
+    return tuple(sorted(names - set(axes), key=str))
+
+
 def local_accept(
     grads: Any, valid: jax.Array, axes: tuple[Any, ...], *, check: bool = True
 ) -> jax.Array:
     """`bool[n]` sharded over `axes`: whether each device's share of `grads` is finite.
 
     `valid` (a replicated boolean scalar, e.g. whether the weight is usable)
-    is and-ed in. With `check=False` the gradients are not looked at.
+    is and-ed in. With `check=False` the gradients are not looked at. Where
+    the leaves are sharded over other mesh axes too (HSDP), the devices that
+    hold shards of one partial sum agree (one scalar all-reduce over those
+    axes), so that a partial sum is dropped whole or added whole.
     """
+    others = _other_axes(grads, axes) if check else ()
 
     def body(plain, grads):
         (valid,) = plain
         leaves = [leaf for leaf in jax.tree.leaves(grads) if leaf.size and check]
         finite = [jnp.isfinite(jnp.max(jnp.abs(leaf))) for leaf in leaves]
-        return jnp.reshape(jnp.all(jnp.stack([valid, *finite])), (1,))
+        ok = jnp.all(jnp.stack([valid, *finite]))
+        if others:
+            ok = jax.lax.pmin(ok.astype(jnp.int32), others).astype(jnp.bool_)
+        return jnp.reshape(ok, (1,))
 
     return _per_device(body, axes, (valid,), (jax.P(),), (grads,), jax.P(axes))
 
@@ -633,8 +657,7 @@ def local_add(
         return jax.tree.map(leaf, acc, grads)
 
     plain_specs = (jax.P(axes), jax.P(), jax.P())
-    unreduced = jax.P(unreduced=frozenset(axes))
-    return _per_device(body, axes, (accepted, scale, reset), plain_specs, (acc, grads), unreduced)
+    return _per_device(body, axes, (accepted, scale, reset), plain_specs, (acc, grads), None)
 
 
 def local_count(
@@ -702,9 +725,11 @@ def spec_axes(name: str, specs: Any) -> tuple[Any, ...]:
 
 
 def unreduced_zeros(tree: Any, axes: tuple[Any, ...]) -> Any:
-    """`tree` of zeros typed unreduced over `axes` (each device holds zeros: no communication)."""
-    unreduced = jax.P(unreduced=frozenset(axes))
-    return jax.tree.map(lambda z: reshard(z, unreduced), tree)
+    """`tree` of zeros typed unreduced over `axes` (each device holds zeros: no communication).
+
+    A leaf sharded over other mesh axes (HSDP's `fsdp`) keeps that sharding.
+    """
+    return jax.tree.map(lambda z: reshard(z, _with_unreduced(_dense(_spec(z)), axes)), tree)
 
 
 def check_unreduced_windows(what: str) -> None:
@@ -718,22 +743,10 @@ def check_unreduced_windows(what: str) -> None:
         )
 
 
-def check_shard_inner_state(
-    shard_inner_state: Any, axis_name: Any, compensated: bool
-) -> tuple[Any, ...] | None:
+def check_shard_inner_state(shard_inner_state: Any) -> tuple[Any, ...] | None:
     """Validates `accumulate`'s `shard_inner_state`; returns its axes when it names them."""
     if shard_inner_state is None:
         return None
-    if axis_name is not None:
-        raise ValueError(
-            f"shard_inner_state={shard_inner_state!r} is for global-view jax.jit on a mesh, "
-            f"axis_name={axis_name!r} for jax.shard_map or jax.pmap; give one of them."
-        )
-    if compensated:
-        raise ValueError(
-            "compensated=True is not available with shard_inner_state: the window is "
-            "unreduced over mesh axes; use a float32 accumulator (accumulator_dtype=None)."
-        )
     is_spec = lambda x: isinstance(x, jax.P)  # noqa: E731
     axes = None
     if isinstance(shard_inner_state, str | tuple) and not is_spec(shard_inner_state):
@@ -750,17 +763,49 @@ def check_shard_inner_state(
     return axes
 
 
+def _names(part: Any) -> tuple[Any, ...]:
+    return () if part is None else (part if isinstance(part, tuple) else (part,))
+
+
+def _reduce_into(x: jax.Array, target: Any) -> jax.Array:
+    """Sums unreduced `x` into the sharding `target`: a reduce-scatter where it can be one.
+
+    `jax.reshard` lowers a sum into a sharding that splits a dimension over the
+    unreduced axes to an all-reduce followed by a slice (jax 0.10.2, XLA:CPU),
+    which moves twice the bytes of a reduce-scatter. When `target` differs
+    from `x`'s sharding only by those axes appended to one dimension's mesh
+    axes (ZeRO-1: `P()` -> `P("data")`, HSDP: `P("fsdp")` -> `P(("fsdp", "data"))`),
+    each device scatters its partial sum with `psum_scatter` instead.
+    """
+    spec = _spec(x)
+    axes = tuple(sorted(spec.unreduced, key=str))
+    ndim = jnp.ndim(x)
+    src = list(spec.partitions) + [None] * (ndim - len(spec.partitions))
+    dst = list(target) + [None] * (ndim - len(target))
+    changed = [i for i in range(ndim) if _names(src[i]) != _names(dst[i])]
+    if not axes or len(changed) != 1 or _names(dst[changed[0]]) != _names(src[changed[0]]) + axes:
+        return reshard(x, target)
+    dim = changed[0]
+
+    def scatter(block: jax.Array) -> jax.Array:
+        return jax.lax.psum_scatter(block, axes, scatter_dimension=dim, tiled=True)
+
+    in_spec = jax.P(*src, unreduced=frozenset(axes))
+    return jax.shard_map(scatter, in_specs=in_spec, out_specs=jax.P(*dst), check_vma=False)(x)
+
+
 def unreduced_gate(specs: Any) -> _window.Gate:
-    """The gate of an unreduced window: one `jax.reshard` of the sums at the close.
+    """The gate of an unreduced window: one reduction of the sums at the close.
 
     `specs` (a tree like the window sums) gives the sharding the reduction
-    produces: `P()` is an all-reduce, a spec that splits a dimension over the
-    unreduced axes a reduce-scatter. The weight is reduced with them. No other
-    collective runs; "anything accepted" is known after the reduction.
+    produces: the params' sharding is an all-reduce over the unreduced axes (of
+    each device's shard, for HSDP), a spec that splits a dimension over the
+    unreduced axes (ZeRO-1) a reduce-scatter. The weight is reduced with them.
+    No other collective runs; "anything accepted" is known after the reduction.
     """
 
     def reduce(window: _window.Window) -> _window.Window:
-        total = jax.tree.map(reshard, window.total, specs)
+        total = jax.tree.map(_reduce_into, window.total, specs)
         return window._replace(total=total, weight=reshard(window.weight, jax.P()))
 
     def zeros_like(leaf: jax.Array, dtype: Any, zero: jax.Array) -> jax.Array:
@@ -796,8 +841,19 @@ def inner_specs(params: Any, shard_inner_state: Any, axes: tuple[Any, ...] | Non
     def split_first(p: Any) -> Any:
         dense = _dense(_spec(p)).partitions
         parts = list(dense) + [None] * (jnp.ndim(p) - len(dense))
-        if jnp.ndim(p) and jnp.shape(p)[0] % devices == 0 and parts[0] is None:
-            parts[0] = name
+        if not jnp.ndim(p):
+            return jax.P(*parts)
+        # The first dimension, on top of the mesh axes it is split over already
+        # (HSDP: `fsdp`, so the inner state is split over both axes).
+        held = (
+            () if parts[0] is None else (parts[0] if isinstance(parts[0], tuple) else (parts[0],))
+        )
+        if set(held) & set(axes):
+            return jax.P(*parts)
+        held_devices = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in held)
+        if jnp.shape(p)[0] % (held_devices * devices) == 0:
+            joint = (*held, *axes)
+            parts[0] = joint[0] if len(joint) == 1 else joint
         return jax.P(*parts)
 
     return jax.tree.map(split_first, params)

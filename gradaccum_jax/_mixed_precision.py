@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 from gradaccum_jax import _validation, _window
-from gradaccum_jax._accumulation import AccumulateState, AxisName
+from gradaccum_jax._state import AccumulateState, AxisName
 
 _F32 = np.finfo(np.float32)
 _RIGHT_ORDER = (

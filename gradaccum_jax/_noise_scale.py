@@ -379,3 +379,57 @@ def critical_batch_schedule(
         "batch_per_micro_step", batch_per_micro_step, minimum=0.0, exclusive=True
     )
     return CriticalBatchSchedule(min_k, max_k, warmup_steps, max_change, batch_per_micro_step)
+
+
+class Probe:
+    """The noise-scale measurement as hooks on `accumulate`'s one update path.
+
+    `finite` replaces the route's finiteness pass (the squared norm proves it),
+    `stats` are the sums that travel in the window's one reduction, `wrap`
+    carries the averages through the gate beside the inner state and folds the
+    closed window into them, and `after` writes the running sums.
+    """
+
+    def __init__(self, decay: float, micro_batch_size: int | None, sums_locally: bool) -> None:
+        self.decay = decay
+        self.batch_unit = 1.0 if micro_batch_size is None else float(micro_batch_size)
+        self.sums_locally = sums_locally
+        self.grads_sq: jax.Array | None = None
+        self.sums: tuple[jax.Array, jax.Array] | None = None
+
+    def finite(self, grads: Any) -> jax.Array:
+        self.grads_sq = sq_norm(grads)
+        return all_finite_given_sq_norm(grads, self.grads_sq)
+
+    def stats(self, state: NoiseScaleState, accepted: jax.Array, term_weight: jax.Array, unit):
+        """The window's sums, in absolute units so that replicas with different units add up."""
+        self.sums = window_sums(state, self.grads_sq, accepted, term_weight)  # type: ignore[arg-type]
+        sq_sum, count = self.sums
+        return (sq_sum * unit, count)
+
+    def big_sq_norm(
+        self, window: Any, held: Any, grads: Any, accepted: jax.Array, scale
+    ) -> jax.Array:
+        if self.sums_locally and held[1] is None:
+            return total_sq_norm(held[0], grads, self.grads_sq, accepted, scale)  # type: ignore[arg-type]
+        # Across replicas the reduced sum is a buffer of its own already.
+        return sq_norm(window.total)
+
+    def fold(self, state: NoiseScaleState, window: Any, big_sq: jax.Array) -> NoiseScaleState:
+        sq_sum, count = window.stats
+        return update_averages(
+            state,
+            big_sq_norm=big_sq / jnp.square(window.weight),
+            small_sq_norm_sum=sq_sum,
+            count=count,
+            total_weight=window.weight * window.unit,
+            batch_unit=self.batch_unit,
+            decay=self.decay,
+        )
+
+    def after(self, state: NoiseScaleState, reset: jax.Array) -> NoiseScaleState:
+        sq_sum, count = self.sums  # type: ignore[misc]
+        return state._replace(
+            acc_sq_norm=jnp.where(reset, 0.0, sq_sum).astype(jnp.float32),
+            acc_count=jnp.where(reset, 0.0, count).astype(jnp.float32),
+        )

@@ -1,0 +1,175 @@
+"""Reduction strategies of `accumulate`: how a window is held, added, counted and reduced.
+
+`accumulate` has one update path (accept, add, gate, write; see `_window`). What
+changes with the way the gradients are distributed is confined to one `Route`,
+chosen once per trace from the arguments and the gradients' types:
+
+- `LocalRoute`: one device, or `jit` over global arrays (FSDP params included); the
+  window is held like the params and needs no reduction.
+- `ReplicaRoute`: per replica under `shard_map`/`pmap` (`axis_name`); one `psum` at
+  the close.
+- `UnreducedRoute`: global-view `jit` with gradients typed unreduced over mesh axes
+  (data parallel, HSDP, ZeRO-1); each device holds its partial sum, sharded like the
+  params over the other axes; one `jax.reshard` at the close.
+
+Each route answers the same questions: its gate (`_window.Gate`), whether a
+micro-gradient is accepted (one flag, or one per device), how a term is added
+(and the window's total read), how the window's weight and drop count move, and
+in which sharding the inner optimizer sees the params and returns its updates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gradaccum_jax import _collectives, _compat, _global_view, _window
+
+
+class LocalRoute:
+    """A window on one device, or under `jit` with (possibly sharded) global arrays.
+
+    The accumulator is `(acc, compensation)`; the compensation is `None` unless
+    `compensated=True`. Everything is one XLA program over global arrays: with
+    FSDP-sharded params the accumulator is sharded like them and XLA inserts
+    the collectives that a global finiteness check needs (one scalar).
+    """
+
+    name = "local"
+    per_device = False
+    # The noise probe may expand |acc + g|^2 instead of reading the window's sum.
+    sums_locally = True
+
+    def __init__(self, compensated: bool) -> None:
+        self.compensated = compensated
+
+    def gate(self) -> _window.Gate:
+        return _window.local_gate()
+
+    def accept(self, grads: Any, valid: jax.Array, check: bool) -> jax.Array:
+        return valid & _window.all_finite(grads) if check else valid
+
+    def starts_unit(self, accepted: jax.Array, valid: jax.Array, state: Any) -> jax.Array:
+        """Whether this micro-step's weight becomes the window's unit: the first accepted one."""
+        del valid
+        return accepted & (state.acc_weight == 0)
+
+    def held(self, state: Any) -> Any:
+        return (state.acc_grads, state.acc_compensation)
+
+    def total(self, held: Any, grads: Any, accepted: jax.Array, scale: Any) -> Any:
+        return _window.window_total(held[0], held[1], grads, accepted, scale)
+
+    def write(self, held: Any, grads: Any, accepted: jax.Array, scale: Any, reset: Any) -> Any:
+        return _window.write(held[0], held[1], grads, accepted, scale, reset)
+
+    def count(
+        self,
+        weight: jax.Array,
+        skipped: jax.Array,
+        accepted: jax.Array,
+        term: jax.Array,
+        reset: jax.Array | None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The window's weight including this term (zero where `reset`), and the drop count."""
+        weight = weight + jnp.where(accepted, term, 0.0)
+        if reset is not None:
+            weight = jnp.where(reset, 0.0, weight).astype(weight.dtype)
+        return weight, _window.increment_if(skipped, ~accepted)
+
+    def inner_params(self, params: Any) -> Any:
+        return params
+
+    def zeros_like(self, grads: Any, params: Any) -> Any:
+        """The tree whose leaves give the skip branch's zero updates their shardings."""
+        del params
+        return grads
+
+    def back(self, updates: Any, like: Any) -> Any:
+        del like
+        return updates
+
+
+class ReplicaRoute(LocalRoute):
+    """A window per replica inside `jax.shard_map` or `jax.pmap`, summed once at its close."""
+
+    name = "replica"
+    sums_locally = False
+
+    def __init__(self, compensated: bool, axes: tuple[Any, ...], grads: Any) -> None:
+        super().__init__(compensated)
+        self.axes = axes
+        self.typed = _collectives.check_axes_bound("axis_name", axes)
+        if self.typed:
+            _collectives.check_grads_vary("updates", grads, axes)
+
+    def gate(self) -> _window.Gate:
+        return _window.replica_gate(self.axes, self.typed)
+
+
+class UnreducedRoute:
+    """A window of per-device partial sums in global-view `jit` (unreduced over `axes`).
+
+    Each device accepts or drops its own partial sum and adds it to its part of
+    the accumulator with no collective over `axes`; the close reduces the sums
+    and weights once, into `specs` (the params' sharding, or the inner state's
+    for ZeRO-1). A leaf sharded over other mesh axes as well (HSDP: `fsdp`)
+    keeps that sharding: each device holds its shard of its partial sum, and
+    the devices that share a partial sum agree on dropping it (one scalar
+    all-reduce over those axes per micro-step).
+    """
+
+    name = "unreduced"
+    per_device = True
+    sums_locally = False
+
+    def __init__(self, axes: tuple[Any, ...], specs: Any) -> None:
+        self.axes = axes
+        self.specs = specs
+
+    def gate(self) -> _window.Gate:
+        return _global_view.unreduced_gate(self.specs)
+
+    def accept(self, grads: Any, valid: jax.Array, check: bool) -> jax.Array:
+        return _global_view.local_accept(grads, valid, self.axes, check=check)
+
+    def starts_unit(self, accepted: jax.Array, valid: jax.Array, state: Any) -> jax.Array:
+        """The unit must be the same on every device: the first micro-step's usable weight."""
+        del accepted
+        return valid & (state.micro_step == 0)
+
+    def held(self, state: Any) -> Any:
+        return state.acc_grads
+
+    def total(self, held: Any, grads: Any, accepted: jax.Array, scale: Any) -> Any:
+        return _global_view.local_add(held, grads, accepted, scale, None, self.axes)
+
+    def write(self, held: Any, grads: Any, accepted: jax.Array, scale: Any, reset: Any) -> Any:
+        return _global_view.local_add(held, grads, accepted, scale, reset, self.axes), None
+
+    def count(
+        self,
+        weight: jax.Array,
+        skipped: jax.Array,
+        accepted: jax.Array,
+        term: jax.Array,
+        reset: jax.Array | None,
+    ) -> tuple[jax.Array, jax.Array]:
+        return _global_view.local_count(weight, skipped, accepted, term, reset, self.axes)
+
+    def inner_params(self, params: Any) -> Any:
+        if params is None:
+            return None
+        return jax.tree.map(_compat.reshard, params, self.specs)
+
+    def zeros_like(self, grads: Any, params: Any) -> Any:
+        # The updates leave in the params' sharding, not the gradients' unreduced one.
+        return grads if params is None else params
+
+    def back(self, updates: Any, like: Any) -> Any:
+        # Back to the params' sharding (an all-gather where the inner state is sharded).
+        return jax.tree.map(
+            lambda u, p: _compat.reshard(u, _global_view.dense_spec(p)), updates, like
+        )

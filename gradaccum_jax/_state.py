@@ -1,0 +1,90 @@
+"""`AccumulateState`: the state of `accumulate`, in a module of its own.
+
+The loss-scaling module looks for accumulate states inside an optimizer state, and
+`accumulate` refuses a loss scale inside its inner transformation: both read this
+module, so neither imports the other's implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import optax
+
+from gradaccum_jax import _noise_scale
+
+AxisName = Hashable | Sequence[Hashable]
+
+
+class AccumulateState(NamedTuple):
+    """State of `accumulate`.
+
+    Every field keeps its shape and dtype from `init` on, so the state can be
+    carried through `jax.lax.scan`, donated, sharded and checkpointed
+    mid-window like any other pytree.
+
+    Attributes:
+      micro_step: `int32[]`. Micro-steps already taken in the current window,
+        in `[0, window_length)`; `0` right after a window closed.
+      gradient_step: `int32[]`. Number of inner updates applied so far, i.e.
+        optimizer steps, not micro-steps. Saturates at the int32 maximum.
+      window_length: `int32[]`. The current window's length `K`: the int
+        given as `every_k_schedule`, or the schedule's value at
+        `gradient_step`, evaluated at `init` and whenever a window closes.
+        `closes_window` reads it.
+      updated: `bool[]`. Whether the last `update` call applied an inner
+        update (`False` at `init`, on micro-steps, and after a window in which
+        everything was dropped). `has_updated` reads it.
+      acc_grads: Tree shaped like the params, in the accumulator dtype. The
+        weighted sum of the micro-gradients accepted in the current window, in
+        units of `weight_unit`: `Σ (w / weight_unit) · g` (local to the
+        replica when `axis_name` is set).
+      acc_weight: `float32[]` (`float64[]` beside a float64 accumulator).
+        `Σ w / weight_unit` over the accepted
+        micro-gradients of the current window (their count when no `weight`
+        is passed): the window's mean is `acc_grads / acc_weight`. Local to
+        the replica when `axis_name` is set.
+      weight_unit: Scalar of `acc_weight`'s dtype. The first positive accepted `weight` of the
+        current window (`1` without `weight=`). Holding the sum in this unit
+        keeps it at the gradients' magnitude, so large weights (token counts)
+        cannot overflow a float16 accumulator. Local to the replica when
+        `axis_name` is set.
+      num_skipped: `int32[]`. Micro-gradients dropped so far because a leaf
+        or the weight was not finite (or the weight was negative). Saturates
+        at the int32 maximum. With `axis_name` it counts this replica's drops
+        only, like `acc_grads` a per-replica partial sum: the global count is
+        its sum over replicas, read from the host without a collective in the
+        step (`state.num_skipped.sum()` on the stacked state of `jax.pmap` or
+        of `replica_state_specs`).
+      inner_state: The inner transformation's state. It changes only when a
+        window closes, and keeps the dtypes of the inner `init`.
+      num_short_windows: `int32[]`. Windows for which a traced
+        `every_k_schedule` returned a length below 1, taken as 1 (inside `jit`
+        it cannot raise; see `check_values`). Saturates.
+      acc_compensation: `None` unless `compensated=True`; then a tree like
+        `acc_grads`, in the same dtype, holding the rounding error of
+        `acc_grads`: the window's sum is `acc_grads + acc_compensation`.
+      skip_state: `()` unless `should_skip_update_fn` is given; then the
+        metrics it returned for the last micro-gradient (the structure it
+        returns at `init` for zero gradients), as in `optax.MultiStepsState`.
+      noise_scale: `None` unless `track_noise_scale=True`; then a
+        `NoiseScaleState` (float32 scalars) holding the window's sum of the
+        micro-gradients' squared norms and the averages that
+        `gradient_noise_scale` reads.
+    """
+
+    micro_step: jax.Array
+    gradient_step: jax.Array
+    window_length: jax.Array
+    updated: jax.Array
+    acc_grads: optax.Updates
+    acc_weight: jax.Array
+    weight_unit: jax.Array
+    num_skipped: jax.Array
+    inner_state: optax.OptState
+    num_short_windows: jax.Array
+    acc_compensation: optax.Updates | None = None
+    skip_state: Any = ()
+    noise_scale: _noise_scale.NoiseScaleState | None = None
