@@ -550,7 +550,7 @@ def _unsplit(leaf: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
 
 
 def _with_unreduced(spec: Any, axes: tuple[Any, ...]) -> Any:
-    """`spec`'s partitions (sharding over other mesh axes, e.g. HSDP's `fsdp`), unreduced over `axes`."""
+    """`spec`'s sharding over mesh axes (HSDP: `fsdp`), unreduced over `axes`."""
     return jax.P(*spec.partitions, unreduced=frozenset(axes))
 
 
