@@ -380,7 +380,7 @@ def _match_varying(x: jax.Array, like: Any) -> jax.Array:
 def _explicit_spec(like: jax.ShapeDtypeStruct) -> Any:
     """The `PartitionSpec` of `like` if it names a mesh axis (explicit sharding), else `None`."""
     spec = getattr(getattr(like, "sharding", None), "spec", None)
-    if spec is None or not (any(part is not None for part in spec) or spec.unreduced):
+    if spec is None or not (any(part is not None for part in spec.partitions) or spec.unreduced):
         return None
     return spec
 

@@ -99,7 +99,7 @@ def _abstract(x: Any) -> Any:
         sharding = None
         if isinstance(x, jax.core.Tracer):
             spec = getattr(aval.sharding, "spec", None)
-            if spec is not None and any(part is not None for part in spec):
+            if spec is not None and any(part is not None for part in spec.partitions):
                 sharding = aval.sharding
         elif len(x.sharding.device_set) > 1:
             sharding = x.sharding

@@ -586,7 +586,7 @@ def _gathered(params):
     # (Without a mesh, for the one-device reference, there is nothing to gather.)
     if jax.sharding.get_abstract_mesh().empty:
         return params
-    return jax.tree.map(lambda x: jax.reshard(x, P()), params)
+    return jax.tree.map(lambda x: jax.sharding.reshard(x, P()), params)
 
 
 def _fsdp_loss(params, seen, batch):

@@ -187,7 +187,7 @@ def test_example_plan_microbatches(capsys):
 def fsdp_loss(params, batch):
     # FSDP on an explicit mesh: each param is gathered at use (none to gather off the mesh).
     if not jax.sharding.get_abstract_mesh().empty:
-        params = jax.tree.map(lambda x: jax.reshard(x, P()), params)
+        params = jax.tree.map(lambda x: jax.sharding.reshard(x, P()), params)
     return loss_fn(params, batch)
 
 
