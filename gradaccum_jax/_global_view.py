@@ -264,18 +264,34 @@ def unreduced_value_and_grad(
     that window, from the previous step): each device receives its own
     partial sum, typed unreduced, instead of an all-reduce on every call.
 
+    Parameters sharded over the mesh (FSDP, HSDP) are gathered once per call,
+    and the batch is split over `axis_name` and over every other axis the
+    batch or the parameters are sharded over (all devices then count in the
+    $n$ above). Over those other axes the gradients are summed here, each into
+    its parameter's sharding: a reduce-scatter along the dimension the
+    parameter is sharded along (read from its spec), an all-reduce for a leaf
+    replicated over the axis. On a `("data", "fsdp")` mesh with parameters
+    `P("fsdp", None)` and `axis_name="data"`, a gradient is typed
+    `float32[32@fsdp,64]{U:data}`: sharded like its parameter, unreduced over
+    `"data"` only, and no collective crosses `"data"`. A parameter sharded
+    over an axis of `axis_name` itself gets a full-size gradient, unreduced
+    over `axis_name` (`axis_name=("data", "fsdp")` above: no gradient
+    communication at all).
+
     Args:
       fun: The loss, `fun(*args, **kwargs)`, returning a scalar (or
         `(loss, aux)` with `has_aux`). It is traced for one device's slice of
         the batch; keyword arguments are passed to it unchanged.
       axis_name: The data-parallel axis of the context mesh (or a tuple of
-        axes), which must be `Explicit`. The batch arguments are split along
-        their leading axis over it; every other argument is used replicated.
+        axes), which must be `Explicit`: the axes the gradients stay unreduced
+        over. The batch arguments are split along their leading axis over it
+        (and over the axes above); every other argument is used replicated.
       argnums: Position(s) of the arguments to differentiate (the params),
         as in `jax.value_and_grad`.
       batch_argnums: Position(s) of the batch arguments: pytrees whose leaves
         all have the global batch size, a multiple of the number of devices
-        along `axis_name`, as their leading axis.
+        the batch is split over times `num_microbatches`, as their leading
+        axis.
       has_aux: As in `jax.value_and_grad`.
       num_microbatches: If above 1, each device computes its gradient over its
         slice in that many sequential micro-batches, with
@@ -298,8 +314,9 @@ def unreduced_value_and_grad(
       TypeError: If `fun` is not callable, `axis_name` is not a name or a
         tuple of names, or an argnums value is not a position.
       ValueError: If the argnums overlap; when called, if there is no context
-        mesh, it lacks `axis_name` or the axis is not `Explicit`, or a batch
-        leaf's leading axis is not a multiple of the number of devices.
+        mesh, it lacks `axis_name` or the axis is not `Explicit`, a batch
+        leaf's leading axis is not a multiple of the number of devices (times
+        `num_microbatches`), or a parameter is typed unreduced or reduced.
 
     Examples:
       >>> import jax, jax.numpy as jnp

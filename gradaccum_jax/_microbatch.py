@@ -750,6 +750,9 @@ def microbatch_value_and_grad(
     split). A batch sharded along its leading axis over devices thus gives
     every device its share of every micro-batch, without any communication, as
     long as the micro-batch size `B/K` is a multiple of the number of shards.
+    Parameters sharded over the mesh (FSDP) keep their sharding: with explicit
+    sharding each gradient, and its running sum, is typed and sharded like its
+    parameter.
 
     As a drop-in for `jax.value_and_grad`:
 
