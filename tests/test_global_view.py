@@ -1201,3 +1201,16 @@ def test_hsdp_errors_name_the_fix(mesh2x4):
             jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS))(
                 jax.device_put(hsdp_params(), HSDP_SPECS), hsdp_batch()
             )
+
+
+@pytest.mark.requires(UNREDUCED_SCALAR, jax="0.9.1")
+def test_hsdp_leaves_sharded_over_both_axes_and_a_batch_split_over_data_only(mesh2x4):
+    """`data` is dropped from a gradient's spec; the batch is sliced over fsdp as well."""
+    params0, batch = hsdp_params(), hsdp_batch()
+    want = jax.jit(jax.grad(loss_fn))(params0, batch)
+    specs = [{"w": P(None, (AXIS, "fsdp")), "b": P("fsdp")}, {"w": P(("fsdp", AXIS)), "b": P()}]
+    grad_fn = jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS, num_microbatches=2))
+    _, grads = grad_fn(jax.device_put(params0, specs), jax.device_put(batch, P(AXIS)))
+    assert str(jax.typeof(grads[0]["w"])) == "float32[6,32@fsdp]{U:data}"
+    assert str(jax.typeof(grads[1]["w"])) == "float32[32@fsdp,64]{U:data}"
+    assert_trees_close(jax.jit(lambda g: _compat.reshard(g, specs))(grads), want)
