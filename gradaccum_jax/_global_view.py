@@ -71,7 +71,7 @@ def mesh_axes_size(axes: tuple[Any, ...], who: str) -> int:
             raise ValueError(
                 f"{who}: the mesh axis {axis!r} is of type {kind}, and unreduced arrays "
                 "need an Explicit axis. Build the mesh with jax.make_mesh(..., "
-                "axis_types=(jax.sharding.AxisType.Explicit,))."
+                f"axis_types=(jax.sharding.AxisType.Explicit,) * {len(mesh.axis_names)})."
             )
     return math.prod(mesh.shape[axis] for axis in axes)
 
@@ -80,8 +80,100 @@ def _varying_axes(x: Any) -> frozenset:
     return frozenset(varying_axes(x))
 
 
-def _check_batch(args: tuple[Any, ...], batch_nums: tuple[int, ...], devices: int, axes) -> None:
+def _leaf_spec(leaf: Any) -> Any:
+    """The `PartitionSpec` in the type of `leaf` (`P()` for a value without one)."""
+    spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
+    return jax.P() if spec is None else spec
+
+
+def _dim_axes(spec: Any) -> tuple[tuple[Any, ...], ...]:
+    """The mesh axes each dimension of `spec` is sharded over, as one tuple per dimension."""
+    return tuple(
+        () if part is None else part if isinstance(part, tuple) else (part,)
+        for part in spec.partitions
+    )
+
+
+def _split_axes(
+    args: tuple[Any, ...], grad_nums: tuple[int, ...], batch_nums: tuple[int, ...], axes
+) -> tuple[Any, ...]:
+    """The mesh axes the batch is split over: `axes`, then those the batch or the params
+    are sharded over.
+
+    A batch sharded over more axes (HSDP: `P(("data", "fsdp"))`) stays where it
+    is, each device computing on its own slice, instead of being gathered; a
+    param sharded over an axis (FSDP) needs the batch split over it too, or every
+    device of the axis would compute the same gradient.
+    """
+    lead: tuple[Any, ...] = ()
+    for leaf in jax.tree.leaves([args[j] for j in batch_nums]):
+        parts = _dim_axes(_leaf_spec(leaf))
+        if parts and parts[0]:
+            lead = parts[0]
+            break
+    split = lead if set(axes) <= set(lead) else axes + tuple(a for a in lead if a not in axes)
+    sharded = {
+        a
+        for leaf in jax.tree.leaves([args[i] for i in grad_nums])
+        for part in _dim_axes(_leaf_spec(leaf))
+        for a in part
+    }
+    mesh = jax.sharding.get_abstract_mesh()
+    return split + tuple(a for a in mesh.axis_names if a in sharded and a not in split)
+
+
+def _grad_spec(spec: Any, axes: tuple[Any, ...]) -> Any:
+    """The spec of a param's gradient: the param's, less `axes`, and unreduced over `axes`."""
+    parts = [tuple(a for a in part if a not in axes) for part in _dim_axes(spec)]
+    return jax.P(
+        *(None if not part else part[0] if len(part) == 1 else part for part in parts),
+        unreduced=frozenset(axes),
+    )
+
+
+def _reduce_grad(grad: jax.Array, spec: Any, others: tuple[Any, ...]) -> jax.Array:
+    """Inside `jax.shard_map`: sums `grad` over the batch axes `others` into its `spec`.
+
+    Along a dimension `spec` shards over some of them, a reduce-scatter leaves
+    each device its shard (FSDP); over the rest, an all-reduce (a leaf
+    replicated over them, such as a bias).
+    """
+    scattered: set = set()
+    for dim, part in enumerate(_dim_axes(spec)):
+        if part:
+            grad = jax.lax.psum_scatter(grad, part, scatter_dimension=dim, tiled=True)
+            scattered |= set(part)
+    rest = tuple(a for a in others if a not in scattered)
+    return jax.lax.psum(grad, rest) if rest else grad
+
+
+def _check_params(args: tuple[Any, ...], grad_nums: tuple[int, ...]) -> None:
+    for i in grad_nums:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(args[i]):
+            spec = _leaf_spec(leaf)
+            if spec.unreduced or spec.reduced:
+                raise ValueError(
+                    f"argument {i}{jax.tree_util.keystr(path)} (in argnums) is typed {spec}: "
+                    "a partial sum (unreduced) or a value marked reduced, which cannot be "
+                    "differentiated with respect to. Pass the params in a dense sharding: "
+                    f"jax.reshard(x, {jax.P(*spec.partitions)}) sums a partial sum into it."
+                )
+
+
+def _check_batch(
+    args: tuple[Any, ...], batch_nums: tuple[int, ...], split: tuple[Any, ...], axes, k: int
+) -> None:
     shown = axes[0] if len(axes) == 1 else axes
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = math.prod(mesh.shape[a] for a in split)
+    over = f"the {devices} devices of axis_name={shown!r}"
+    if split != axes:
+        over = (
+            f"the {devices} devices of the mesh axes {split} (axis_name={shown!r} and the "
+            "axes the batch or the params are sharded over)"
+        )
+    if k > 1:
+        over += f", then into num_microbatches={k} micro-batches"
     for j in batch_nums:
         if j >= len(args):
             raise ValueError(
@@ -90,13 +182,12 @@ def _check_batch(args: tuple[Any, ...], batch_nums: tuple[int, ...], devices: in
             )
         for path, leaf in jax.tree_util.tree_leaves_with_path(args[j]):
             where = f"argument {j}{jax.tree_util.keystr(path)}"
-            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % devices:
+            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % (devices * k):
                 raise ValueError(
                     f"every leaf of a batch argument is split along its leading axis over "
-                    f"the {devices} devices of axis_name={shown!r}; {where} has shape "
-                    f"{jnp.shape(leaf)}. Use a global batch size that is a multiple of "
-                    f"{devices}, and pass per-batch constants at a position that is not in "
-                    "batch_argnums."
+                    f"{over}; {where} has shape {jnp.shape(leaf)}. Use a global batch size "
+                    f"that is a multiple of {devices * k}, and pass per-batch constants at "
+                    "a position that is not in batch_argnums."
                 )
 
 
@@ -173,18 +264,34 @@ def unreduced_value_and_grad(
     that window, from the previous step): each device receives its own
     partial sum, typed unreduced, instead of an all-reduce on every call.
 
+    Parameters sharded over the mesh (FSDP, HSDP) are gathered once per call,
+    and the batch is split over `axis_name` and over every other axis the
+    batch or the parameters are sharded over (all devices then count in the
+    $n$ above). Over those other axes the gradients are summed here, each into
+    its parameter's sharding: a reduce-scatter along the dimension the
+    parameter is sharded along (read from its spec), an all-reduce for a leaf
+    replicated over the axis. On a `("data", "fsdp")` mesh with parameters
+    `P("fsdp", None)` and `axis_name="data"`, a gradient is typed
+    `float32[32@fsdp,64]{U:data}`: sharded like its parameter, unreduced over
+    `"data"` only, and no collective crosses `"data"`. A parameter sharded
+    over an axis of `axis_name` itself gets a full-size gradient, unreduced
+    over `axis_name` (`axis_name=("data", "fsdp")` above: no gradient
+    communication at all).
+
     Args:
       fun: The loss, `fun(*args, **kwargs)`, returning a scalar (or
         `(loss, aux)` with `has_aux`). It is traced for one device's slice of
         the batch; keyword arguments are passed to it unchanged.
       axis_name: The data-parallel axis of the context mesh (or a tuple of
-        axes), which must be `Explicit`. The batch arguments are split along
-        their leading axis over it; every other argument is used replicated.
+        axes), which must be `Explicit`: the axes the gradients stay unreduced
+        over. The batch arguments are split along their leading axis over it
+        (and over the axes above); every other argument is used replicated.
       argnums: Position(s) of the arguments to differentiate (the params),
         as in `jax.value_and_grad`.
       batch_argnums: Position(s) of the batch arguments: pytrees whose leaves
         all have the global batch size, a multiple of the number of devices
-        along `axis_name`, as their leading axis.
+        the batch is split over times `num_microbatches`, as their leading
+        axis.
       has_aux: As in `jax.value_and_grad`.
       num_microbatches: If above 1, each device computes its gradient over its
         slice in that many sequential micro-batches, with
@@ -207,8 +314,9 @@ def unreduced_value_and_grad(
       TypeError: If `fun` is not callable, `axis_name` is not a name or a
         tuple of names, or an argnums value is not a position.
       ValueError: If the argnums overlap; when called, if there is no context
-        mesh, it lacks `axis_name` or the axis is not `Explicit`, or a batch
-        leaf's leading axis is not a multiple of the number of devices.
+        mesh, it lacks `axis_name` or the axis is not `Explicit`, a batch
+        leaf's leading axis is not a multiple of the number of devices (times
+        `num_microbatches`), or a parameter is typed unreduced or reduced.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -265,48 +373,60 @@ def unreduced_value_and_grad(
         )
 
     value_and_grad_over(1)  # checks the options now, not at the first call
-    unreduced = jax.P(unreduced=frozenset(axes))
-
-    def aux_spec(leaf: Any) -> Any:
-        partial = unreduced_axes_in_body(leaf)
-        return jax.P(unreduced=partial) if partial else jax.P()
-
-    def reduce_aux(leaf: Any, keep_unreduced: bool) -> Any:
-        if unreduced_axes_in_body(leaf):
-            # A per-device partial sum (AccumBatchNorm's window) leaves unreduced;
-            # the first pass, which only learns the aux's types, sums it.
-            return leaf if keep_unreduced else jax.lax.psum(leaf, axes)
-        if not (_varying_axes(leaf) & set(axes)):
-            return leaf
-        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-            return jax.lax.pmean(leaf, axes)
-        return jax.lax.psum(leaf, axes)
-
-    def arg_spec(i: int, leaf: Any) -> Any:
-        if i in batch_nums:
-            return jax.P(axes)
-        # Partial sums over the axis (AccumBatchNorm's window from an earlier step)
-        # reach `fun` as they are, each device its own; reduced, they would cost
-        # an all-reduce on every call.
-        if i not in grad_nums and isinstance(leaf, jax.Array):
-            spec = _spec(leaf)
-            if spec.unreduced == frozenset(axes) and not _mesh_axes_of(spec):
-                return unreduced
-        return jax.P()
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        devices = mesh_axes_size(axes, f"unreduced_value_and_grad(..., axis_name={axis_name!r})")
+        mesh_axes_size(axes, f"unreduced_value_and_grad(..., axis_name={axis_name!r})")
         for i in grad_nums:
             if i >= len(args):
                 raise ValueError(
                     f"argnums names position {i}, but the function was called with "
                     f"{len(args)} positional argument(s)."
                 )
-        _check_batch(args, batch_nums, devices, axes)
+        _check_params(args, grad_nums)
+        split = _split_axes(args, grad_nums, batch_nums, axes)
+        _check_batch(args, batch_nums, split, axes, k)
+        devices = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in split)
+        # The batch axes the gradients are summed over here (HSDP's fast axes);
+        # over `axes` they stay unreduced.
+        others = tuple(a for a in split if a not in axes)
+        unreduced = jax.P(unreduced=frozenset(axes))
+        partial = jax.P(unreduced=frozenset(split))
+        grad_specs = [
+            jax.tree.map(lambda x: _grad_spec(_leaf_spec(x), axes), args[i]) for i in grad_nums
+        ]
+
+        def aux_spec(leaf: Any) -> Any:
+            partial = unreduced_axes_in_body(leaf)
+            return jax.P(unreduced=partial) if partial else jax.P()
+
+        def reduce_aux(leaf: Any, keep_unreduced: bool) -> Any:
+            summed = unreduced_axes_in_body(leaf)
+            if summed:
+                # A per-device partial sum (AccumBatchNorm's window) leaves unreduced;
+                # the first pass, which only learns the aux's types, sums it.
+                return leaf if keep_unreduced else jax.lax.psum(leaf, tuple(summed))
+            if not (_varying_axes(leaf) & set(split)):
+                return leaf
+            if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+                return jax.lax.pmean(leaf, split)
+            return jax.lax.psum(leaf, split)
+
+        def arg_spec(i: int, leaf: Any) -> Any:
+            if i in batch_nums:
+                return jax.P(split)
+            # Partial sums over the batch's axes (AccumBatchNorm's window from an
+            # earlier step) reach `fun` as they are, each device its own; reduced,
+            # they would cost an all-reduce on every call.
+            if i not in grad_nums and isinstance(leaf, jax.Array):
+                spec = _spec(leaf)
+                if spec.unreduced == frozenset(split) and not _mesh_axes_of(spec):
+                    return partial
+            return jax.P()
+
         is_spec = lambda x: isinstance(x, jax.P)  # noqa: E731
         in_specs = tuple(jax.tree.map(lambda x, i=i: arg_spec(i, x), a) for i, a in enumerate(args))
         # shard_map takes arrays already in its in_specs: params sharded over
-        # the axis (FSDP) are gathered here, a replicated batch is sliced.
+        # the mesh (FSDP) are gathered here, a replicated batch is sliced.
         args = tuple(
             jax.tree.map(
                 lambda x, s: reshard(x, s) if isinstance(x, jax.Array) else x,
@@ -323,22 +443,35 @@ def unreduced_value_and_grad(
             for i in grad_nums:
                 # Invariant params would get their gradient summed across devices
                 # by the backward pass; varying ones keep it on the device.
-                local_args[i] = pcast_to_varying(local_args[i], axes)
-            token = _PER_DEVICE.set((axes, k))
+                local_args[i] = pcast_to_varying(local_args[i], split)
+            token = _PER_DEVICE.set((split, k))
             try:
                 out, grads = value_and_grad_over(devices)(*local_args, **kwargs)
             finally:
                 _PER_DEVICE.reset(token)
             value, aux = out if has_aux else (out, None)
             # The value is this device's loss / devices: summed, the global mean.
-            value = jax.lax.psum(value, axes) if reduce_value else value
+            if reduce_value or others:
+                value = jax.lax.psum(value, split if reduce_value else others)
+            if others:
+                # Summed over the other batch axes now, into the params' sharding:
+                # reduce-scatters (and all-reduces of replicated leaves) within
+                # their groups, none across `axes`.
+                flat = [grads] if isinstance(argnums, numbers.Integral) else list(grads)
+                flat = [
+                    jax.tree.map(lambda g, s: _reduce_grad(g, s, others), g, s, is_leaf=is_spec)
+                    for g, s in zip(flat, grad_specs, strict=True)
+                ]
+                grads = flat[0] if isinstance(argnums, numbers.Integral) else tuple(flat)
             if has_aux and aux_out_specs is None:
                 seen.append(jax.tree.map(aux_spec, aux))
                 aux = jax.tree.map(lambda x: reduce_aux(x, keep_unreduced), aux)
             return value, grads, aux
 
+        grads_spec = grad_specs[0] if isinstance(argnums, numbers.Integral) else tuple(grad_specs)
+
         def run(aux_specs: Any, keep_unreduced: bool) -> Any:
-            out_specs = (jax.P() if reduce_value else unreduced, unreduced, aux_specs)
+            out_specs = (jax.P() if reduce_value else unreduced, grads_spec, aux_specs)
             body = functools.partial(local, keep_unreduced)
             return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs)(*args)
 

@@ -377,8 +377,20 @@ def _match_varying(x: jax.Array, like: Any) -> jax.Array:
     return pcast_to_varying(x, tuple(missing)) if missing else x
 
 
+def _explicit_spec(like: jax.ShapeDtypeStruct) -> Any:
+    """The `PartitionSpec` of `like` if it names a mesh axis (explicit sharding), else `None`."""
+    spec = getattr(getattr(like, "sharding", None), "spec", None)
+    if spec is None or not (any(part is not None for part in spec.partitions) or spec.unreduced):
+        return None
+    return spec
+
+
 def _zeros(like: jax.ShapeDtypeStruct, dtype: Any) -> jax.Array:
-    return _match_varying(jnp.zeros(like.shape, dtype), like)
+    # On a mesh with explicit sharding the sharding is part of the type: a
+    # total that starts replicated while the params (and so their gradients)
+    # are sharded, as under FSDP, would change type in the scan carry.
+    zeros = jnp.zeros(like.shape, dtype, out_sharding=_explicit_spec(like))
+    return _match_varying(zeros, like)
 
 
 def _mean_accumulator(
@@ -738,6 +750,9 @@ def microbatch_value_and_grad(
     split). A batch sharded along its leading axis over devices thus gives
     every device its share of every micro-batch, without any communication, as
     long as the micro-batch size `B/K` is a multiple of the number of shards.
+    Parameters sharded over the mesh (FSDP) keep their sharding: with explicit
+    sharding each gradient, and its running sum, is typed and sharded like its
+    parameter.
 
     As a drop-in for `jax.value_and_grad`:
 

@@ -92,10 +92,16 @@ def _abstract(x: Any) -> Any:
         return x
     if isinstance(x, jax.Array):
         aval = jax.typeof(x)
-        # A tracer's sharding is not known until the outer program is compiled;
-        # one device needs none, so arrays, tracers and shapes share cache entries.
+        # A tracer's sharding is not known until the outer program is compiled,
+        # unless its mesh axes are Explicit: then it is part of the type (FSDP
+        # params sharded over the mesh), and the plan must compile with it. One
+        # device needs none, so arrays, tracers and shapes share cache entries.
         sharding = None
-        if not isinstance(x, jax.core.Tracer) and len(x.sharding.device_set) > 1:
+        if isinstance(x, jax.core.Tracer):
+            spec = getattr(aval.sharding, "spec", None)
+            if spec is not None and any(part is not None for part in spec.partitions):
+                sharding = aval.sharding
+        elif len(x.sharding.device_set) > 1:
             sharding = x.sharding
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=aval.weak_type)
     if isinstance(x, np.ndarray | np.generic):

@@ -1,7 +1,10 @@
 """Global-view jit on an explicit 8-device mesh: unreduced per-device gradients."""
 
+import collections
+import math
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -1034,3 +1037,180 @@ def test_donated_steps_copy_no_parameter_sized_buffer(mesh):
         assert not copied & shapes, copied
         for _ in range(3):  # every donated buffer is reused: no warning
             params, opt_state = donated(params, opt_state, sharded(batch))
+
+
+# --- HSDP: a ("data", "fsdp") mesh, params sharded over fsdp (issue 23) -----------------
+
+HSDP_SPECS = [{"w": P(None, "fsdp"), "b": P()}, {"w": P("fsdp", None), "b": P("fsdp")}]
+FSDP_GROUPS = [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+@pytest.fixture
+def mesh2x4():
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((2, 4), (AXIS, "fsdp"), axis_types=explicit)
+    with jax.set_mesh(mesh):
+        yield mesh
+
+
+def hsdp_params():
+    params = init_params(sizes=(6, 32, 64))
+    return jax.tree.map(lambda x: x.astype(jnp.float32), params)  # strong dtypes
+
+
+def hsdp_batch(size=32):
+    batch = make_batch(3, size)
+    batch["y"] = np.tile(batch["y"], (1, 22))[:, :64]
+    return batch
+
+
+def replica_groups(inst) -> list[tuple[int, ...]]:
+    """The device groups of a collective in compiled HLO, from any of XLA's spellings.
+
+    `{{0,1},{2,3}}`; iota `[G,S]<=[dims]T(perm)`; or a mesh,
+    `mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}` (groups along the named axes).
+    """
+    text = inst.attributes
+    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", text)
+    if listed:
+        groups = re.findall(r"\{([\d,]*)\}", listed.group(1))
+        return sorted(tuple(int(d) for d in g.split(",") if d) for g in groups)
+
+    def iota(dims, perm):
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+    found = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if found:
+        shape = (int(found.group(1)), int(found.group(2)))
+        ids = iota([int(d) for d in found.group(3).split(",")], found.group(4))
+        return sorted(tuple(int(d) for d in row) for row in ids.reshape(shape))
+    found = re.search(
+        r"replica_groups=mesh\[([^\]]*)\], "
+        r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\) \{([^}]*)\}",
+        text,
+    )
+    assert found, text
+    axes = re.findall(r"'([^']+)'=(\d+)", found.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    ids = iota([int(d) for d in found.group(2).split(",")], found.group(3)).reshape(sizes)
+    along = [names.index(a) for a in re.findall(r"'([^']+)'", found.group(4))]
+    ids = np.moveaxis(ids, along, list(range(len(sizes) - len(along), len(sizes))))
+    size = math.prod(sizes[i] for i in along)
+    return sorted(tuple(int(d) for d in row) for row in ids.reshape(-1, size))
+
+
+def collective_groups(compiled) -> list[tuple[str, list[tuple[int, ...]]]]:
+    hlo = harness.Hlo(compiled)
+    return [(op, replica_groups(inst)) for op in harness.COLLECTIVES for inst in hlo.ops(op)]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.requires(UNREDUCED_SCALAR, jax="0.9.1")
+def test_hsdp_gradients_are_sharded_like_the_params_and_unreduced_over_data(mesh2x4, k):
+    params0, batch = hsdp_params(), hsdp_batch()
+    want_value, want = jax.jit(jax.value_and_grad(loss_fn))(params0, batch)
+    params = jax.device_put(params0, HSDP_SPECS)
+    grad_fn = jax.jit(
+        ga.unreduced_value_and_grad(loss_fn, AXIS, num_microbatches=k, reduce_value=False)
+    )
+    value, grads = grad_fn(params, jax.device_put(batch, P((AXIS, "fsdp"))))
+    assert str(jax.typeof(grads[1]["w"])) == "float32[32@fsdp,64]{U:data}"
+    assert str(jax.typeof(grads[0]["w"])) == "float32[6,32@fsdp]{U:data}"
+    assert str(jax.typeof(grads[0]["b"])) == "float32[32]{U:data}"  # a psum over fsdp
+    assert str(jax.typeof(grads[1]["b"])) == "float32[64@fsdp]{U:data}"
+    assert str(jax.typeof(value)) == "float32[]{U:data}"
+    assert grads[1]["w"].addressable_shards[0].data.shape == (8, 64)  # 1/4 per device
+    summed = jax.jit(lambda g: _compat.reshard(g, HSDP_SPECS))(grads)
+    assert_trees_close(summed, want, rtol=1e-5)
+    np.testing.assert_allclose(reduce(value), want_value, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.requires(UNREDUCED_SCALAR, jax="0.9.1")
+@pytest.mark.slow
+@pytest.mark.hlo
+def test_hsdp_collectives_stay_inside_fsdp_groups(mesh2x4, k):
+    params = jax.device_put(hsdp_params(), HSDP_SPECS)
+    batch = jax.device_put(hsdp_batch(), P((AXIS, "fsdp")))
+    grad_fn = ga.unreduced_value_and_grad(loss_fn, AXIS, num_microbatches=k, reduce_value=False)
+    found = collective_groups(jax.jit(grad_fn).lower(params, batch).compile())
+    assert found and all(groups == FSDP_GROUPS for _, groups in found), found
+    ops = collections.Counter(op for op, _ in found)
+    # The 3 sharded leaves: gathered once (all-gather) and reduce-scattered once,
+    # whatever K; the replicated bias and the value: one all-reduce.
+    assert ops == {"all-gather": 3, "reduce-scatter": 3, "all-reduce": 1}, ops
+    # The default global mean value adds one scalar all-reduce over all 8 devices.
+    mean_value = ga.unreduced_value_and_grad(loss_fn, AXIS, num_microbatches=k)
+    found = collective_groups(jax.jit(mean_value).lower(params, batch).compile())
+    across = [(op, g) for op, g in found if g != FSDP_GROUPS]
+    assert across == [("all-reduce", [tuple(range(8))])], across
+
+
+@pytest.mark.requires(UNREDUCED_SCALAR, jax="0.9.1")
+def test_fsdp_params_unreduced_over_every_axis_stay_full_size(mesh2x4):
+    """axis_name=("data", "fsdp"): no communication of gradients until the window closes."""
+    params0, batch = hsdp_params(), hsdp_batch()
+    want = jax.jit(jax.grad(loss_fn))(params0, batch)
+    params = jax.device_put(params0, HSDP_SPECS)
+    batch = jax.device_put(batch, P((AXIS, "fsdp")))
+    for k in (1, 4):
+        grad_fn = ga.unreduced_value_and_grad(loss_fn, (AXIS, "fsdp"), num_microbatches=k)
+        _, grads = jax.jit(grad_fn)(params, batch)
+        assert str(jax.typeof(grads[1]["w"])) == "float32[32,64]{U:(data,fsdp)}"
+        assert grads[1]["w"].addressable_shards[0].data.shape == (32, 64)
+        assert_trees_close(jax.jit(lambda g: _compat.reshard(g, HSDP_SPECS))(grads), want)
+    ops = collections.Counter(
+        op for op, _ in collective_groups(jax.jit(grad_fn).lower(params, batch).compile())
+    )
+    assert ops == {"all-gather": 3, "all-reduce": 1}, ops  # the params, the value
+
+
+@pytest.mark.requires(UNREDUCED_SCALAR, jax="0.9.1")
+def test_fsdp_params_on_the_data_axis_stay_full_size(mesh):
+    params0, batch = hsdp_params(), hsdp_batch()
+    want = jax.jit(jax.grad(loss_fn))(params0, batch)
+    specs = [{"w": P(None, AXIS), "b": P(AXIS)}, {"w": P(AXIS, None), "b": P()}]
+    params = jax.device_put(params0, specs)
+    _, grads = jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS, num_microbatches=2))(
+        params, sharded(batch)
+    )
+    assert str(jax.typeof(grads[1]["w"])) == "float32[32,64]{U:data}"
+    assert_trees_close(jax.jit(lambda g: _compat.reshard(g, specs))(grads), want)
+
+
+def test_hsdp_errors_name_the_fix(mesh2x4):
+    params = jax.device_put(hsdp_params(), HSDP_SPECS)
+    grad_fn = jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS, num_microbatches=2))
+    odd = jax.device_put(hsdp_batch(size=36), P(AXIS))
+    with pytest.raises(ValueError, match=r"8 devices of the mesh axes \('data', 'fsdp'\)"):
+        grad_fn(params, odd)
+    # 32 examples over 8 devices, then 8 micro-batches: 4 per device, not 8.
+    with pytest.raises(ValueError, match=r"num_microbatches=8 micro-batches.*multiple of 64"):
+        jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS, num_microbatches=8))(
+            params, jax.device_put(hsdp_batch(), P((AXIS, "fsdp")))
+        )
+    with pytest.raises(ValueError, match=r"no axis 'model'.*\('data', 'fsdp'\)"):
+        jax.jit(ga.unreduced_value_and_grad(loss_fn, "model"))(params, hsdp_batch())
+    partial = jax.jit(lambda p: jax.tree.map(lambda x: _compat.reshard(x, UNREDUCED), p))
+    with pytest.raises(ValueError, match=r"argument 0\[0\]\['b'\] \(in argnums\) is typed"):
+        jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS))(partial(hsdp_params()), hsdp_batch())
+    auto = jax.make_mesh((2, 4), (AXIS, "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(auto):
+        with pytest.raises(ValueError, match=r"AxisType.Explicit"):
+            jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS))(
+                jax.device_put(hsdp_params(), HSDP_SPECS), hsdp_batch()
+            )
+
+
+@pytest.mark.requires(UNREDUCED_SCALAR, jax="0.9.1")
+def test_hsdp_leaves_sharded_over_both_axes_and_a_batch_split_over_data_only(mesh2x4):
+    """`data` is dropped from a gradient's spec; the batch is sliced over fsdp as well."""
+    params0, batch = hsdp_params(), hsdp_batch()
+    want = jax.jit(jax.grad(loss_fn))(params0, batch)
+    specs = [{"w": P(None, (AXIS, "fsdp")), "b": P("fsdp")}, {"w": P(("fsdp", AXIS)), "b": P()}]
+    grad_fn = jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS, num_microbatches=2))
+    _, grads = grad_fn(jax.device_put(params0, specs), jax.device_put(batch, P(AXIS)))
+    assert str(jax.typeof(grads[0]["w"])) == "float32[6,32@fsdp]{U:data}"
+    assert str(jax.typeof(grads[1]["w"])) == "float32[32@fsdp,64]{U:data}"
+    assert_trees_close(jax.jit(lambda g: _compat.reshard(g, specs))(grads), want)

@@ -565,3 +565,88 @@ def test_docs_page_code_runs():
     assert not np.allclose(ns["nnx_model"].norm.mean[...], 0.0)
     assert int(ns["nnx_optimizer"].step) == 3
     assert int(ga.optimizer_step(ns["w_state"])) == 1
+
+
+# --- FSDP: params sharded over the mesh (issue 23) ------------------------------
+
+_MESHES = {
+    # mesh shape, axis names, the batch's spec, the params' specs (sharded and replicated leaves)
+    "data": ((8,), ("data",), P("data"), {"w1": P(None, "data"), "b1": P(), "w2": P("data")}),
+    "data_fsdp": (
+        (2, 4),
+        ("data", "fsdp"),
+        P(("data", "fsdp")),
+        {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P("fsdp", None)},
+    ),
+}
+
+
+def _gathered(params):
+    # The user's FSDP loss gathers each param at use; its transpose reduce-scatters.
+    # (Without a mesh, for the one-device reference, there is nothing to gather.)
+    if jax.sharding.get_abstract_mesh().empty:
+        return params
+    return jax.tree.map(lambda x: jax.sharding.reshard(x, P()), params)
+
+
+def _fsdp_loss(params, seen, batch):
+    losses, logits = _per_example(_gathered(params), batch)
+    # A carry (running sum) and aux of every kind: per example, a mean, a count.
+    aux = {"losses": losses, "max_logit": jnp.max(logits), "count": jnp.sum(batch["y"] == 0)}
+    return losses.mean(), (seen + jnp.sum(batch["x"], 0), aux)
+
+
+@pytest.mark.parametrize("layout", sorted(_MESHES))
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
+def test_fsdp_params_match_the_full_batch(layout, axis_type):
+    shape, names, batch_spec, specs = _MESHES[layout]
+    mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+    fn = ga.microbatch_value_and_grad(
+        _fsdp_loss,
+        4,
+        has_aux=True,
+        batch_argnums=2,
+        carry_argnums=1,
+        aux_reduction={"losses": "auto", "max_logit": "mean", "count": "sum"},
+    )
+    expected = jax.jit(jax.value_and_grad(_fsdp_loss, has_aux=True))(PARAMS, jnp.zeros(6), BATCH)
+    with jax.set_mesh(mesh):
+        params = jax.device_put(PARAMS, specs)
+        batch = jax.device_put(BATCH, batch_spec)
+        (value, (seen, aux)), grads = jax.jit(fn)(params, jax.device_put(jnp.zeros(6), P()), batch)
+    if axis_type == jax.sharding.AxisType.Explicit:
+        # Each gradient is typed, and sharded, like its leaf (FSDP: 1/n per device).
+        # On an Auto mesh the compiler chooses the gradients' shardings.
+        for name in specs:
+            assert jax.typeof(grads[name]).sharding.spec == jax.typeof(params[name]).sharding.spec
+            assert grads[name].sharding.is_equivalent_to(params[name].sharding, grads[name].ndim)
+    (want_value, (want_seen, want_aux)), want_grads = expected
+    want_aux = {**want_aux, "max_logit": None}  # a max per micro-batch, averaged: not the full max
+    aux = {**aux, "max_logit": None}
+    chex.assert_trees_all_close(
+        ((value, (seen, aux)), grads),
+        ((want_value, (want_seen, want_aux)), want_grads),
+        rtol=RTOL,
+        atol=ATOL,
+    )
+
+
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
+def test_fsdp_bfloat16_params_sum_in_float32(axis_type):
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2)
+    specs = _MESHES["data_fsdp"][3]
+    params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+
+    def loss(params, batch):
+        return mean_loss(jax.tree.map(lambda x: x.astype(jnp.float32), _gathered(params)), batch)
+
+    fn = jax.jit(ga.microbatch_value_and_grad(loss, 4, accumulator_dtype=jnp.float32))
+    want = jax.jit(jax.value_and_grad(loss))(params16, BATCH)
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params16, specs)
+        value, grads = fn(params, jax.device_put(BATCH, P(("data", "fsdp"))))
+    assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+    if axis_type == jax.sharding.AxisType.Explicit:
+        assert jax.typeof(grads["w2"]).sharding.spec == P("fsdp", None)
+    # One bfloat16 rounding of a float32 sum: within bfloat16's precision of the full batch.
+    chex.assert_trees_all_close((value, grads), want, rtol=2**-7, atol=1e-3)

@@ -182,3 +182,46 @@ def test_example_plan_microbatches(capsys):
     assert result["full_peak"] > 3 * result["budget"]
     assert plan.peak_bytes <= result["budget"] and plan.num_microbatches > 1
     assert result["max_grad_diff"] < 1e-5
+
+
+def fsdp_loss(params, batch):
+    # FSDP on an explicit mesh: each param is gathered at use (none to gather off the mesh).
+    if not jax.sharding.get_abstract_mesh().empty:
+        params = jax.tree.map(lambda x: jax.sharding.reshard(x, P()), params)
+    return loss_fn(params, batch)
+
+
+def test_fsdp_params_are_planned_with_their_sharding():
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=explicit)
+    params0, batch0 = _arrays(batch_size=1024)
+    specs = {"w1": P(None, "fsdp"), "w2": P("fsdp", None)}
+    peaks, peak_bytes = [], _planning.peak_bytes
+
+    def spy(compiled):
+        peaks.append(compiled.memory_analysis().argument_size_in_bytes)
+        return peak_bytes(compiled)
+
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params0, specs)
+        batch = jax.device_put(batch0, P(("data", "fsdp")))
+        full = ga.plan_microbatches(fsdp_loss, params, batch, memory_budget=2**62).table[1]
+        plan = ga.plan_microbatches(fsdp_loss, params, batch, memory_budget=full // 2)
+        assert plan.num_microbatches > 1
+        replicated = jax.device_put(params0, P())
+        assert full < ga.plan_microbatches(loss_fn, replicated, batch, memory_budget=2**62).table[1]
+        # Planned inside jit (tracers), the params keep their sharding: the same plan.
+        _planning._PEAKS.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_planning, "peak_bytes", spy)
+            auto = ga.microbatch_value_and_grad(fsdp_loss, "auto", memory_budget=full // 2)
+            value, grads = jax.jit(auto)(params, batch)
+        shard_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
+        batch_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(batch))
+        assert set(peaks) == {shard_bytes + batch_bytes}
+    for name, spec in specs.items():
+        assert jax.typeof(grads[name]).sharding.spec == spec
+    want = jax.jit(jax.value_and_grad(loss_fn))(params0, batch0)
+    np.testing.assert_allclose(value, want[0], rtol=1e-5)
+    for name in specs:
+        np.testing.assert_allclose(grads[name], want[1][name], rtol=1e-5, atol=1e-6)
