@@ -301,24 +301,42 @@ class Hlo:
         return count, nbytes
 
 
-def replica_groups(attributes: str, devices: int) -> list[list[int]]:
-    """The replica groups of a collective's attributes, as lists of device ids."""
-    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attributes)
-    if explicit:
-        groups = [
-            [int(d) for d in g.split(",") if d]
-            for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))
-        ]
-        return groups if groups and groups[0] else [list(range(devices))]
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes)
-    if not iota:
-        return [list(range(devices))]
-    g, size = int(iota.group(1)), int(iota.group(2))
-    ids = np.arange(math.prod(int(d) for d in iota.group(3).split(",")))
-    ids = ids.reshape([int(d) for d in iota.group(3).split(",")])
-    if iota.group(4):
-        ids = ids.transpose([int(d) for d in iota.group(4).split(",")])
-    return ids.reshape(g, size).tolist()
+def replica_groups(attributes: str, devices: int) -> list[tuple[int, ...]]:
+    """The device groups of a collective, sorted, from any of XLA's spellings.
+
+    `{{0,1},{2,3}}`; iota `[G,S]<=[dims]T(perm)`; or a mesh,
+    `mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}` (groups along the named
+    axes). No groups (`{}`) means one group of all `devices`.
+    """
+    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attributes)
+    if listed:
+        groups = re.findall(r"\{([\d,]*)\}", listed.group(1))
+        found = sorted(tuple(int(d) for d in g.split(",") if d) for g in groups)
+        return found if found and found[0] else [tuple(range(devices))]
+
+    def iota(dims: list[int], perm: str | None) -> np.ndarray:
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+    found = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes)
+    if found:
+        shape = (int(found.group(1)), int(found.group(2)))
+        ids = iota([int(d) for d in found.group(3).split(",")], found.group(4))
+        return sorted(tuple(int(d) for d in row) for row in ids.reshape(shape))
+    found = re.search(
+        r"replica_groups=mesh\[([^\]]*)\], "
+        r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\) \{([^}]*)\}",
+        attributes,
+    )
+    if not found:
+        return [tuple(range(devices))]
+    axes = re.findall(r"'([^']+)'=(\d+)", found.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    ids = iota([int(d) for d in found.group(2).split(",")], found.group(3)).reshape(sizes)
+    along = [names.index(a) for a in re.findall(r"'([^']+)'", found.group(4))]
+    ids = np.moveaxis(ids, along, list(range(len(sizes) - len(along), len(sizes))))
+    size = math.prod(sizes[i] for i in along)
+    return sorted(tuple(int(d) for d in row) for row in ids.reshape(-1, size))
 
 
 def smallest_leaf(tree: Any) -> int:

@@ -1,10 +1,8 @@
 """Global-view jit on an explicit 8-device mesh: unreduced per-device gradients."""
 
 import collections
-import math
 import os
 import pathlib
-import re
 import socket
 import subprocess
 import sys
@@ -1064,45 +1062,13 @@ def hsdp_batch(size=32):
     return batch
 
 
-def replica_groups(inst) -> list[tuple[int, ...]]:
-    """The device groups of a collective in compiled HLO, from any of XLA's spellings.
-
-    `{{0,1},{2,3}}`; iota `[G,S]<=[dims]T(perm)`; or a mesh,
-    `mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}` (groups along the named axes).
-    """
-    text = inst.attributes
-    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", text)
-    if listed:
-        groups = re.findall(r"\{([\d,]*)\}", listed.group(1))
-        return sorted(tuple(int(d) for d in g.split(",") if d) for g in groups)
-
-    def iota(dims, perm):
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
-
-    found = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
-    if found:
-        shape = (int(found.group(1)), int(found.group(2)))
-        ids = iota([int(d) for d in found.group(3).split(",")], found.group(4))
-        return sorted(tuple(int(d) for d in row) for row in ids.reshape(shape))
-    found = re.search(
-        r"replica_groups=mesh\[([^\]]*)\], "
-        r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\) \{([^}]*)\}",
-        text,
-    )
-    assert found, text
-    axes = re.findall(r"'([^']+)'=(\d+)", found.group(1))
-    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-    ids = iota([int(d) for d in found.group(2).split(",")], found.group(3)).reshape(sizes)
-    along = [names.index(a) for a in re.findall(r"'([^']+)'", found.group(4))]
-    ids = np.moveaxis(ids, along, list(range(len(sizes) - len(along), len(sizes))))
-    size = math.prod(sizes[i] for i in along)
-    return sorted(tuple(int(d) for d in row) for row in ids.reshape(-1, size))
-
-
 def collective_groups(compiled) -> list[tuple[str, list[tuple[int, ...]]]]:
     hlo = harness.Hlo(compiled)
-    return [(op, replica_groups(inst)) for op in harness.COLLECTIVES for inst in hlo.ops(op)]
+    return [
+        (op, harness.replica_groups(inst.attributes, jax.device_count()))
+        for op in harness.COLLECTIVES
+        for inst in hlo.ops(op)
+    ]
 
 
 @pytest.mark.parametrize("k", [1, 4])
