@@ -130,8 +130,9 @@ class _Running:
     # Added inside the branch (read) and again after it (write, or reset).
     adds_before_gate: ClassVar[bool] = False
 
-    def init(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-        return jnp.zeros(shape, dtype)
+    def init(self, like: Any, dtype: Any) -> jax.Array:
+        # Sharded like the param (FSDP), as the accumulator of `accumulate` is.
+        return _window.zeros(like, dtype)
 
     def add(self, acc: jax.Array, x: jax.Array, count: jax.Array, present: jax.Array):
         return jnp.where(present, _combine(self.reduction, acc, x, count), acc)
@@ -154,8 +155,15 @@ class _Buffered:
 
     adds_before_gate: ClassVar[bool] = True
 
-    def init(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-        return jnp.zeros((self.length, *shape), dtype)
+    def init(self, like: Any, dtype: Any) -> jax.Array:
+        # One slot per micro-step, each sharded like the param (FSDP).
+        sharding = getattr(jax.typeof(like), "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        if spec is None or getattr(sharding.mesh, "empty", True):
+            return jnp.zeros((self.length, *jnp.shape(like)), dtype)
+        return jnp.zeros(
+            (self.length, *jnp.shape(like)), dtype, out_sharding=jax.P(None, *spec.partitions)
+        )
 
     def add(self, buffer: jax.Array, x: jax.Array, count: jax.Array, present: jax.Array):
         slot = jnp.minimum(count, self.length - 1)
@@ -345,7 +353,7 @@ def split_accumulate(
         accumulator = _Buffered(window_fn, int(every_k_schedule))  # type: ignore[arg-type]
 
     def empty_component(p):
-        return accumulator.init(jnp.shape(p), _window.accumulator_dtype(p, accumulator_dtype))
+        return accumulator.init(p, _window.accumulator_dtype(p, accumulator_dtype))
 
     def init_fn(params: optax.Params) -> SplitAccumulateState:
         params = _window.as_arrays(params)
