@@ -326,7 +326,8 @@ def adaptive_grad_clip(
         for j, i in enumerate(nonempty):
             g_size, p_size = found[j], found[len(nonempty) + j]
             max_norm = _max_norm(clipping, p_size, eps)
-            over = g_size.value() > max_norm
+            # True for a NaN norm, which makes the unit NaN, as in optax.
+            over = ~(g_size.value() <= max_norm)
             one = jnp.ones_like(max_norm)
             a, b = ratio_factors(max_norm, g_size)
             scaled = apply_factors(gs[i], jnp.where(over, a, one), jnp.where(over, b, one))

@@ -263,15 +263,19 @@ def _unit_factors(size: Size) -> tuple[jax.Array, jax.Array]:
 
 
 def _clip_factors(hi: Any, lo: Any = None) -> Factors:
-    """Factors that bring a size into `[lo, hi]` (either may be None); sizes 0 stay."""
+    """Factors that bring a size into `[lo, hi]` (either may be None); sizes 0 stay.
+
+    A NaN size is out of every range, so that its unit becomes NaN as in
+    `optax.clip_by_global_norm` (a comparison with NaN is false both ways).
+    """
 
     def factors(size: Size) -> tuple[jax.Array, jax.Array]:
         value = size.value()
         out = _unit_factors(size)
         if hi is not None:
-            out = _select(value > hi, ratio_factors(hi, size), out)
+            out = _select(~(value <= hi), ratio_factors(hi, size), out)
         if lo is not None:
-            out = _select((value < lo) & (size.mant > 0), ratio_factors(lo, size), out)
+            out = _select(~(value >= lo) & (size.mant != 0), ratio_factors(lo, size), out)
         return out
 
     return factors

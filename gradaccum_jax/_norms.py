@@ -114,8 +114,9 @@ def _squares(x: jax.Array) -> jax.Array:
 
 def _sqrt(x: jax.Array) -> jax.Array:
     # sqrt has an infinite slope at 0; guarding it keeps derivatives finite.
+    # NaN stays NaN: a NaN element must make its unit's measure NaN.
     positive = x > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, x, 1)), 0)
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, x, 1)), jnp.where(x == 0, 0, x))
 
 
 def _reduce(parts: Sequence[Part], fn, op=jnp.sum) -> jax.Array:
@@ -228,12 +229,14 @@ def ratio_factors(target: jax.Array, size: Size) -> tuple[jax.Array, jax.Array]:
     """Factors `(a, b)` with `x * a * b == x * target / size`, neither flushing nor overflowing.
 
     `a` is a power of two near `1 / size`, so `x * a` stays in range for every
-    element of the unit; `b` is close to `target`. Zero sizes give `(1, 1)`.
+    element of the unit; `b` is close to `target`. Zero sizes give `(1, 1)`;
+    a NaN size gives a NaN `b`, and an infinite one `b = 0`, which make the
+    unit what `x * target / size` makes it (NaN; zeros and NaN for infinities).
     """
     finfo = jnp.finfo(size.mant.dtype)
     k = jnp.clip(size.exp, finfo.minexp + 2, finfo.maxexp - 2)
     dtype = size.mant.dtype
-    nonzero = size.mant > 0
+    nonzero = size.mant != 0
     a = jnp.where(nonzero, pow2(-k, dtype), 1)
     rest = jnp.clip(k - size.exp, finfo.minexp, finfo.maxexp - 1)
     b = jnp.where(nonzero, target / jnp.where(nonzero, size.mant, 1) * pow2(rest, dtype), 1)

@@ -422,3 +422,44 @@ def test_complex_gradients_keep_their_phase():
     grads = {"w": jnp.array([3 + 4j, 0.0], jnp.complex64)}
     out = _apply(ga.adaptive_grad_clip(0.1), grads, params)
     np.testing.assert_allclose(out["w"], [0.06 + 0.08j, 0.0], rtol=RTOL)
+
+
+# --- Issue 24: non-finite gradients and the units of size-1 input axes ---
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf], ids=["nan", "inf"])
+def test_non_finite_gradient_unit_equals_optax(bad):
+    params = {"w": jnp.ones((3, 2)) * 0.5, "b": jnp.ones(2)}
+    grads = {"w": jnp.array([[bad, 5.0], [1.0, 5.0], [1.0, 5.0]]), "b": jnp.array([bad, 0.1])}
+    expected, _ = optax.adaptive_grad_clip(0.1).update(grads, optax.EmptyState(), params)
+    tx = ga.adaptive_grad_clip(0.1, unit_axes="optax")
+    got, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    for key in grads:
+        np.testing.assert_array_equal(got[key], expected[key])
+
+
+@pytest.mark.parametrize(
+    "shape", [(1, 4), (1, 1, 1, 4), (1, 1, 1, 1, 4)], ids=["dense", "conv2d", "conv3d"]
+)
+def test_kernels_with_size_1_input_axes_differ_from_optax_by_design(shape):
+    # optax treats a kernel whose only axis longer than 1 is the output axis as one
+    # vector (one unit); the default rule keeps one unit per output feature, as for
+    # every other Dense/Conv kernel, so each feature's bound stays its own.
+    params = {"kernel": jax.random.normal(jax.random.key(0), shape)}
+    grads = {"kernel": 10.0 * jax.random.normal(jax.random.key(1), shape)}
+    tx = ga.adaptive_grad_clip(0.05)
+    got, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    axes = tuple(range(len(shape) - 1))
+    p_norm = jnp.maximum(jnp.sqrt(jnp.sum(params["kernel"] ** 2, axes, keepdims=True)), 1e-3)
+    g_norm = jnp.sqrt(jnp.sum(grads["kernel"] ** 2, axes, keepdims=True))
+    want = grads["kernel"] * jnp.minimum(1.0, 0.05 * p_norm / g_norm)
+    np.testing.assert_allclose(got["kernel"], want, rtol=1e-6)
+    optax_out, _ = optax.adaptive_grad_clip(0.05).update(grads, optax.EmptyState(), params)
+    assert float(jnp.max(jnp.abs(optax_out["kernel"] - got["kernel"]))) > 1e-3
+    # unit_axes="optax" reproduces optax exactly.
+    same = ga.adaptive_grad_clip(0.05, unit_axes="optax")
+    np.testing.assert_allclose(
+        jax.jit(same.update)(grads, same.init(params), params)[0]["kernel"],
+        optax_out["kernel"],
+        rtol=1e-6,
+    )

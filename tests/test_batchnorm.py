@@ -159,7 +159,10 @@ def test_no_running_update_before_commit_and_closes_false_is_a_no_op():
     np.testing.assert_array_equal(stats["mean"], variables["batch_stats"]["mean"])
     np.testing.assert_array_equal(stats["window_count"], np.full(FEATURES, 20.0))
     kept = _commit(stats, jnp.array(False))
-    jax.tree.map(np.testing.assert_array_equal, kept, stats)
+    # Only the marker that a commit has seen the window changes.
+    np.testing.assert_array_equal(stats["window_pending"], 1.0)
+    np.testing.assert_array_equal(kept["window_pending"], 0.0)
+    jax.tree.map(np.testing.assert_array_equal, kept, {**stats, "window_pending": jnp.zeros(())})
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast_variance", "two_pass"])
@@ -533,7 +536,7 @@ def test_stacked_layers_under_nn_scan_commit_with_their_own_momentum():
     (xs, _) = _data(9, (2, 4))
     variables = stack.init(jax.random.key(0), xs[0], None)
     stats = variables["batch_stats"]
-    assert stats["BatchNorm_0"]["momentum"].shape == (3,)
+    assert stats["BatchNorm_0"]["momentum"].shape == (3, 2)
     for x in xs:
         _, new = stack.apply({**variables, "batch_stats": stats}, x, None, mutable=["batch_stats"])
         stats = new["batch_stats"]
@@ -653,8 +656,8 @@ def test_bad_arguments_raise_with_the_argument_named():
         NNXAccumBatchNorm(3, momentum=-0.1, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="use_running_average"):
         NNXAccumBatchNorm(3, use_running_average=None, rngs=nnx.Rngs(0))(x)
-    with pytest.raises(ValueError, match="no NNXAccumBatchNorm"):
-        ga.flax.commit_nnx_batch_stats(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="batch_stats_from_flax"):
+        ga.flax.commit_batch_stats({"mean": jnp.zeros(3), "var": jnp.ones(3)})
     with pytest.raises(TypeError, match=re.escape("nnx.BatchNorm")):
         NNXAccumBatchNorm.from_batchnorm(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
 
@@ -765,9 +768,11 @@ def test_resnet_drop_in_without_commit_fails_on_the_first_evaluation_call():
     replicate = functools.partial(jax.tree.map, lambda a: jnp.broadcast_to(a, (_DEVICES, *a.shape)))
     params, stats = replicate(variables["params"]), replicate(variables["batch_stats"])
     opt_state = replicate(tx.init(variables["params"]))
-    # Mid-window evaluation is legitimate: the parameters have not moved yet.
+    # Even in the middle of the first window, before any parameter moved: no
+    # commit has seen the training call, so the read is refused.
     params, stats, opt_state = train_step(params, stats, opt_state, images[0, 0], labels[0, 0])
-    eval_step(params, stats, images[0, 0]).block_until_ready()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="commit_batch_stats"):
+        eval_step(params, stats, images[0, 0]).block_until_ready()
     for w in range(2):
         for i in range(_K - (w == 0)):
             params, stats, opt_state = train_step(
@@ -866,8 +871,9 @@ def test_evaluation_after_a_missed_commit_raises_and_names_the_fix():
     params, stats = variables["params"], variables["batch_stats"]
     for x in xs:
         _, stats = _train_call(bn, {"params": params, "batch_stats": stats}, x, None)
-    # Mid-window (parameters unchanged since the window opened) is legitimate.
-    _eval_call(bn, {"params": params, "batch_stats": stats}, xs[0]).block_until_ready()
+    # Mid-window, once a commit call with closes=False has seen the calls, is legitimate.
+    seen = _commit(stats, jnp.array(False))
+    _eval_call(bn, {"params": params, "batch_stats": seen}, xs[0]).block_until_ready()
     # An optimizer step without a commit: eager and jitted evaluation both refuse.
     stepped = jax.tree.map(lambda p: p - 0.01, params)
     with pytest.raises(ValueError, match=r"AccumBatchNorm \(top level\).*commit_batch_stats"):
@@ -898,3 +904,311 @@ def test_evaluation_after_a_missed_commit_raises_and_names_the_fix():
     np.testing.assert_allclose(
         nnx.jit(lambda m, x: m(x))(layer, xs[0]), layer(xs[0]), rtol=1e-6, atol=1e-6
     )
+
+
+# --- Issue 24: uncommitted statistics are never read, whatever the parameters do ---
+
+
+class _Probe(nn.Module):
+    """Dense, then the norm; `affine=False` is a norm with neither scale nor bias."""
+
+    affine: bool = True
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(FEATURES)(x)
+        return AccumBatchNorm(
+            use_running_average=not train,
+            use_scale=self.affine,
+            use_bias=self.affine,
+            axis_name=self.axis_name,
+        )(x)
+
+
+# Every way the layer's parameters can stay put while statistics are pending.
+_FROZEN_CASES = ["no_scale_no_bias", "masked_affine", "learning_rate_0", "recalibrate_only"]
+
+
+def _optimizer(case):
+    if case == "masked_affine":
+        # Linear probing: the norm's affine is frozen, the rest trains.
+        frozen = lambda params: {name: name == "BatchNorm_0" for name in params}  # noqa: E731
+        return optax.chain(optax.masked(optax.set_to_zero(), frozen), optax.sgd(0.1))
+    if case == "learning_rate_0":
+        # A warmup that starts at 0: both steps here have learning rate 0.
+        return optax.sgd(optax.linear_schedule(0.0, 0.1, 100, transition_begin=10))
+    return optax.sgd(0.1)
+
+
+def _train_without_commit(case, wrap=jax.jit, axis_name=None, shard=lambda a: a):
+    """Two training steps, no commit; returns (model, params, stats, x)."""
+    model = _Probe(affine=case != "no_scale_no_bias", axis_name=axis_name)
+    xs, _ = _data(40, (32, 32))
+    xs = [shard(x.reshape(-1, 4 * FEATURES)) for x in xs]
+    variables = model.init(jax.random.key(0), xs[0], True)
+    tx = _optimizer(case)
+
+    def step(params, stats, opt_state, x):
+        def loss(params):
+            y, new = model.apply(
+                {"params": params, "batch_stats": stats}, x, True, mutable=["batch_stats"]
+            )
+            return jnp.mean(y**2), new["batch_stats"]
+
+        if case == "recalibrate_only":  # forward passes only, no optimizer
+            return params, loss(params)[1], opt_state
+        grads, stats = jax.grad(loss, has_aux=True)(params)
+        if axis_name is not None:
+            grads = jax.lax.pmean(grads, axis_name)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state
+
+    step = wrap(step)
+    params, stats = variables["params"], variables["batch_stats"]
+    opt_state = tx.init(params)
+    if wrap is not jax.jit:
+        replicate = functools.partial(jax.tree.map, lambda a: jnp.broadcast_to(a, (8, *a.shape)))
+        params, stats, opt_state = replicate((params, stats, opt_state))
+    for x in xs:
+        params, stats, opt_state = step(params, stats, opt_state, x)
+    return model, params, stats, xs[0]
+
+
+@pytest.mark.parametrize("case", _FROZEN_CASES)
+def test_uncommitted_statistics_raise_at_the_read_under_jit_with_a_mesh(case):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    shard = functools.partial(jax.device_put, device=NamedSharding(mesh, P("data")))
+    with jax.set_mesh(mesh):
+        model, params, stats, x = _train_without_commit(case, shard=shard)
+        if case not in ("recalibrate_only", "no_scale_no_bias"):
+            # The parameters the old fingerprint watched did not move.
+            before = model.init(jax.random.key(0), x, True)["params"]["BatchNorm_0"]
+            jax.tree.map(np.testing.assert_array_equal, params["BatchNorm_0"], before)
+        evaluate = jax.jit(lambda p, s, x: model.apply({"params": p, "batch_stats": s}, x, False))
+        with pytest.raises(jax.errors.JaxRuntimeError, match=r"commit_batch_stats\(batch_stats"):
+            jax.block_until_ready(evaluate(params, stats, x))
+        # Outside jit the read raises a plain ValueError with the same message.
+        with pytest.raises(ValueError, match="recomputing the statistics only"):
+            model.apply({"params": params, "batch_stats": stats}, x, False)
+        committed = _commit(stats, True)
+        out = evaluate(params, committed, x)
+    assert float(jnp.max(jnp.abs(committed["BatchNorm_0"]["mean"]))) > 0.01  # they moved
+    assert bool(jnp.all(jnp.isfinite(out)))
+
+
+@pytest.mark.parametrize("case", _FROZEN_CASES)
+def test_uncommitted_statistics_raise_at_the_read_under_pmap(case):
+    wrap = functools.partial(jax.pmap, axis_name="batch")
+    split = functools.partial(jnp.reshape, shape=(8, 4, 4 * FEATURES))
+    model, params, stats, x = _train_without_commit(case, wrap, "batch", split)
+    evaluate = jax.pmap(lambda p, s, x: model.apply({"params": p, "batch_stats": s}, x, False))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="commit_batch_stats"):
+        jax.block_until_ready(evaluate(params, stats, x))
+    out = evaluate(params, jax.pmap(ga.flax.commit_batch_stats)(stats), x)
+    assert bool(jnp.all(jnp.isfinite(out)))
+
+
+def test_the_documented_train_step_evaluates_mid_window_and_after_it():
+    # Committing with closes=closes_window(opt_state) on every micro-step makes
+    # every read legitimate: mid-window (statistics of the last commit) or after.
+    model = _Probe(affine=False)
+    xs, _ = _data(41, (4, 4, 4))
+    xs = [x.reshape(-1, 4 * FEATURES) for x in xs]
+    variables = model.init(jax.random.key(0), xs[0], True)
+    tx = ga.accumulate(optax.sgd(0.0), 2)
+
+    @jax.jit
+    def step(params, stats, opt_state, x):
+        def loss(params):
+            y, new = model.apply(
+                {"params": params, "batch_stats": stats}, x, True, mutable=["batch_stats"]
+            )
+            return jnp.mean(y**2), new["batch_stats"]
+
+        grads, stats = jax.grad(loss, has_aux=True)(params)
+        stats = ga.flax.commit_batch_stats(stats, ga.closes_window(opt_state))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state
+
+    evaluate = jax.jit(lambda p, s, x: model.apply({"params": p, "batch_stats": s}, x, False))
+    params, stats = variables["params"], variables["batch_stats"]
+    opt_state = tx.init(params)
+    means = []
+    for x in xs:
+        params, stats, opt_state = step(params, stats, opt_state, x)
+        jax.block_until_ready(evaluate(params, stats, x))
+        means.append(np.asarray(stats["BatchNorm_0"]["mean"]))
+    np.testing.assert_array_equal(means[0], 0.0)  # mid-window: the last commit's
+    assert np.max(np.abs(means[1])) > 1e-3  # the window closed and moved them
+    np.testing.assert_array_equal(means[2], means[1])
+
+
+@pytest.mark.parametrize("case", ["no_scale_no_bias", "frozen_affine", "recalibrate_only"])
+def test_nnx_uncommitted_statistics_raise_at_the_read(case):
+    affine = case != "no_scale_no_bias"
+    model = nnx.Sequential(
+        nnx.Linear(4 * FEATURES, FEATURES, rngs=nnx.Rngs(0)),
+        NNXAccumBatchNorm(FEATURES, use_scale=affine, use_bias=affine, rngs=nnx.Rngs(0)),
+    )
+    xs, _ = _data(42, (4, 4))
+    xs = [x.reshape(-1, 4 * FEATURES) for x in xs]
+    # Only the Linear layer trains (frozen affine); or nothing does (recalibration).
+    wrt = nnx.All(nnx.Param, nnx.PathContains("layers", "0")) if affine else nnx.Param
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=wrt)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        if case == "recalibrate_only":
+            model(x)
+            return
+        grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2), argnums=nnx.DiffState(0, wrt))(model)
+        optimizer.update(model, grads)
+
+    for x in xs:
+        step(model, optimizer, x)
+    model.eval()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="commit_nnx_batch_stats"):
+        nnx.jit(lambda m, x: m(x))(model, xs[0]).block_until_ready()
+    with pytest.raises(ValueError, match="commit_nnx_batch_stats"):
+        model(xs[0])
+    ga.flax.commit_nnx_batch_stats(model)
+    assert float(jnp.max(jnp.abs(model.layers[1].mean[...]))) > 0.01
+    assert bool(jnp.all(jnp.isfinite(nnx.jit(lambda m, x: m(x))(model, xs[0]))))
+
+
+def test_nnx_uncommitted_statistics_raise_at_the_read_under_pmap_and_a_mesh():
+    layer = NNXAccumBatchNorm(
+        FEATURES, use_scale=False, use_bias=False, axis_name="batch", rngs=nnx.Rngs(0)
+    )
+    graphdef, state = nnx.split(layer)
+    x = jnp.asarray(_data(43, (32,))[0][0].reshape(8, 4, 4, FEATURES))
+
+    def call(state, x, train):
+        layer = nnx.merge(graphdef, state)
+        y = layer(x, use_running_average=not train)
+        return y, nnx.state(layer)
+
+    replicated = jax.tree.map(lambda a: jnp.broadcast_to(a, (8, *a.shape)), state)
+    train = jax.pmap(functools.partial(call, train=True), axis_name="batch")
+    evaluate = jax.pmap(functools.partial(call, train=False), axis_name="batch")
+    _, trained = train(replicated, x)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="commit_nnx_batch_stats"):
+        jax.block_until_ready(evaluate(trained, x))
+    # Committed, the read runs (and this clean run replaces the failed run's runtime tokens).
+    committed = jax.pmap(lambda s: _nnx_committed(graphdef, s))(trained)
+    assert bool(jnp.all(jnp.isfinite(evaluate(committed, x)[0])))
+
+    # Training under nnx.jit over a mesh (the layer without axis_name, the batch
+    # sharded); the read is eager here: after a failed host callback, a program
+    # with collectives on the same devices can hang (JAX's runtime tokens).
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    single = NNXAccumBatchNorm(FEATURES, use_scale=False, use_bias=False, rngs=nnx.Rngs(0))
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(x.reshape(32, 4, FEATURES), NamedSharding(mesh, P("data")))
+        nnx.jit(lambda m, x: m(x))(single, sharded)
+        single.eval()
+        with pytest.raises(ValueError, match="commit_nnx_batch_stats"):
+            single(sharded)
+        single.commit()
+        assert bool(jnp.all(jnp.isfinite(single(sharded))))
+
+
+def _nnx_committed(graphdef, state):
+    layer = nnx.merge(graphdef, state)
+    ga.flax.commit_nnx_batch_stats(layer)
+    return nnx.state(layer)
+
+
+def test_committing_a_model_without_the_layers_is_a_no_op():
+    # A model whose BatchNorm is switched off by a config flag: empty batch_stats.
+    assert _commit({}, True) == {}
+    assert ga.flax.commit_batch_stats({"batch_stats": {}}, jnp.array(False)) == {"batch_stats": {}}
+    linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    before = nnx.state(linear)
+    ga.flax.commit_nnx_batch_stats(linear)
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(linear), before)
+    # Arrays, but none of this layer's statistics: most likely the wrong tree.
+    with pytest.raises(ValueError, match=r"no AccumBatchNorm.*batch_stats_from_flax"):
+        ga.flax.commit_batch_stats({"Dense_0": {"kernel": jnp.ones((2, 2))}})
+
+
+# --- Issue 24: the fold weight is flax's float32(1 - momentum) ---
+
+_HIGH_MOMENTA = [0.9, 0.99, 0.999, 0.9999, 0.99999]
+
+
+def _integer_batches(count, seed):
+    # Integer entries with a mean that is a multiple of 1/8: every window statistic
+    # is exact in float32 in both layers, so any difference comes from the fold.
+    rng = np.random.default_rng(seed)
+    return rng.integers(-8, 9, size=(count, 8, FEATURES)).astype(np.float32) + 3.0
+
+
+@pytest.mark.parametrize("momentum", _HIGH_MOMENTA)
+def test_k1_running_statistics_equal_flax_bit_for_bit(momentum):
+    # Op by op (no compiler fusion), K = 1: the two-pass layer's statistics are
+    # nn.BatchNorm's to the last bit at every commit.
+    ours = AccumBatchNorm(momentum=momentum, use_fast_variance=False)
+    ref = nn.BatchNorm(momentum=momentum, use_fast_variance=False)
+    xs = _integer_batches(60, 44)
+    variables = ours.init(jax.random.key(0), xs[0], use_running_average=False)
+    stats, ref_stats = variables["batch_stats"], {"mean": jnp.zeros(3), "var": jnp.ones(3)}
+    for x in xs:
+        _, new = ours.apply(
+            {**variables, "batch_stats": stats}, x, use_running_average=False, mutable=True
+        )
+        stats = ga.flax.commit_batch_stats(new["batch_stats"])
+        _, new = ref.apply(
+            {"params": variables["params"], "batch_stats": ref_stats},
+            x,
+            use_running_average=False,
+            mutable=True,
+        )
+        ref_stats = new["batch_stats"]
+        np.testing.assert_array_equal(stats["mean"], ref_stats["mean"])
+        np.testing.assert_array_equal(stats["var"], ref_stats["var"])
+    # The NNX layer folds with the same weights.
+    layer = NNXAccumBatchNorm(
+        FEATURES, momentum=momentum, use_fast_variance=False, rngs=nnx.Rngs(0)
+    )
+    reference = nnx.BatchNorm(
+        FEATURES, momentum=momentum, use_fast_variance=False, rngs=nnx.Rngs(0)
+    )
+    for x in xs[:20]:
+        layer(x)
+        layer.commit()
+        reference(x)
+    np.testing.assert_array_equal(layer.mean[...], reference.mean[...])
+    np.testing.assert_array_equal(layer.var[...], reference.var[...])
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_variance", "two_pass"])
+def test_k1_running_statistics_follow_flax_over_thousands_of_commits(fast):
+    # Compiled, K = 1, 4000 commits at momentum 0.9999. The fold's weight
+    # 1 - float32(m) would drift by ~1.7e-4 relative; flax's float32(1 - m) gives
+    # what flax gives up to the compiler's rounding choices (fused multiply-adds).
+    momentum = 0.9999
+    ours = AccumBatchNorm(momentum=momentum, use_fast_variance=fast)
+    ref = nn.BatchNorm(momentum=momentum, use_fast_variance=fast)
+    xs = jnp.asarray(_integer_batches(4000, 45))
+    variables = ours.init(jax.random.key(0), xs[0], use_running_average=False)
+
+    def body(carry, x):
+        stats, ref_stats = carry
+        _, new = ours.apply(
+            {**variables, "batch_stats": stats}, x, use_running_average=False, mutable=True
+        )
+        _, ref_new = ref.apply(
+            {"params": variables["params"], "batch_stats": ref_stats},
+            x,
+            use_running_average=False,
+            mutable=True,
+        )
+        return (ga.flax.commit_batch_stats(new["batch_stats"]), ref_new["batch_stats"]), None
+
+    start = (variables["batch_stats"], {"mean": jnp.zeros(3), "var": jnp.ones(3)})
+    (stats, ref_stats), _ = jax.jit(lambda c, xs: jax.lax.scan(body, c, xs))(start, xs)
+    assert float(jnp.min(jnp.abs(ref_stats["mean"]))) > 0.5  # moved well off zero
+    np.testing.assert_allclose(stats["mean"], ref_stats["mean"], rtol=2e-6)
+    np.testing.assert_allclose(stats["var"], ref_stats["var"], rtol=2e-6)

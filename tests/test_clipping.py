@@ -878,3 +878,43 @@ def test_where_torchzero_fails_results_stay_defined():
     out, std = ga.clip_grad_norm({"a": jnp.array([5.0])}, 1.0, "std", dim=None)
     np.testing.assert_array_equal(out["a"], [5.0])
     assert float(std["a"]) == 0.0
+
+
+# --- Issue 24: non-finite input gives what optax gives, element for element ---
+
+_NON_FINITE = [
+    {"a": jnp.array([jnp.nan, 1e6]), "b": jnp.array([2e6])},
+    {"a": jnp.array([jnp.inf, 1.0]), "b": jnp.array([2.0])},
+    {"a": jnp.array([-jnp.inf, jnp.nan]), "b": jnp.array([0.5])},
+]
+
+
+@pytest.mark.parametrize("grads", _NON_FINITE, ids=["nan", "inf", "inf_and_nan"])
+def test_global_norm_clipping_of_non_finite_input_equals_optax(grads):
+    expected, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    clip = ga.clip_norm(1.0)
+    got = {
+        "clip_grad_norm": jax.jit(lambda g: ga.clip_grad_norm(g, 1.0)[0])(grads),
+        "clip_norm": jax.jit(lambda g: clip.update(g, clip.init(g))[0])(grads),
+    }
+    for name, tree in got.items():
+        for key in grads:
+            np.testing.assert_array_equal(tree[key], expected[key], err_msg=name)
+
+
+@pytest.mark.parametrize("grads", _NON_FINITE, ids=["nan", "inf", "inf_and_nan"])
+def test_normalizing_a_non_finite_unit_makes_it_what_dividing_by_its_norm_makes_it(grads):
+    # No optax counterpart; the rule is the same: g * target / norm, NaN where that is NaN.
+    tx = ga.normalize(1.0)
+    norm = optax.tree.norm(grads)
+    expected = jax.tree.map(lambda g: g / norm, grads)
+    for tree in (
+        jax.jit(lambda g: ga.normalize_grads(g, 1.0))(grads),
+        jax.jit(lambda g: tx.update(g, tx.init(g))[0])(grads),
+    ):
+        for key in grads:
+            np.testing.assert_array_equal(tree[key], expected[key])
+    # Per-leaf units: only the unit holding the non-finite element is touched by it.
+    clipped, _ = jax.jit(lambda g: ga.clip_grad_norm(g, 1.0, dim=None))(grads)
+    np.testing.assert_allclose(clipped["b"], jnp.clip(grads["b"], -1.0, 1.0))
+    assert not np.all(np.isfinite(clipped["a"]))

@@ -22,7 +22,7 @@ from gradaccum_jax import _global_view, _validation
 
 _WINDOW_KEYS = ("window_count", "window_sum", "window_sum_sq", "window_shift")
 _FLAX_KEYS = frozenset(("mean", "var"))
-_ACCUM_KEYS = frozenset(("mean", "var", "momentum", "window_params", *_WINDOW_KEYS))
+_ACCUM_KEYS = frozenset(("mean", "var", "momentum", "window_pending", *_WINDOW_KEYS))
 # nn.BatchNorm's default; only a placeholder in converted statistics, because a
 # layer records its own momentum before its window can hold anything.
 _DEFAULT_MOMENTUM = 0.99
@@ -91,51 +91,43 @@ def _check_closes(closes: Any) -> jax.Array:
     return value
 
 
-def _fingerprint(
-    scale: jax.Array | None, bias: jax.Array | None, feature_shape: tuple[int, ...]
-) -> jax.Array:
-    """The layer's `scale` and `bias` stacked as `float32[*F, 2]`, zeros where absent."""
-    rows = [
-        jnp.zeros(feature_shape, jnp.float32)
-        if p is None
-        else lax.stop_gradient(p).reshape(feature_shape).astype(jnp.float32)
-        for p in (scale, bias)
-    ]
-    return jnp.stack(rows, axis=-1)
+def _momentum_pair(momentum: Any) -> jax.Array:
+    """`float32[2]`: `momentum` and `1 - momentum`, each rounded once from the Python value.
 
-
-def _open_window_params(window: _Window, recorded: jax.Array, fingerprint: jax.Array) -> jax.Array:
-    # The parameters are recorded when a window opens; under accumulate they
-    # stay put until the optimizer step that should close the window.
-    return jnp.where(jnp.any(window.count > 0), recorded, fingerprint)
+    flax folds with `momentum * old + (1 - momentum) * new` where `1 - momentum`
+    is computed before the rounding to float32; `1 - float32(momentum)` differs
+    from it by up to half an ulp of `momentum`, which is 1.7e-4 relative at
+    momentum 0.9999.
+    """
+    return jnp.asarray([momentum, 1 - momentum], jnp.float32)
 
 
 def _uncommitted_message(where: str) -> str:
     return (
-        f"{where} holds batch statistics of training calls from before the last optimizer "
-        "step: its scale or bias changed since its window opened, but the window was never "
-        "folded into the running mean and var, which are still what they were at the "
-        "previous commit (their initial values if there was none). Evaluating with them "
-        "would be wrong. Commit once per optimizer step in the train step, after the "
-        "forward pass: batch_stats = gradaccum_jax.flax.commit_batch_stats(batch_stats, "
+        f"{where} is read with use_running_average=True while its window holds the "
+        "statistics of training calls that no commit has seen: the running mean and var "
+        "are still what they were at the previous commit (their initial values if there "
+        "was none), whatever the optimizer did to the parameters. Commit in the train "
+        "step, after the forward pass: batch_stats = "
+        "gradaccum_jax.flax.commit_batch_stats(batch_stats, "
         "closes=gradaccum_jax.closes_window(opt_state)) for flax.linen, or "
         "gradaccum_jax.flax.commit_nnx_batch_stats(model, "
-        "closes=gradaccum_jax.closes_window(optimizer.opt_state)) for flax.nnx."
+        "closes=gradaccum_jax.closes_window(optimizer.opt_state)) for flax.nnx; with "
+        "no optimizer (recomputing the statistics only), commit with closes=True after "
+        "the training calls."
     )
 
 
-def _check_committed(
-    window_count: jax.Array, recorded: jax.Array, fingerprint: jax.Array, where: str
-) -> None:
-    """Raises if the window is not empty and the parameters moved since it opened.
+def _check_committed(window_count: jax.Array, pending: jax.Array, where: str) -> None:
+    """Raises if the window holds statistics that no commit call has seen.
 
-    Runs on the first evaluation call after a missed commit: directly for
-    concrete values, through a host callback under `jit`/`pmap`, where the
+    Runs on every evaluation call: directly for concrete values, through a
+    host callback under `jit`/`pmap` (only on the failing path), where the
     error surfaces as a `jax.errors.JaxRuntimeError` carrying this message.
     """
     # Per-device windows (global view) are summed first: an evaluation call, not the hot path.
-    window_count, recorded = _global_view.reduced((window_count, recorded))
-    stale = jnp.any(window_count > 0) & ~jnp.array_equal(recorded, fingerprint, equal_nan=True)
+    window_count = _global_view.reduced(window_count)
+    stale = jnp.any(window_count > 0) & jnp.any(pending > 0)
     message = _uncommitted_message(where)
 
     def raise_if_stale(flag):
@@ -288,8 +280,6 @@ def _train_call(
     mask: jax.Array | None,
     running_mean: jax.Array,
     window: _Window,
-    recorded: jax.Array,
-    fingerprint: jax.Array,
     *,
     partial_axes: tuple[Any, ...] | None,
     stats_dtype: jnp.dtype,
@@ -297,16 +287,15 @@ def _train_call(
     axis_name: Any,
     axis_index_groups: Any,
     where: str,
-) -> tuple[jax.Array, jax.Array, _Window, jax.Array]:
-    """A training call: the micro-batch's mean and variance, the new window and `window_params`.
+) -> tuple[jax.Array, jax.Array, _Window]:
+    """A training call: the micro-batch's mean and variance and the new window.
 
     With `partial_axes` (a layer without `axis_name` in the function that
     `unreduced_value_and_grad` runs per device) each device sees its slice of
     the batch: it normalises with the slice's statistics and adds its sums to
     its own partial window, typed unreduced over those axes, which
     `commit_batch_stats` sums once when the window closes. No collective runs.
-    The shift is the running mean (the same on every device), and the layer's
-    parameters are recorded on every call (they do not move within a window).
+    The shift is the running mean (the same on every device).
     """
     kwargs = dict(
         stats_dtype=stats_dtype,
@@ -325,7 +314,7 @@ def _train_call(
             )
         sums = _micro_batch_sums(x, reduction_axes, mask, running_mean, window, **kwargs)
         new_window = _add_to_window(window, *sums)
-        return (*_moments(*sums), new_window, _open_window_params(window, recorded, fingerprint))
+        return (*_moments(*sums), new_window)
     if not use_fast_variance:
         raise ValueError(
             f"{where} has use_fast_variance=False, which shifts the window by its first "
@@ -336,20 +325,26 @@ def _train_call(
         )
     sums = _micro_batch_sums(x, reduction_axes, mask, running_mean, None, **kwargs)
     new_window = _add_to_partial_window(window, *sums, partial_axes)
-    return (*_moments(*sums), new_window, _global_view.as_partial(fingerprint, partial_axes))
+    return (*_moments(*sums), new_window)
 
 
 def _fold_window(
-    mean: jax.Array, var: jax.Array, window: _Window, momentum: Any, closes: jax.Array
+    mean: jax.Array,
+    var: jax.Array,
+    window: _Window,
+    momentum: tuple[Any, Any],
+    closes: jax.Array,
 ) -> tuple[jax.Array, jax.Array, _Window]:
+    """One EMA step with `momentum = (m, 1 - m)`, in flax's order of operations."""
+    keep, take = momentum
     seen = window.count > 0
     count = jnp.where(seen, window.count, 1.0)
     delta = window.total / count
     window_mean = window.shift + delta
     window_var = jnp.maximum(window.total_sq / count - delta * delta, 0.0)
     update = closes & seen
-    new_mean = jnp.where(update, momentum * mean + (1 - momentum) * window_mean, mean)
-    new_var = jnp.where(update, momentum * var + (1 - momentum) * window_var, var)
+    new_mean = jnp.where(update, keep * mean + take * window_mean, mean)
+    new_var = jnp.where(update, keep * var + take * window_var, var)
 
     def reset(field):
         return jnp.where(closes, jnp.zeros_like(field), field)
@@ -366,7 +361,7 @@ def _fold_window(
 def _fold_windows(
     items: list[tuple[jax.Array, jax.Array, _Window, Any]], closes: jax.Array
 ) -> list[tuple[jax.Array, jax.Array, _Window]]:
-    """`_fold_window` of several layers' `(mean, var, window, momentum)`.
+    """`_fold_window` of several layers' `(mean, var, window, (m, 1 - m))`.
 
     Per-device windows (partial sums, unreduced over mesh axes) are summed,
     folded and reset inside one `jax.lax.cond` on `closes`, with a single
@@ -482,25 +477,27 @@ class AccumBatchNorm(nn.Module):
     to float32 rounding.
 
     A forgotten commit does not go unnoticed. The layer cannot commit by
-    itself: the end of a window is known to the optimizer, not to the model,
-    and an optimizer step may leave the layer's parameters unchanged (a
-    learning rate warming up from 0, a skipped update). But an optimizer step
-    that changed them is visible: the layer records its `scale` and `bias`
-    when a window opens, and an evaluation call
-    (`use_running_average=True`) that finds the window not empty and the
-    parameters changed since it opened raises a `ValueError` naming
-    `commit_batch_stats` (under `jit` or `pmap`, through a host callback, as
-    a `jax.errors.JaxRuntimeError` carrying that message). Evaluating in the
-    middle of a window, before the optimizer step, is allowed. A layer with
-    neither `scale` nor `bias`, or whose parameters never change, has
-    nothing to compare and is not checked.
+    itself: the end of a window is known to the optimizer, not to the model.
+    So every training call sets a marker, `window_pending`, that every call
+    of `commit_batch_stats` clears (with `closes` true or false: the train
+    step has seen the window and said whether it ends), and an evaluation
+    call (`use_running_average=True`) that finds the marker set and the
+    window not empty raises a `ValueError` naming `commit_batch_stats`
+    (under `jit` or `pmap`, through a host callback, as a
+    `jax.errors.JaxRuntimeError` carrying that message). This holds whatever
+    the parameters do: frozen, masked, at learning rate 0, absent
+    (`use_scale=False, use_bias=False`), or with no optimizer at all.
+    Evaluating in the middle of a window is allowed once a commit call with
+    `closes=False` has seen the training calls, as the train step below
+    does on every micro-step.
 
     Extra variables in `batch_stats` (all `float32`; `F` is the feature
     shape): `window_count[F]` (entries seen in the window),
     `window_sum[F]` and `window_sum_sq[F]` (`S` and `Q`),
-    `window_shift[F]` (`c`), `window_params[F, 2]` (`scale` and `bias`
-    when the window opened, zeros for an absent one) and `momentum[]` (the
-    layer's `momentum`, recorded on every training call, so that
+    `window_shift[F]` (`c`), `window_pending[]` (1 after a training call,
+    0 after a commit call) and `momentum[2]` (the layer's `momentum` and
+    `1 - momentum`, each rounded to float32 from the Python value as flax
+    rounds them, recorded on every training call so that
     `commit_batch_stats` is a pure function of the collection). Training
     needs only
     `mutable=['batch_stats']`. A call whose sums are not finite is left out of
@@ -628,37 +625,28 @@ class AccumBatchNorm(nn.Module):
 
         ra_mean, ra_var = stat("mean", 0.0), stat("var", 1.0)
         window_vars = _Window(*(stat(name, 0.0) for name in _WINDOW_KEYS))
-        momentum = self.variable(
-            "batch_stats", "momentum", lambda: jnp.asarray(self.momentum, jnp.float32)
-        )
-        window_params = self.variable(
-            "batch_stats",
-            "window_params",
-            lambda: jnp.zeros((*feature_shape, 2), jnp.float32),
-        )
+        momentum = self.variable("batch_stats", "momentum", lambda: _momentum_pair(self.momentum))
+        pending = self.variable("batch_stats", "window_pending", lambda: jnp.zeros((), jnp.float32))
         scale = bias = None
         if self.use_scale:
             scale = self.param("scale", self.scale_init, feature_shape, self.param_dtype)
         if self.use_bias:
             bias = self.param("bias", self.bias_init, feature_shape, self.param_dtype)
-        fingerprint = _fingerprint(scale, bias, feature_shape)
 
         where = "AccumBatchNorm " + ("/".join(self.path) or "(top level)")
         if use_running_average:
             mean, var = ra_mean.value, ra_var.value
             if not self.is_initializing():
-                _check_committed(window_vars.count.value, window_params.value, fingerprint, where)  # type: ignore[attr-defined]
+                _check_committed(window_vars.count.value, pending.value, where)  # type: ignore[attr-defined]
         else:
             window = _Window(*(v.value for v in window_vars))  # type: ignore[attr-defined]
             initializing = self.is_initializing()
-            mean, var, new_window, recorded = _train_call(
+            mean, var, new_window = _train_call(
                 x,
                 reduction_axes,
                 mask,
                 ra_mean.value,
                 window,
-                window_params.value,
-                fingerprint,
                 partial_axes=_partial_window_axes(self.axis_name, initializing),
                 stats_dtype=_stats_dtype(self.dtype, x),
                 use_fast_variance=self.use_fast_variance,
@@ -668,10 +656,10 @@ class AccumBatchNorm(nn.Module):
                 where=where,
             )
             if not initializing:
-                window_params.value = recorded
                 for variable, value in zip(window_vars, new_window, strict=True):
                     variable.value = value  # type: ignore[attr-defined]
-                momentum.value = jnp.asarray(self.momentum, jnp.float32)
+                momentum.value = _momentum_pair(self.momentum)
+                pending.value = jnp.ones((), jnp.float32)
 
         return _normalize(
             x, mean, var, scale, bias, feature_axes, reduction_axes, self.epsilon, self.dtype
@@ -700,8 +688,11 @@ def commit_batch_stats(batch_stats: Any, closes: jax.typing.ArrayLike = True) ->
     `AccumBatchNorm`) and an empty window; other entries, such as
     `nn.BatchNorm` statistics, are returned unchanged. A feature whose window
     is empty (fully masked) keeps its running statistics. With `closes`
-    false nothing changes, so the call can sit in every micro-step of a jitted
-    train step with `closes=ga.closes_window(opt_state)`. Windows held per
+    false the statistics and the window do not change, so the call can sit in
+    every micro-step of a jitted train step with
+    `closes=ga.closes_window(opt_state)`; either way it clears
+    `window_pending`, the marker that lets evaluation calls in the middle of
+    a window through (see `AccumBatchNorm`). Windows held per
     device in a global-view step (typed unreduced, see `AccumBatchNorm`'s
     `axis_name`) are summed in one all-reduce for all layers, inside a
     `jax.lax.cond` on `closes`: no collective runs when the window does not
@@ -718,7 +709,9 @@ def commit_batch_stats(batch_stats: Any, closes: jax.typing.ArrayLike = True) ->
       A pytree with the structure and dtypes of `batch_stats`.
 
     Raises:
-      ValueError: If `batch_stats` contains no `AccumBatchNorm` statistics.
+      ValueError: If `batch_stats` holds arrays but no `AccumBatchNorm`
+        statistics (a tree with no arrays, such as the empty collection of
+        a model without these layers, is returned unchanged).
       TypeError: If `closes` is not a boolean scalar.
 
     Examples:
@@ -742,11 +735,12 @@ def commit_batch_stats(batch_stats: Any, closes: jax.typing.ArrayLike = True) ->
     def collect(node):
         if is_state(node):
             mean, var = jnp.asarray(node["mean"]), jnp.asarray(node["var"])
-            momentum = jnp.asarray(node["momentum"])
-            # Layers stacked by nn.scan or nn.vmap carry one momentum per layer.
-            momentum = momentum.reshape(momentum.shape + (1,) * (mean.ndim - momentum.ndim))
+            pair = jnp.asarray(node["momentum"])
+            # Layers stacked by nn.scan or nn.vmap carry one pair per layer, `[L, 2]`.
+            keep, take = pair[..., 0], pair[..., 1]
+            shape = keep.shape + (1,) * (mean.ndim - keep.ndim)
             window = _Window(*(jnp.asarray(node[key]) for key in _WINDOW_KEYS))
-            items.append((mean, var, window, momentum))
+            items.append((mean, var, window, (keep.reshape(shape), take.reshape(shape))))
         return node
 
     jax.tree.map(collect, batch_stats, is_leaf=is_state)
@@ -756,19 +750,23 @@ def commit_batch_stats(batch_stats: Any, closes: jax.typing.ArrayLike = True) ->
         if not is_state(node):
             return node
         new_mean, new_var, new_window = next(folded)
-        entries = {**node, "mean": new_mean, "var": new_var}
+        # Any commit call has seen the window: it closed it, or said it is still open.
+        pending = jnp.zeros_like(jnp.asarray(node["window_pending"]))
+        entries = {**node, "mean": new_mean, "var": new_var, "window_pending": pending}
         entries.update(zip(_WINDOW_KEYS, new_window, strict=True))
         return type(node)(entries)
 
-    result = jax.tree.map(fold, batch_stats, is_leaf=is_state)
-    if not items:
+    if not items and jax.tree.leaves(batch_stats):
         raise ValueError(
-            "batch_stats contains no AccumBatchNorm statistics (a mapping with keys "
+            "batch_stats holds arrays but no AccumBatchNorm statistics (a mapping with keys "
             f"{sorted(_ACCUM_KEYS)}); got a tree with structure "
             f"{jax.tree_util.tree_structure(batch_stats)}. Pass the 'batch_stats' "
-            "collection returned by model.apply(..., mutable=['batch_stats'])."
+            "collection returned by model.apply(..., mutable=['batch_stats']) of a model "
+            "with AccumBatchNorm layers (an empty collection, of a model without them, is "
+            "returned unchanged); convert nn.BatchNorm statistics with "
+            "gradaccum_jax.flax.batch_stats_from_flax."
         )
-    return result
+    return jax.tree.map(fold, batch_stats, is_leaf=is_state)
 
 
 def batch_stats_from_flax(batch_stats: Any) -> Any:
@@ -794,7 +792,7 @@ def batch_stats_from_flax(batch_stats: Any) -> Any:
       >>> flax_stats = {"BatchNorm_0": {"mean": jnp.array([1.0]), "var": jnp.array([4.0])}}
       >>> stats = ga.flax.batch_stats_from_flax(flax_stats)
       >>> sorted(stats["BatchNorm_0"])
-      ['mean', 'momentum', 'var', 'window_count', 'window_params', 'window_shift',
+      ['mean', 'momentum', 'var', 'window_count', 'window_pending', 'window_shift',
        'window_sum', 'window_sum_sq']
       >>> ga.flax.batch_stats_to_flax(stats)["BatchNorm_0"]["var"]
       Array([4.], dtype=float32)
@@ -808,8 +806,8 @@ def batch_stats_from_flax(batch_stats: Any) -> Any:
         empty = jnp.zeros(mean.shape, jnp.float32)
         entries = dict(node)
         entries.update({key: empty for key in _WINDOW_KEYS})
-        entries["window_params"] = jnp.zeros((*mean.shape, 2), jnp.float32)
-        entries["momentum"] = jnp.asarray(_DEFAULT_MOMENTUM, jnp.float32)
+        entries["window_pending"] = jnp.zeros((), jnp.float32)
+        entries["momentum"] = _momentum_pair(_DEFAULT_MOMENTUM)
         return type(node)(entries)
 
     return jax.tree.map(convert, batch_stats, is_leaf=is_flax_state)
@@ -855,12 +853,12 @@ class NNXAccumBatchNorm(nnx.Module):
     as described for `AccumBatchNorm`. The window lives in five more
     `nnx.BatchStat` variables, `window_count`, `window_sum`,
     `window_sum_sq` and `window_shift` (`float32[num_features]`) and
-    `window_params` (`float32[num_features, 2]`).
-    `commit`, or `commit_nnx_batch_stats` for a whole model,
+    `window_pending` (`float32[]`, set by a training call, cleared by a
+    commit). `commit`, or `commit_nnx_batch_stats` for a whole model,
     closes the window; call it once per optimizer step. As for
-    `AccumBatchNorm`, an evaluation call after an optimizer step that changed
-    `scale` or `bias` without a commit raises an error that names
-    `commit_nnx_batch_stats`. `from_batchnorm`
+    `AccumBatchNorm`, an evaluation call that finds training calls no commit
+    has seen raises an error that names `commit_nnx_batch_stats`, whatever
+    the parameters did. `from_batchnorm`
     and `to_batchnorm` convert single layers; a model's `nnx.state`
     saved with `nnx.BatchNorm` layers loads into one with these layers by
     `nnx.update` (the window keeps its initial, empty value).
@@ -938,7 +936,7 @@ class NNXAccumBatchNorm(nnx.Module):
         self.window_sum = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
         self.window_sum_sq = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
         self.window_shift = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
-        self.window_params = nnx.BatchStat(jnp.zeros((*shape, 2), jnp.float32))
+        self.window_pending = nnx.BatchStat(jnp.zeros((), jnp.float32))
         self.scale: nnx.Param[jax.Array] | None
         if use_scale:
             self.scale = nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)
@@ -1011,23 +1009,18 @@ class NNXAccumBatchNorm(nnx.Module):
         feature_axes, reduction_axes = _split_axes(x.ndim, self.axis)
         scale = None if self.scale is None else self.scale[...]
         bias = None if self.bias is None else self.bias[...]
-        fingerprint = _fingerprint(scale, bias, (self.num_features,))
         x, mean, var, scale, bias = self.promote_dtype(
             (x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype
         )
         if use_running_average:
-            _check_committed(
-                self.window_count[...], self.window_params[...], fingerprint, "NNXAccumBatchNorm"
-            )
+            _check_committed(self.window_count[...], self.window_pending[...], "NNXAccumBatchNorm")
         else:
-            mean, var, window, recorded = _train_call(
+            mean, var, window = _train_call(
                 x,
                 reduction_axes,
                 mask,
                 self.mean[...],
                 self._window(),
-                self.window_params[...],
-                fingerprint,
                 partial_axes=_partial_window_axes(self.axis_name, initializing=False),
                 stats_dtype=_stats_dtype(self.dtype, x),
                 use_fast_variance=self.use_fast_variance,
@@ -1035,8 +1028,8 @@ class NNXAccumBatchNorm(nnx.Module):
                 axis_index_groups=self.axis_index_groups,
                 where="NNXAccumBatchNorm",
             )
-            self.window_params[...] = recorded
             self._set_window(window)
+            self.window_pending[...] = jnp.ones((), jnp.float32)
         return _normalize(
             x, mean, var, scale, bias, feature_axes, reduction_axes, self.epsilon, self.dtype
         )
@@ -1134,13 +1127,13 @@ def commit_nnx_batch_stats(model: nnx.Module, closes: jax.typing.ArrayLike = Tru
     an `nnx.jit` train step after the forward pass.
 
     Args:
-      model: An `nnx.Module` containing `NNXAccumBatchNorm` layers (a layer
-        used several times is committed once).
+      model: An `nnx.Module`; every `NNXAccumBatchNorm` in it is committed
+        (a layer used several times once; a model without one is left as it
+        is).
       closes: A boolean scalar, Python or traced: whether this call ends the
         window.
 
     Raises:
-      ValueError: If `model` contains no `NNXAccumBatchNorm`.
       TypeError: If `closes` is not a boolean scalar.
 
     Examples:
@@ -1158,17 +1151,16 @@ def commit_nnx_batch_stats(model: nnx.Module, closes: jax.typing.ArrayLike = Tru
     """
     closes = _check_closes(closes)
     layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, NNXAccumBatchNorm)]
-    if not layers:
-        raise ValueError(
-            f"model contains no NNXAccumBatchNorm layer; got {type(model).__name__}. "
-            "Replace its nnx.BatchNorm layers with gradaccum_jax.flax.NNXAccumBatchNorm."
-        )
     _commit_layers(layers, closes)
 
 
 def _commit_layers(layers: list[NNXAccumBatchNorm], closes: jax.Array) -> None:
-    items = [(layer.mean[...], layer.var[...], layer._window(), layer.momentum) for layer in layers]
+    items = [
+        (layer.mean[...], layer.var[...], layer._window(), (layer.momentum, 1 - layer.momentum))
+        for layer in layers
+    ]
     for layer, (mean, var, window) in zip(layers, _fold_windows(items, closes), strict=True):
         layer.mean[...] = mean
         layer.var[...] = var
         layer._set_window(window)
+        layer.window_pending[...] = jnp.zeros((), jnp.float32)
