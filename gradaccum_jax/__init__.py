@@ -12,6 +12,10 @@ from gradaccum_jax._accumulation import (
 from gradaccum_jax._agc import (
     adaptive_grad_clip,
 )
+from gradaccum_jax._checkpoint import (
+    checkpointable,
+    restore_unreduced,
+)
 from gradaccum_jax._clipping import (
     ClipNormByEMAState,
     ClipNormGrowthState,
@@ -99,6 +103,7 @@ __all__ = [
     "adaptive_grad_clip",
     "add_replica_axis",
     "centralize",
+    "checkpointable",
     "clamp_params",
     "clip_grad_norm",
     "clip_grad_value",
@@ -128,6 +133,7 @@ __all__ = [
     "plan_microbatches",
     "remove_replica_axis",
     "replica_state_specs",
+    "restore_unreduced",
     "scale_loss",
     "scaled_value_and_grad",
     "split_accumulate",
