@@ -298,6 +298,7 @@ def adaptive_grad_clip(
         state: optax.EmptyState,
         params: optax.Params | None = None,
     ) -> tuple[optax.Updates, optax.EmptyState]:
+        _validation.refuse_unreduced("updates", updates, "adaptive_grad_clip")
         if params is None:
             raise ValueError(
                 "adaptive_grad_clip needs the parameters: its bound is relative to each "

@@ -294,6 +294,7 @@ def _stateless(fn: Callable[[optax.Updates], optax.Updates]) -> optax.GradientTr
         updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, optax.EmptyState]:
         del params
+        _validation.refuse_unreduced("updates", updates, "this clipping transformation")
         return fn(updates), state
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -878,6 +879,7 @@ def _by_ema(
         updates: optax.Updates, state: ClipNormByEMAState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, ClipNormByEMAState]:
         del params
+        _validation.refuse_unreduced("updates", updates, "this clipping transformation")
         first = state.count == 0
         grads = jax.tree.map(lambda g, e: jnp.asarray(g).astype(e.dtype), updates, state.ema)
         start = state.ema
@@ -1119,6 +1121,7 @@ def clip_value_by_ema(
         updates: optax.Updates, state: ClipValueByEMAState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, ClipValueByEMAState]:
         del params
+        _validation.refuse_unreduced("updates", updates, "this clipping transformation")
         first = state.count == 0
         mags = jax.tree.map(lambda g, e: jnp.abs(g).astype(e.dtype), updates, state.ema)
         start = state.ema
@@ -1258,6 +1261,7 @@ def clip_norm_growth(
         updates: optax.Updates, state: ClipNormGrowthState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, ClipNormGrowthState]:
         del params
+        _validation.refuse_unreduced("updates", updates, "this clipping transformation")
         first = state.count == 0
         sizes = _tree_sizes(updates, m, per_leaf)
         factors, tracked = [], []
@@ -1368,6 +1372,7 @@ def clip_value_growth(
         updates: optax.Updates, state: ClipValueGrowthState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, ClipValueGrowthState]:
         del params
+        _validation.refuse_unreduced("updates", updates, "this clipping transformation")
         first = state.count == 0
         leaves, treedef = jax.tree.flatten(updates)
         pairs = [

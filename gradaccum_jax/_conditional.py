@@ -508,6 +508,7 @@ def conditional_accumulate(
         local_step: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, ConditionalAccumulateState]:
+        _validation.refuse_unreduced("updates", updates, "conditional_accumulate")
         if local_step is None:
             raise TypeError(
                 "conditional_accumulate's update needs local_step=, the global step at "

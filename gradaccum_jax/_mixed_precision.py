@@ -112,6 +112,7 @@ def _loss_scaling(
     ) -> tuple[optax.Updates, LossScaleState]:
         del params, extra_args
         _validation.check_float_tree("updates", updates)
+        _validation.refuse_unreduced("updates", updates, "the loss scale")
         # Unscaled into float32 at least: back in float16, the small gradients
         # that the scale kept from underflowing would flush to zero again.
         grads = jax.tree.map(

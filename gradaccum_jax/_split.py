@@ -159,7 +159,7 @@ class _Buffered:
         # One slot per micro-step, each sharded like the param (FSDP).
         sharding = getattr(jax.typeof(like), "sharding", None)
         spec = getattr(sharding, "spec", None)
-        if spec is None or getattr(sharding.mesh, "empty", True):
+        if spec is None or getattr(getattr(sharding, "mesh", None), "empty", True):
             return jnp.zeros((self.length, *jnp.shape(like)), dtype)
         return jnp.zeros(
             (self.length, *jnp.shape(like)), dtype, out_sharding=jax.P(None, *spec.partitions)
@@ -409,6 +409,7 @@ def split_accumulate(
                 "last in optax.chain (only clamp_params may follow it)."
             )
         _validation.check_float_tree("params", params)
+        _validation.refuse_unreduced("updates", updates, "split_accumulate")
         positive, negative, pos_part, neg_part = split(updates, params)
         given = [src for src in (positive, negative) if src is not None] if paired else [updates]
 
@@ -695,6 +696,7 @@ def clamp_params(lower: float | None, upper: float | None) -> optax.GradientTran
             )
         _validation.check_same_structure("updates", updates, "params", params)
         _validation.check_float_tree("params", params)
+        _validation.refuse_unreduced("updates", updates, "clamp_params")
         _check_real_params(params)
         return jax.tree.map(clamp_leaf, updates, params), state
 

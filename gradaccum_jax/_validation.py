@@ -50,6 +50,32 @@ def check_float_tree(name: str, tree: Any) -> None:
             )
 
 
+def refuse_unreduced(name: str, tree: Any, who: str) -> None:
+    """Raises `ValueError` if a leaf of `tree` is typed unreduced over mesh axes.
+
+    Unreduced gradients (from `unreduced_value_and_grad`) are per-device partial
+    sums; a transformation that is not linear in them (a norm, a clip, a
+    finiteness test) would act on each device's part instead of their sum.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not isinstance(leaf, jax.Array | jax.core.Tracer):
+            continue
+        spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
+        axes = getattr(spec, "unreduced", None)
+        if axes:
+            shown = sorted(axes, key=str)
+            raise ValueError(
+                f"{who} got {name} leaf {jax.tree_util.keystr(path)} typed unreduced over "
+                f"mesh axes {shown} ({jax.typeof(leaf)}): per-device partial sums, as "
+                "unreduced_value_and_grad returns them, which it cannot act on (it would "
+                "act on each device's part instead of their sum). Put it inside accumulate, "
+                "which reduces the window once at its close: gradaccum_jax.accumulate("
+                "optax.chain(<this transformation>, <optimizer>), K) (K=1 reduces every "
+                "step), or reduce the gradients first: jax.reshard(grads, <the params' "
+                "PartitionSpecs>)."
+            )
+
+
 def check_same_structure(name: str, tree: Any, reference_name: str, reference: Any) -> None:
     """Raises `ValueError` unless `tree` matches `reference` in structure and shapes."""
     tree_def = jax.tree_util.tree_structure(tree)
