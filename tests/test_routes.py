@@ -8,6 +8,7 @@ the compiled step, and reads the accumulator's bytes per device.
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,3 +253,64 @@ def test_gradients_unreduced_over_another_axis_than_shard_inner_state_name_both(
     tx = ga.accumulate(optax.adam(1e-2), K, shard_inner_state="data")
     with pytest.raises(ValueError, match=r"unreduced over \('fsdp',\).*shard_inner_state='data'"):
         train(tx, batches(1), axis_name="fsdp")
+
+
+class _BNNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.Dense(16)(x)
+        x = ga.flax.AccumBatchNorm(use_running_average=not train, momentum=0.5)(x)
+        return nn.Dense(4)(jnp.tanh(x))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["hsdp", "feature_sharded"])
+def test_accum_batchnorm_window_with_sharded_params_and_activations(mode):
+    """Running statistics after a window equal nn.BatchNorm's one step on the whole window.
+
+    hsdp: kernels sharded over fsdp, gradients from unreduced_value_and_grad(.., "data"),
+    per-device windows (unreduced over the axes the batch is split over). feature_sharded:
+    plain jax.grad under jit with the kernels left sharded over fsdp, so the normalised
+    activations are sharded over their features (16@fsdp) while the running statistics
+    are replicated.
+    """
+    k, rng = 2, np.random.default_rng(0)
+    xs = [rng.normal(size=(16, 8)).astype(np.float32) for _ in range(k)]
+    ys = [rng.normal(size=(16, 4)).astype(np.float32) for _ in range(k)]
+    variables = _BNNet().init(jax.random.key(0), xs[0])
+    tx = ga.accumulate(optax.sgd(0.0), k)
+
+    def loss(p, s, b):
+        pred, new = _BNNet().apply({"params": p, "batch_stats": s}, b[0], mutable=["batch_stats"])
+        return jnp.mean((pred - b[1]) ** 2), new["batch_stats"]
+
+    if mode == "hsdp":
+        grad_fn = ga.unreduced_value_and_grad(loss, "data", batch_argnums=2, has_aux=True)
+        batch_spec = P(("data", "fsdp"))
+    else:
+        grad_fn = jax.value_and_grad(loss, has_aux=True)
+        batch_spec = P("data")
+
+    def spec(p):
+        return P(None, "fsdp") if p.ndim == 2 and p.shape[1] % 4 == 0 else P()
+
+    with jax.set_mesh(mesh2x4()):
+        params = jax.device_put(variables["params"], jax.tree.map(spec, variables["params"]))
+        stats = jax.device_put(variables["batch_stats"], P())
+        opt_state = jax.jit(tx.init)(params)
+
+        @jax.jit
+        def step(params, stats, opt_state, batch):
+            (_, stats), grads = grad_fn(params, stats, batch)
+            stats = ga.flax.commit_batch_stats(stats, ga.closes_window(opt_state))
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), stats, opt_state
+
+        for x, y in zip(xs, ys, strict=True):
+            batch = jax.device_put((x, y), batch_spec)
+            params, stats, opt_state = step(params, stats, opt_state, batch)
+    bn = stats["BatchNorm_0"]
+    dense = variables["params"]["Dense_0"]
+    hidden = np.concatenate(xs) @ np.asarray(dense["kernel"]) + np.asarray(dense["bias"])
+    np.testing.assert_allclose(bn["mean"], 0.5 * hidden.mean(0), 1e-5, 1e-6)
+    np.testing.assert_allclose(bn["var"], 0.5 + 0.5 * hidden.var(0), 1e-5, 1e-6)

@@ -18,7 +18,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.typing import Dtype, Initializer, PromoteDtypeFn
 from jax import lax
 
-from gradaccum_jax import _global_view, _validation
+from gradaccum_jax import _compat, _global_view, _validation
 
 _WINDOW_KEYS = ("window_count", "window_sum", "window_sum_sq", "window_shift")
 _FLAX_KEYS = frozenset(("mean", "var"))
@@ -148,6 +148,27 @@ def _stats_dtype(dtype: Dtype | None, x: jax.Array) -> jnp.dtype:
     return jnp.promote_types(x.dtype if dtype is None else dtype, jnp.float32)
 
 
+def _sharded_like(stat: jax.Array, ref: jax.Array) -> jax.Array:
+    """A per-feature statistic in the running statistics' sharding, under explicit mesh axes.
+
+    Activations sharded over their features (tensor parallelism, or params left sharded
+    in the layer before) give per-feature sums sharded like them, while the running
+    statistics are replicated variables; the sums are gathered (a few floats per
+    feature) so that both meet in one sharding. Elsewhere (no mesh, inside
+    `shard_map`, Auto axes) the shardings already agree and nothing happens.
+    """
+    have = getattr(jax.typeof(stat), "sharding", None)
+    want = getattr(jax.typeof(ref), "sharding", None)
+    spec, target = getattr(have, "spec", None), getattr(want, "spec", None)
+    if spec is None or target is None or spec == target or spec.unreduced:
+        return stat
+    mesh = jax.sharding.get_abstract_mesh()
+    explicit = jax.sharding.AxisType.Explicit
+    if mesh.empty or any(t != explicit for t in mesh.axis_types):
+        return stat
+    return _compat.reshard(stat, jax.P(*target.partitions))
+
+
 def _micro_batch_sums(
     x: jax.Array,
     reduction_axes: tuple[int, ...],
@@ -168,7 +189,7 @@ def _micro_batch_sums(
     x = x.astype(stats_dtype)
 
     def masked_sum(v):
-        return jnp.sum(v, reduction_axes, where=mask)
+        return _sharded_like(jnp.sum(v, reduction_axes, where=mask), running_mean)
 
     def over_replicas(*parts):
         stacked = jnp.stack(parts)
@@ -182,6 +203,7 @@ def _micro_batch_sums(
         count = jnp.full(running_mean.shape, reduced, stats_dtype)
     else:
         count = jnp.sum(jnp.broadcast_to(mask, x.shape), reduction_axes, dtype=stats_dtype)
+        count = _sharded_like(count, running_mean)
     running_mean = running_mean.astype(stats_dtype)
     one_pass = use_fast_variance or window is None
     if window is None:
