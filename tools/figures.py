@@ -322,7 +322,7 @@ PODS = {
 
 
 def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.3g}"
+    return f"{nbytes / 1e6:.0f} MB" if nbytes < 1e9 else f"{nbytes / 1e9:.1f} GB"
 
 
 def _scaled_split(measured: dict[str, Any], what: str, d: int, f: int) -> int:
@@ -360,10 +360,10 @@ def pod_7b_table(rows: Rows, pod: str) -> str:
         [
             "route",
             "all-reduces of a shard over the slow axis per window (measured)",
-            "GB a device sends across the slow axis per window",
+            "a device sends across the slow axis per window",
             "ms at the assumed bandwidth",
-            "accumulator GB per device",
-            "params + Adam + accumulator GB per device",
+            "accumulator per device",
+            "params + Adam + accumulator per device",
         ],
         lines,
     )
