@@ -461,6 +461,13 @@ FIGURES: dict[str, Callable[[Rows], str]] = {
     "table.pod": pod_table,
     "table.pod_7b.v5e": lambda r: pod_7b_table(r, "v5e"),
     "table.pod_7b.h100": lambda r: pod_7b_table(r, "h100"),
+    "pod.params": lambda r: (
+        f"{_pod(r, 'hsdp')['param_bytes'] / 4e6:.2f}M float32 parameters "
+        f"({_pod(r, 'hsdp')['param_bytes'] / 1e6:.1f} MB)"
+    ),
+    "pod.plain_step_mb": lambda r: (
+        f"{_pod(r, 'fsdp_plain')['every_step']['all-reduce@data+fsdp'][1] / 1e6:.1f} MB"
+    ),
     "pod.hsdp_vs_plain": lambda r: times(_pod(r, "hsdp")["time_over_fsdp_plain"]),
     "pod.zero1_vs_plain": lambda r: times(_pod(r, "hsdp_zero1")["time_over_fsdp_plain"]),
     "pod.unreduced_vs_plain": lambda r: times(_pod(r, "fsdp_unreduced")["time_over_fsdp_plain"]),
