@@ -29,6 +29,7 @@ BENCHMARKS = [
     "microbatch",
     "distributed",
     "global_view",
+    "pod",
     "mixed_precision",
     "clipping",
     "noise_scale",

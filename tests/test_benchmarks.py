@@ -28,7 +28,7 @@ def test_run_all_benchmarks_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = (tmp_path / "report_quick.md").read_text()
     rows = json.loads((tmp_path / "rows_quick.json").read_text())
-    for name in ("accumulate", "microbatch", "distributed", "mixed_precision"):
+    for name in ("accumulate", "microbatch", "distributed", "mixed_precision", "pod"):
         assert f"## {name} (" in report
         assert rows[name], name
     assert "Measured" in report and "cores" in report  # the machine is named
@@ -37,6 +37,13 @@ def test_run_all_benchmarks_quick(tmp_path):
     micro = {r["candidate"]: r for r in rows["accumulate"] if "state_copies" in r}
     assert micro["accumulate(adam) micro-step"]["state_copies"] == 0
     assert micro["optax.MultiSteps(adam) micro-step"]["state_copies"] > 0
+    # HSDP: per micro-step only collectives inside "fsdp" groups, one over "data" per window;
+    # jax.grad with FSDP params reduces across "data" on each of the K micro-steps.
+    pod = {r["route"]: r for r in rows["pod"]}
+    assert all(key.endswith("@fsdp") for key in pod["hsdp"]["every_step"]), pod["hsdp"]
+    assert list(pod["hsdp"]["once"]) == ["all-reduce@data"], pod["hsdp"]
+    plain = pod["fsdp_plain"]
+    assert plain["slow_shard_all_reduces"] == pytest.approx(plain["k"], rel=0.05), plain
 
 
 def test_only_keeps_the_other_benchmarks_results(tmp_path, monkeypatch):

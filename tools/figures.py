@@ -239,6 +239,136 @@ def _global_view_ratio(rows: Rows, name: str, field: str = "time_over_multisteps
     return " / ".join(f"{r[field]:.2f}" for r in runs) + TIMES
 
 
+POD_NAMES = {
+    "pmap": "DP: `jax.pmap` + `axis_name`",
+    "shard_map": "DP: `shard_map` + `axis_name`",
+    "global_view": "DP: global view, unreduced over both axes",
+    "fsdp_plain": "FSDP plain: `jax.grad` (reduce every micro-step)",
+    "fsdp_unreduced": "FSDP + unreduced over both axes",
+    "hsdp": 'HSDP: unreduced over `"data"`',
+    "hsdp_zero1": "HSDP + ZeRO-1",
+}
+POD_K = 8
+OPS = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG"}
+
+
+def _pod(rows: Rows, route: str, k: int = POD_K) -> dict[str, Any]:
+    return row(rows, "pod", k=k, route=route)
+
+
+def _pod_ops(ops: dict[str, list[int]]) -> str:
+    """{"all-gather@fsdp": [3, nbytes], ...} as "fsdp: 3 AG, 2 AR; data: 1 AR"."""
+    by_axes: dict[str, list[str]] = {}
+    for key, (count, _) in ops.items():
+        op, _, axes = key.partition("@")
+        by_axes.setdefault(axes, []).append(f"{count} {OPS.get(op, op)}")
+    return "; ".join(f"{axes}: {', '.join(found)}" for axes, found in by_axes.items()) or "none"
+
+
+def _pod_slow_count(r: dict[str, Any]) -> int:
+    """Collectives whose groups span "data" in one window: K per micro-step op, one per close op."""
+    return sum(
+        count * (r["k"] if where == "every_step" else 1)
+        for where in ("every_step", "once")
+        for key, (count, _) in r[where].items()
+        if "data" in key.partition("@")[2].split("+")
+    )
+
+
+def pod_table(rows: Rows) -> str:
+    ks = sorted({r["k"] for r in rows["pod"]})
+    return table(
+        [
+            "route",
+            "every micro-step",
+            "once, at the close",
+            f'collectives over `"data"` per window (K={POD_K})',
+            'MB over `"data"` per window',
+            'MB a device sends across `"data"`',
+            "accumulator / params / Adam MB per device",
+            "temp MB",
+            "time / FSDP plain, K = " + " / ".join(map(str, ks)),
+        ],
+        [
+            [
+                label,
+                _pod_ops(r["every_step"]),
+                _pod_ops(r["once"]),
+                str(_pod_slow_count(r)),
+                f"{r['slow_bytes_per_window'] / 1e6:.2f}",
+                f"{r['slow_wire_bytes_per_device'] / 1e6:.2f}",
+                " / ".join(
+                    f"{r[f'{what}_bytes_per_device'] / 1e6:.2f}"
+                    for what in ("acc", "params", "opt_state")
+                ),
+                f"{r['temp_bytes'] / 1e6:.1f}",
+                " / ".join(f"{_pod(rows, route, k)['time_over_fsdp_plain']:.2f}" for k in ks),
+            ]
+            for route, label in POD_NAMES.items()
+            for r in [_pod(rows, route)]
+        ],
+    )
+
+
+# The 7B model on paper: gradients and Adam in float32. A pod is (d slow, f fast, bytes per
+# second a device sends across the slow axis, memory per device). v5e: Google's published
+# 6.4 Tb/s of data-centre network per 256-chip pod, shared by its chips; H100: one 400 Gb/s
+# InfiniBand NIC per GPU (a DGX H100's eight ConnectX-7). Both bandwidths are assumptions.
+POD_PARAMS = 7e9
+PODS = {
+    "v5e": (2, 256, 6.4e12 / 8 / 256, 16e9),
+    "h100": (16, 8, 400e9 / 8, 80e9),
+}
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.0f} MB" if nbytes < 1e9 else f"{nbytes / 1e9:.1f} GB"
+
+
+def _scaled_split(measured: dict[str, Any], what: str, d: int, f: int) -> int:
+    """How many ways a state is split on the pod: 1, f or d*f, as it was on the 2x4 mesh."""
+    mesh = measured["mesh"]
+    copies = 2 if what == "opt_state" else 1  # Adam holds two moments per param
+    ways = copies * measured["param_bytes"] / measured[f"{what}_bytes_per_device"]
+    options = {1: 1, mesh["fsdp"]: f, mesh["data"] * mesh["fsdp"]: d * f}
+    return options[min(options, key=lambda n: abs(n - ways))]
+
+
+def pod_7b_table(rows: Rows, pod: str) -> str:
+    d, f, bandwidth, memory = PODS[pod]
+    full = 4 * POD_PARAMS  # float32 bytes of the gradient
+    lines = []
+    for route, label in POD_NAMES.items():
+        r = _pod(rows, route)
+        sent = r["slow_shard_all_reduces"] * 2 * (d - 1) / d * full / f
+        acc, params, adam = (
+            full * (2 if what == "opt_state" else 1) / _scaled_split(r, what, d, f)
+            for what in ("acc", "params", "opt_state")
+        )
+        total = acc + params + adam
+        lines.append(
+            [
+                label,
+                f"{r['slow_shard_all_reduces']:.2f}",
+                _gb(sent),
+                f"{1e3 * sent / bandwidth:.0f}",
+                _gb(acc),
+                _gb(total) + ("" if total < memory else " (does not fit)"),
+            ]
+        )
+    return table(
+        [
+            "route",
+            "all-reduces of a shard over the slow axis per window (measured)",
+            "a device sends across the slow axis per window",
+            "ms at the assumed bandwidth",
+            "accumulator per device",
+            "params + Adam + accumulator per device",
+        ],
+        lines,
+    )
+
+
 def _noise(rows: Rows, step: str) -> dict[str, Any]:
     return row(rows, "noise_scale", step=step)
 
@@ -328,6 +458,19 @@ FIGURES: dict[str, Callable[[Rows], str]] = {
     ),
     "mixed.kahan_gain": _bf16_gain,
     "table.global_view": global_view_table,
+    "table.pod": pod_table,
+    "table.pod_7b.v5e": lambda r: pod_7b_table(r, "v5e"),
+    "table.pod_7b.h100": lambda r: pod_7b_table(r, "h100"),
+    "pod.params": lambda r: (
+        f"{_pod(r, 'hsdp')['param_bytes'] / 4e6:.2f}M float32 parameters "
+        f"({_pod(r, 'hsdp')['param_bytes'] / 1e6:.1f} MB)"
+    ),
+    "pod.plain_step_mb": lambda r: (
+        f"{_pod(r, 'fsdp_plain')['every_step']['all-reduce@data+fsdp'][1] / 1e6:.1f} MB"
+    ),
+    "pod.hsdp_vs_plain": lambda r: times(_pod(r, "hsdp")["time_over_fsdp_plain"]),
+    "pod.zero1_vs_plain": lambda r: times(_pod(r, "hsdp_zero1")["time_over_fsdp_plain"]),
+    "pod.unreduced_vs_plain": lambda r: times(_pod(r, "fsdp_unreduced")["time_over_fsdp_plain"]),
     "noise.micro_on_vs_off": lambda r: times(_noise(r, "micro-step")["on_vs_off"]),
     "noise.close_on_vs_off": lambda r: times(_noise(r, "window close")["on_vs_off"]),
     "noise.temp_growth": lambda r: megabytes(
