@@ -163,7 +163,10 @@ def _micro_batch_sums(
     """Returns `(count, shift, Σ(x - shift), Σ(x - shift)²)` of this call, over replicas.
 
     `window=None` is a per-device window (see `_train_call`), shifted by the
-    running mean.
+    running mean. Without a mask or `axis_name` the count is a scalar: dividing
+    by it rounds as `nn.BatchNorm`'s `mean` does (a division by a per-feature
+    array of the same value can differ in the last bit), so that `K = 1`
+    reproduces `nn.BatchNorm` bit for bit.
     """
     x = x.astype(stats_dtype)
 
@@ -171,15 +174,15 @@ def _micro_batch_sums(
         return jnp.sum(v, reduction_axes, where=mask)
 
     def over_replicas(*parts):
-        stacked = jnp.stack(parts)
-        if axis_name is not None:
-            # One collective for all statistics of the call.
-            stacked = lax.psum(stacked, axis_name, axis_index_groups=axis_index_groups)
-        return tuple(stacked)
+        if axis_name is None:
+            return parts
+        # One collective for all statistics of the call.
+        stacked = jnp.stack([jnp.broadcast_to(p, running_mean.shape) for p in parts])
+        return tuple(lax.psum(stacked, axis_name, axis_index_groups=axis_index_groups))
 
     if mask is None:
         reduced = math.prod(x.shape[a] for a in reduction_axes)
-        count = jnp.full(running_mean.shape, reduced, stats_dtype)
+        count = jnp.asarray(reduced, stats_dtype)
     else:
         count = jnp.sum(jnp.broadcast_to(mask, x.shape), reduction_axes, dtype=stats_dtype)
     running_mean = running_mean.astype(stats_dtype)
@@ -219,6 +222,7 @@ def _add_to_window(
     # A call with a non-finite sum is left out of the window instead of poisoning
     # the running statistics at the next commit.
     ok = jnp.all(jnp.isfinite(total)) & jnp.all(jnp.isfinite(total_sq))
+    count = jnp.broadcast_to(count, total.shape)
 
     def add(old, new):
         return jnp.where(ok, old + lax.stop_gradient(new).astype(old.dtype), old)
@@ -241,6 +245,7 @@ def _add_to_partial_window(
 ) -> _Window:
     """`_add_to_window` for a per-device window: each device adds its own sums, unreduced."""
     ok = jnp.all(jnp.isfinite(total)) & jnp.all(jnp.isfinite(total_sq))
+    count = jnp.broadcast_to(count, total.shape)
 
     def add(old, new):
         term = jnp.where(ok, lax.stop_gradient(new).astype(old.dtype), 0.0).astype(old.dtype)
