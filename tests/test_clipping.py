@@ -926,7 +926,7 @@ def test_normalizing_a_non_finite_unit_makes_it_what_dividing_by_its_norm_makes_
 def _after_history(tx, grads):
     state = tx.init(grads)
     for scale in (1.0, 100.0):
-        _, state = jax.jit(tx.update)(jax.tree.map(lambda g: scale * g, grads), state)
+        _, state = jax.jit(tx.update)(jax.tree.map(lambda g, s=scale: s * g, grads), state)
     return state
 
 

@@ -49,7 +49,9 @@ class Suite:
 
 
 _LINEN_SWAP = (("nn.BatchNorm(", "AccumBatchNorm("),)
-_LINEN_COMMIT = (("ema = vars_out['batch_stats']", "ema = commit_batch_stats(vars_out['batch_stats'])"),)
+_LINEN_COMMIT = (
+    ("ema = vars_out['batch_stats']", "ema = commit_batch_stats(vars_out['batch_stats'])"),
+)
 _NNX_SWAP = (("nnx.BatchNorm(", "NNXAccumBatchNorm("),)
 _NNX_COMMIT = (
     (
@@ -142,7 +144,7 @@ def main() -> int:
     parser.add_argument("--flax-ref", default="v0.12.7")
     parser.add_argument("-v", "--verbose", action="store_true", help="print failing tests")
     parser.add_argument("--only", help="run the suites whose name contains this")
-    parser.add_argument("--keep", type=Path, help="write the patched files here instead of a temp dir")
+    parser.add_argument("--keep", type=Path, help="write the patched files here, not in a temp dir")
     args = parser.parse_args()
     flax_repo = args.flax_repo
     if flax_repo is not None and (flax_repo / ".git").is_dir():
@@ -158,18 +160,21 @@ def main() -> int:
             test_file = Path(tmp) / f"upstream_{i}_test.py"
             test_file.write_text(_patch(_read(suite.origin, flax_repo, args.flax_ref), suite))
             result = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0"]
-                + ["-W", "ignore", "-k", suite.select, "-o", "addopts=", str(test_file)],
+                [
+                    *(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0"),
+                    *("-W", "ignore", "-k", suite.select, "-o", "addopts=", str(test_file)),
+                ],
                 capture_output=True,
                 text=True,
                 cwd=tmp,
                 env=env,
             )
             counts = _counts(result.stdout)
+            errors = counts.get("error", 0) + counts.get("errors", 0)
             print(
                 f"{suite.name}: {counts.get('passed', 0)} passed, "
                 f"{counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped"
-                + (f", {counts.get('error', counts.get('errors', 0))} errors" if "error" in counts or "errors" in counts else "")
+                + (f", {errors} errors" if errors else "")
             )
             if args.verbose:
                 for line in result.stdout.splitlines():
