@@ -47,7 +47,8 @@ def _split_axes(ndim: int, axis: Any) -> tuple[tuple[int, ...], tuple[int, ...]]
         if isinstance(a, bool) or not isinstance(a, numbers.Integral) or not -ndim <= int(a) < ndim:
             raise ValueError(
                 f"axis must be an int or a tuple of ints in [{-ndim}, {ndim}) for an input "
-                f"of rank {ndim}; got {axis=}."
+                f"of rank {ndim}; got {axis=}. Name the feature axis (axis=-1, the default, "
+                "for Flax's channels-last layouts)."
             )
     feature_axes = tuple(sorted({int(a) % ndim for a in axes}))
     reduction_axes = tuple(i for i in range(ndim) if i not in feature_axes)
@@ -64,7 +65,10 @@ def _check_input(x: Any, mask: Any) -> tuple[jax.Array, jax.Array | None]:
     if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
         raise TypeError(
             f"AccumBatchNorm normalises real inputs; got an input with dtype {x.dtype}. "
-            "Pass a float array (complex and boolean inputs are not supported)."
+            "Pass a float array (complex and boolean inputs are not supported): cast "
+            "a boolean input with x.astype(jnp.float32); for complex inputs keep "
+            "nn.BatchNorm / nnx.BatchNorm, or normalise the real and imaginary parts as "
+            "two real features."
         )
     if mask is None:
         return x, None
@@ -76,7 +80,8 @@ def _check_input(x: Any, mask: Any) -> tuple[jax.Array, jax.Array | None]:
     if shape != x.shape:
         raise ValueError(
             f"mask must be broadcastable to the input's shape {x.shape}; got "
-            f"mask.shape={mask.shape}."
+            f"mask.shape={mask.shape}. Pass a boolean mask of the input's shape, or one "
+            "with size-1 axes where it should broadcast (e.g. mask[..., None])."
         )
     return x, mask
 
@@ -1075,7 +1080,11 @@ class NNXAccumBatchNorm(nnx.Module):
           TypeError: If `bn` is not an `nnx.BatchNorm`.
         """
         if not isinstance(bn, nnx.BatchNorm):
-            raise TypeError(f"bn must be an nnx.BatchNorm; got {type(bn).__name__}: {bn!r}.")
+            raise TypeError(
+                f"bn must be an nnx.BatchNorm; got {type(bn).__name__}: {bn!r}. For a linen "
+                "nn.BatchNorm, swap the class and convert its statistics with "
+                "gradaccum_jax.flax.batch_stats_from_flax."
+            )
         layer = cls(**_shared_config(bn), rngs=nnx.Rngs(0))
         _copy_variables(bn, layer)
         return layer
