@@ -118,7 +118,10 @@ def _resolve(spec: Any, path: jax.tree_util.KeyPath, shape: tuple[int, ...]) -> 
             )
         resolved.append(int(axis) % ndim)
     if len(set(resolved)) != len(resolved):
-        raise ValueError(f"{where} repeats an axis: {spec!r}.")
+        raise ValueError(
+            f"{where} repeats an axis: {spec!r} (axes {resolved} after resolving negative "
+            "ones); list each axis once."
+        )
     return tuple(sorted(resolved))
 
 

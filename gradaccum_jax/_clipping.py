@@ -915,8 +915,9 @@ def _by_ema(
                 cap = (jnp.ones_like(value), jnp.full_like(value, 1 / eps))
                 factors.append(_select(value < target * eps, cap, ratio_factors(target, size)))
             else:
+                # A NaN measure is over every bound: its unit becomes NaN, as in optax.
                 factors.append(
-                    _select(value > target, ratio_factors(target, size), _unit_factors(size))
+                    _select(~(value <= target), ratio_factors(target, size), _unit_factors(size))
                 )
         new_updates = _scale_by(updates, factors, per_leaf)
         finite = _window.all_finite(updates)
@@ -1083,7 +1084,9 @@ def clip_value_by_ema(
     $g \leftarrow \operatorname{clip}(g, -m, m)$ elementwise (complex elements
     keep their phase), with $m$ starting at zero or, for `ema_init="update"`,
     at the first update's magnitudes. The EMA tracks unclipped magnitudes. A
-    non-finite update leaves the state unchanged. (torchzero's optional
+    non-finite update leaves the state unchanged; its NaN elements stay NaN and
+    its infinities are clipped to the EMA before the call, as `optax.clip`
+    clips them to its bound. (torchzero's optional
     `ema_tfm`, a transform applied to the EMA before clipping, is not offered.)
 
     Args:
@@ -1128,12 +1131,15 @@ def clip_value_by_ema(
         if ema_init == "update":
             start = jax.tree.map(lambda e, a: jnp.where(first, a, e), state.ema, mags)
         ema = jax.tree.map(lambda e, a: _capped(beta * e + (1 - beta) * a), start, mags)
+        # A non-finite element is clipped by the EMA before it (an infinity to the
+        # bound, as optax.clip does; NaN stays NaN), not by an EMA it has blown up.
+        bounds = jax.tree.map(lambda e, s, a: jnp.where(jnp.isfinite(a), e, s), ema, start, mags)
         new_updates = jax.tree.map(
             lambda g, e: _clip_elements(
                 jnp.asarray(g).astype(jnp.promote_types(jnp.result_type(g), e.dtype)), e
             ).astype(jnp.result_type(g)),
             updates,
-            ema,
+            bounds,
         )
         finite = _window.all_finite(updates)
         new_state = ClipValueByEMAState(
@@ -1268,7 +1274,7 @@ def clip_norm_growth(
         for size, prev in zip(sizes, _as_list(state.prev_norm, per_leaf), strict=True):
             value = size.value().astype(prev.dtype)
             allowed = bound(prev)
-            over = ~first & (value > allowed)
+            over = ~first & ~(value <= allowed)  # NaN: the unit becomes NaN, as in optax
             factors.append(_select(over, ratio_factors(allowed, size), _unit_factors(size)))
             new = jnp.where(over, allowed, value)
             if max_decay is not None:
@@ -1317,7 +1323,8 @@ def clip_value_growth(
     `max_decay` relative to $\max(\lvert p\rvert, \mathrm{min\_value})$:
     there it becomes $p / \mathrm{max\_decay}$. The first update passes
     unchanged and sets $p$; `add=None, mul=None` passes updates
-    through. A non-finite update leaves the state unchanged.
+    through. A non-finite update leaves the state unchanged; its NaN elements
+    stay NaN and its infinities are clipped to the limit, as in `optax.clip`.
 
     Args:
       add: Additive bound (`>= 0`) on the growth, or `None` (default).

@@ -1212,3 +1212,54 @@ def test_k1_running_statistics_follow_flax_over_thousands_of_commits(fast):
     assert float(jnp.min(jnp.abs(ref_stats["mean"]))) > 0.5  # moved well off zero
     np.testing.assert_allclose(stats["mean"], ref_stats["mean"], rtol=2e-6)
     np.testing.assert_allclose(stats["var"], ref_stats["var"], rtol=2e-6)
+
+
+# --- Issue 24: flax's own BatchNorm tests (tools/upstream_suites.py), differences pinned ---
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_k1_outputs_equal_flax_bit_for_bit(dtype):
+    # flax's nnx-vs-linen test compares outputs with assert_array_equal. Without a mask
+    # or axis_name a call divides by a scalar count, as nn.BatchNorm's mean does; a
+    # per-feature count array rounded differently in the last bit.
+    x = jax.random.normal(jax.random.key(0), (10, 5))
+    ours, ref = AccumBatchNorm(dtype=dtype), nn.BatchNorm(dtype=dtype)
+    variables = ours.init(jax.random.key(1), x, use_running_average=False)
+    ref_vars = {
+        "params": variables["params"],
+        "batch_stats": {"mean": jnp.zeros(5), "var": jnp.ones(5)},
+    }
+
+    def apply(module, v):
+        return module.apply(v, x, use_running_average=False, mutable=True)[0]
+
+    # Op by op, as flax's test runs; compiled, fusion may round differently.
+    np.testing.assert_array_equal(apply(ours, variables), apply(ref, ref_vars))
+    compiled = jax.jit(apply, static_argnums=0)
+    np.testing.assert_allclose(compiled(ours, variables), compiled(ref, ref_vars), rtol=2e-6)
+    layer = NNXAccumBatchNorm(5, dtype=dtype, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(layer(x), nnx.BatchNorm(5, dtype=dtype, rngs=nnx.Rngs(0))(x))
+
+
+def test_k1_running_mean_may_differ_from_flax_in_the_last_bit():
+    # The commit divides the window's sum by a per-feature count (correctly rounded);
+    # nn.BatchNorm's mean of an unmasked batch divides by a constant, which XLA
+    # multiplies by its reciprocal. At most an ulp apart; the variance here is equal.
+    x = jax.random.normal(jax.random.key(0), (10, 5))
+    ours, ref = NNXAccumBatchNorm(5, rngs=nnx.Rngs(0)), nnx.BatchNorm(5, rngs=nnx.Rngs(0))
+    ours(x), ref(x)
+    ours.commit()
+    np.testing.assert_allclose(ours.mean[...], ref.mean[...], rtol=2.5e-7, atol=0)
+    np.testing.assert_array_equal(ours.var[...], ref.var[...])
+
+
+def test_fully_masked_feature_keeps_statistics_where_flax_records_nan():
+    x = jax.random.normal(jax.random.key(0), (10, 5))
+    mask = np.array([True, False, True, False, True])
+    ours, ref = NNXAccumBatchNorm(5, rngs=nnx.Rngs(0)), nnx.BatchNorm(5, rngs=nnx.Rngs(0))
+    ours(x, mask=mask), ref(x, mask=mask)
+    ours.commit()
+    assert np.all(np.isnan(ref.mean[...][~mask])) and np.all(np.isnan(ref.var[...][~mask]))
+    np.testing.assert_array_equal(ours.mean[...][~mask], 0.0)
+    np.testing.assert_array_equal(ours.var[...][~mask], 1.0)
+    np.testing.assert_allclose(ours.mean[...][mask], ref.mean[...][mask], rtol=2.5e-7)

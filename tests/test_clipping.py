@@ -918,3 +918,52 @@ def test_normalizing_a_non_finite_unit_makes_it_what_dividing_by_its_norm_makes_
     clipped, _ = jax.jit(lambda g: ga.clip_grad_norm(g, 1.0, dim=None))(grads)
     np.testing.assert_allclose(clipped["b"], jnp.clip(grads["b"], -1.0, 1.0))
     assert not np.all(np.isfinite(clipped["a"]))
+
+
+# --- Issue 24: non-finite input to the EMA and growth clippers ---
+
+
+def _after_history(tx, grads):
+    state = tx.init(grads)
+    for scale in (1.0, 100.0):
+        _, state = jax.jit(tx.update)(jax.tree.map(lambda g, s=scale: s * g, grads), state)
+    return state
+
+
+@pytest.mark.parametrize(
+    "make",
+    [ga.clip_norm_by_ema, ga.normalize_by_ema, ga.clip_norm_growth],
+    ids=["clip_norm_by_ema", "normalize_by_ema", "clip_norm_growth"],
+)
+@pytest.mark.parametrize("dim", [None, "global"], ids=["per_leaf", "global"])
+def test_nan_makes_the_unit_it_scales_nan_and_leaves_the_state(make, dim):
+    grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([1.0])}
+    tx = make(dim=dim)
+    state = _after_history(tx, grads)
+    out, new_state = jax.jit(tx.update)({"a": jnp.array([jnp.nan, 4.0]), "b": grads["b"]}, state)
+    assert np.all(np.isnan(out["a"]))  # was [nan, 4.0]: the 4.0 passed unscaled
+    assert np.all(np.isnan(out["b"])) == (dim == "global")
+    jax.tree.map(np.testing.assert_array_equal, new_state, state)
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf], ids=["nan", "inf", "-inf"])
+def test_value_clippers_treat_non_finite_elements_as_optax_clip_and_keep_the_state(bad):
+    grads = {"a": jnp.array([3.0, 4.0])}
+    g = {"a": jnp.array([bad, 4.0])}
+    want, _ = optax.clip(1.0).update(g, None)
+    np.testing.assert_array_equal(ga.clip_grad_value(g, 1.0)["a"], want["a"])
+    for tx in (ga.clip_value_by_ema(), ga.clip_value_growth()):
+        state = _after_history(tx, grads)
+        out, new_state = jax.jit(tx.update)(g, state)
+        jax.tree.map(np.testing.assert_array_equal, new_state, state)
+        if jnp.isnan(bad):
+            assert np.isnan(out["a"][0])
+        else:
+            # Clipped to the bound the state gives, not to an EMA the infinity blew up
+            # (clip_value_by_ema returned float32's max here).
+            assert np.isfinite(out["a"][0]) and abs(float(out["a"][0])) < 1e3
+    tx = ga.clip_value_by_ema()
+    state = _after_history(tx, grads)
+    out, _ = jax.jit(tx.update)({"a": jnp.array([jnp.inf, 4.0])}, state)
+    # The infinity is clipped to the element's EMA before this call.
+    assert float(out["a"][0]) == pytest.approx(float(state.ema["a"][0]), rel=1e-6)

@@ -47,7 +47,8 @@ def _split_axes(ndim: int, axis: Any) -> tuple[tuple[int, ...], tuple[int, ...]]
         if isinstance(a, bool) or not isinstance(a, numbers.Integral) or not -ndim <= int(a) < ndim:
             raise ValueError(
                 f"axis must be an int or a tuple of ints in [{-ndim}, {ndim}) for an input "
-                f"of rank {ndim}; got {axis=}."
+                f"of rank {ndim}; got {axis=}. Name the feature axis (axis=-1, the default, "
+                "for Flax's channels-last layouts)."
             )
     feature_axes = tuple(sorted({int(a) % ndim for a in axes}))
     reduction_axes = tuple(i for i in range(ndim) if i not in feature_axes)
@@ -64,7 +65,10 @@ def _check_input(x: Any, mask: Any) -> tuple[jax.Array, jax.Array | None]:
     if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
         raise TypeError(
             f"AccumBatchNorm normalises real inputs; got an input with dtype {x.dtype}. "
-            "Pass a float array (complex and boolean inputs are not supported)."
+            "Pass a float array (complex and boolean inputs are not supported): cast "
+            "a boolean input with x.astype(jnp.float32); for complex inputs keep "
+            "nn.BatchNorm / nnx.BatchNorm, or normalise the real and imaginary parts as "
+            "two real features."
         )
     if mask is None:
         return x, None
@@ -76,7 +80,8 @@ def _check_input(x: Any, mask: Any) -> tuple[jax.Array, jax.Array | None]:
     if shape != x.shape:
         raise ValueError(
             f"mask must be broadcastable to the input's shape {x.shape}; got "
-            f"mask.shape={mask.shape}."
+            f"mask.shape={mask.shape}. Pass a boolean mask of the input's shape, or one "
+            "with size-1 axes where it should broadcast (e.g. mask[..., None])."
         )
     return x, mask
 
@@ -184,7 +189,10 @@ def _micro_batch_sums(
     """Returns `(count, shift, Σ(x - shift), Σ(x - shift)²)` of this call, over replicas.
 
     `window=None` is a per-device window (see `_train_call`), shifted by the
-    running mean.
+    running mean. Without a mask or `axis_name` the count is a scalar: dividing
+    by it rounds as `nn.BatchNorm`'s `mean` does (a division by a per-feature
+    array of the same value can differ in the last bit), so that `K = 1`
+    reproduces `nn.BatchNorm` bit for bit.
     """
     x = x.astype(stats_dtype)
 
@@ -192,15 +200,15 @@ def _micro_batch_sums(
         return _sharded_like(jnp.sum(v, reduction_axes, where=mask), running_mean)
 
     def over_replicas(*parts):
-        stacked = jnp.stack(parts)
-        if axis_name is not None:
-            # One collective for all statistics of the call.
-            stacked = lax.psum(stacked, axis_name, axis_index_groups=axis_index_groups)
-        return tuple(stacked)
+        if axis_name is None:
+            return parts
+        # One collective for all statistics of the call.
+        stacked = jnp.stack([jnp.broadcast_to(p, running_mean.shape) for p in parts])
+        return tuple(lax.psum(stacked, axis_name, axis_index_groups=axis_index_groups))
 
     if mask is None:
         reduced = math.prod(x.shape[a] for a in reduction_axes)
-        count = jnp.full(running_mean.shape, reduced, stats_dtype)
+        count = jnp.asarray(reduced, stats_dtype)
     else:
         count = jnp.sum(jnp.broadcast_to(mask, x.shape), reduction_axes, dtype=stats_dtype)
         count = _sharded_like(count, running_mean)
@@ -241,6 +249,7 @@ def _add_to_window(
     # A call with a non-finite sum is left out of the window instead of poisoning
     # the running statistics at the next commit.
     ok = jnp.all(jnp.isfinite(total)) & jnp.all(jnp.isfinite(total_sq))
+    count = jnp.broadcast_to(count, total.shape)
 
     def add(old, new):
         return jnp.where(ok, old + lax.stop_gradient(new).astype(old.dtype), old)
@@ -263,6 +272,7 @@ def _add_to_partial_window(
 ) -> _Window:
     """`_add_to_window` for a per-device window: each device adds its own sums, unreduced."""
     ok = jnp.all(jnp.isfinite(total)) & jnp.all(jnp.isfinite(total_sq))
+    count = jnp.broadcast_to(count, total.shape)
 
     def add(old, new):
         term = jnp.where(ok, lax.stop_gradient(new).astype(old.dtype), 0.0).astype(old.dtype)
@@ -1092,7 +1102,11 @@ class NNXAccumBatchNorm(nnx.Module):
           TypeError: If `bn` is not an `nnx.BatchNorm`.
         """
         if not isinstance(bn, nnx.BatchNorm):
-            raise TypeError(f"bn must be an nnx.BatchNorm; got {type(bn).__name__}: {bn!r}.")
+            raise TypeError(
+                f"bn must be an nnx.BatchNorm; got {type(bn).__name__}: {bn!r}. For a linen "
+                "nn.BatchNorm, swap the class and convert its statistics with "
+                "gradaccum_jax.flax.batch_stats_from_flax."
+            )
         layer = cls(**_shared_config(bn), rngs=nnx.Rngs(0))
         _copy_variables(bn, layer)
         return layer
