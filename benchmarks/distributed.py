@@ -23,7 +23,6 @@ ours / usual.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 
@@ -48,16 +47,7 @@ AXIS = "data"
 KS = (4, 16)
 
 
-def init_params(sizes: list[int]) -> list[dict[str, np.ndarray]]:
-    """Host copies: each candidate gets fresh device arrays, since the steps donate them."""
-    rng = np.random.default_rng(0)
-    return [
-        {
-            "w": (rng.normal(size=(m, n)) / np.sqrt(m)).astype(np.float32),
-            "b": np.zeros(n, np.float32),
-        }
-        for m, n in itertools.pairwise(sizes)
-    ]
+init_params = harness.mlp_host_params
 
 
 def loss_fn(params, x, y):

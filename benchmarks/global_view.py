@@ -36,7 +36,6 @@ the arrays' shards) and the compiled step's temporaries
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 import time
@@ -49,7 +48,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import harness
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -60,23 +58,10 @@ KS = (4, 16)
 P = jax.P
 
 
-def init_params(sizes: list[int]) -> list[dict[str, np.ndarray]]:
-    """Host copies: each candidate gets fresh device arrays, since the steps donate them."""
-    rng = np.random.default_rng(0)
-    return [
-        {
-            "w": (rng.normal(size=(m, n)) / np.sqrt(m)).astype(np.float32),
-            "b": np.zeros(n, np.float32),
-        }
-        for m, n in itertools.pairwise(sizes)
-    ]
+init_params = harness.mlp_host_params
 
 
-def loss_fn(params, batch):
-    x = batch["x"]
-    for layer in params[:-1]:
-        x = jax.nn.relu(x @ layer["w"] + layer["b"])
-    return jnp.mean((x @ params[-1]["w"] + params[-1]["b"] - batch["y"]) ** 2)
+loss_fn = harness.mlp_batch_loss
 
 
 def inner():

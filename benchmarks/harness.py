@@ -18,6 +18,7 @@ under pytest); the benchmark scripts, run from `benchmarks/`, as `harness`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 import statistics
@@ -337,6 +338,27 @@ def replica_groups(attributes: str, devices: int) -> list[tuple[int, ...]]:
     ids = np.moveaxis(ids, along, list(range(len(sizes) - len(along), len(sizes))))
     size = math.prod(sizes[i] for i in along)
     return sorted(tuple(int(d) for d in row) for row in ids.reshape(-1, size))
+
+
+def mlp_host_params(sizes: list[int]) -> list[dict[str, np.ndarray]]:
+    """A ReLU MLP's params as host arrays: each candidate puts fresh device arrays of them,
+    since the steps donate theirs."""
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "w": (rng.normal(size=(m, n)) / np.sqrt(m)).astype(np.float32),
+            "b": np.zeros(n, np.float32),
+        }
+        for m, n in itertools.pairwise(sizes)
+    ]
+
+
+def mlp_batch_loss(params: Any, batch: Mapping[str, Any]) -> Any:
+    """Mean squared error of the ReLU MLP of `mlp_host_params` on `{"x", "y"}`."""
+    x = batch["x"]
+    for layer in params[:-1]:
+        x = jax.nn.relu(x @ layer["w"] + layer["b"])
+    return jax.numpy.mean((x @ params[-1]["w"] + params[-1]["b"] - batch["y"]) ** 2)
 
 
 def smallest_leaf(tree: Any) -> int:
