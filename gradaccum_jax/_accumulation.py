@@ -18,6 +18,7 @@ from gradaccum_jax import (
     _validation,
     _window,
 )
+from gradaccum_jax._fused import FUSE_KEY
 from gradaccum_jax._state import AccumulateState, AxisName
 
 ShouldSkipUpdateFn = Callable[[optax.Updates, jax.Array, optax.Params], tuple[jax.Array, Any]]
@@ -439,6 +440,9 @@ def accumulate(
         weight: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, AccumulateState]:
+        receipt = extra_args.pop(FUSE_KEY, None)
+        if receipt is not None:
+            receipt.received(params)
         grads = _window.as_arrays(updates)
         _validation.check_same_structure("updates", grads, "state.acc_grads", state.acc_grads)
         _validation.check_float_tree("updates", grads)
@@ -452,7 +456,7 @@ def accumulate(
                     "scale's batch unit is the weight when one is passed. Build accumulate "
                     "with micro_batch_size=None."
                 )
-            probe = _noise_scale.Probe(noise_scale_decay, micro_batch_size, route.sums_locally)
+            probe = _noise_scale.Probe(noise_scale_decay, micro_batch_size)
 
         # Accept: a finite micro-gradient with a usable weight (per device when unreduced).
         dtype = state.acc_weight.dtype
@@ -486,16 +490,28 @@ def accumulate(
         counted = jnp.array(True) if count_skipped_steps else accepted
         micro_step = state.micro_step + counted.astype(jnp.int32)
         closes = counted & (micro_step >= state.window_length)
-        held = route.held(state)
+        # Add: the window's sums including this micro-step, before the gate reads them.
+        held = route.add(route.held(state), grads, accepted, scale)
         stats, inner_operand = None, state.inner_state
         if probe is not None:
             stats = probe.stats(state.noise_scale, accepted, term_weight, unit)  # type: ignore[arg-type]
             inner_operand = (state.inner_state, state.noise_scale)
 
         # Apply (reduce once, run the inner optimizer once) or skip.
-        def apply(window: _window.Window, inner_operand: Any) -> tuple[Any, Any]:
+        def apply(
+            window: _window.Window, inner_operand: Any, params: Any = params
+        ) -> tuple[Any, Any]:
             if use_grad_mean:
-                reduced = jax.tree.map(lambda t: t / window.weight.astype(t.dtype), window.total)
+                # A product, not a quotient: XLA recomputes it inside each reader
+                # (adam's two moments) instead of writing the mean to a buffer.
+                # In at least float32, so that 1 / w keeps its precision.
+                reciprocal = 1 / window.weight
+
+                def mean(t):
+                    wide = jnp.promote_types(t.dtype, reciprocal.dtype)
+                    return t.astype(wide) * reciprocal.astype(wide)
+
+                reduced = jax.tree.map(mean, window.total)
             else:
                 reduced = jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
             inner_state = inner_operand if probe is None else inner_operand[0]
@@ -503,30 +519,34 @@ def accumulate(
                 inner, reduced, inner_state, grads, route.inner_params(params), extra_args
             )
             new_updates = route.back(new_updates, like)
+            if receipt is not None:
+                # The fused path: the params are updated here, once per window.
+                new_updates = optax.apply_updates(params, new_updates)
             if probe is None:
                 return new_updates, new_inner
-            big_sq = probe.big_sq_norm(window, held, grads, accepted, scale)
+            big_sq = probe.big_sq_norm(window)
             return new_updates, (new_inner, probe.fold(inner_operand[1], window, big_sq))
 
-        new_updates, new_inner, reset, applied = _window.close(
+        new_updates, new_inner, new_held, reset, applied = _window.close(
             route.gate(),
             closes,
             held,
             inner_operand,
             window_weight,
             unit,
-            total=lambda held: route.total(held, grads, accepted, scale),
+            total=route.read,
             step=apply,
             like=route.zeros_like(grads, params),
             stats=stats,
+            params=None if receipt is None else params,
+            empty=lambda held: route.emptied(held, accepted),
         )
         new_noise = None
         if probe is not None:
             new_inner, new_noise = new_inner
             new_noise = probe.after(new_noise, reset)
 
-        # Write: add the micro-gradient, or reset at the window's end (after the gate).
-        new_acc, new_comp = route.write(held, grads, accepted, scale, reset)
+        new_acc, new_comp = new_held
         acc_weight, _ = route.count(
             state.acc_weight, state.num_skipped, accepted, term_weight, reset
         )
@@ -553,6 +573,8 @@ def accumulate(
             skip_state=skip_state,
             noise_scale=new_noise,
         )
+        if receipt is not None:
+            receipt.returned(new_updates)
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
