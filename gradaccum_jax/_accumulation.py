@@ -353,6 +353,14 @@ def accumulate(
     if shard_inner_state is not None:
         _refuse("unreduced", options, f"shard_inner_state={shard_inner_state!r}")
     inner = optax.with_extra_args_support(inner)
+    # A static window of one micro-step holds nothing between calls: no accumulator.
+    bare = (
+        not callable(every_k_schedule)
+        and every_k_schedule == 1
+        and not compensated
+        and shard_inner_state is None
+        and not track_noise_scale
+    )
 
     def length(step: jax.Array) -> tuple[jax.Array, jax.Array]:
         k, short = _window.window_length(every_k_schedule, step)
@@ -410,6 +418,8 @@ def accumulate(
                 (acc, acc_weight, num_skipped), route.axes
             )
             inner_params = route.inner_params(params)
+        if bare:
+            acc = None
         inner_state = inner.init(inner_params)
         _mixed_precision.refuse_inside_accumulate(inner_state)
         skip_state = ()
@@ -444,7 +454,8 @@ def accumulate(
         if receipt is not None:
             receipt.received(params)
         grads = _window.as_arrays(updates)
-        _validation.check_same_structure("updates", grads, "state.acc_grads", state.acc_grads)
+        if not bare:
+            _validation.check_same_structure("updates", grads, "state.acc_grads", state.acc_grads)
         _validation.check_float_tree("updates", grads)
         like = grads if params is None else params
         route = route_for(grads, like)
@@ -484,14 +495,32 @@ def accumulate(
             first = route.starts_unit(accepted, valid, state) & (w > 0)
             unit = jnp.where(first, w, state.weight_unit)
             scale = term_weight = w / unit
+        # A bare window starts empty on every call: from constants, so that
+        # without a finite check or weight the gate is known to apply at trace
+        # time and no conditional is built.
+        held_weight = jnp.zeros([], dtype) if bare else state.acc_weight
         window_weight, num_skipped = route.count(
-            state.acc_weight, state.num_skipped, accepted, term_weight, None
+            held_weight, state.num_skipped, accepted, term_weight, None
         )
         counted = jnp.array(True) if count_skipped_steps else accepted
-        micro_step = state.micro_step + counted.astype(jnp.int32)
-        closes = counted & (micro_step >= state.window_length)
-        # Add: the window's sums including this micro-step, before the gate reads them.
-        held = route.add(route.held(state), grads, accepted, scale)
+        micro_step = (jnp.int32(0) if bare else state.micro_step) + counted.astype(jnp.int32)
+        closes = counted & (micro_step >= (jnp.int32(1) if bare else state.window_length))
+        if bare:
+            # The window is this micro-step: its sum is read from the gradient
+            # inside the apply branch, and nothing is held.
+            def window_of(grads):
+                blank = (_window.zeros(route.zeros_like(grads, params), accumulator_dtype), None)
+                return route.read(route.add(blank, grads, accepted, scale))
+
+            held, total, empty = grads, window_of, None
+        else:
+            # Add: the window's sums including this micro-step, before the gate reads them.
+            held = route.add(route.held(state), grads, accepted, scale)
+            total = route.read
+
+            def empty(held, reset):
+                return route.emptied(held, reset, accepted)
+
         stats, inner_operand = None, state.inner_state
         if probe is not None:
             stats = probe.stats(state.noise_scale, accepted, term_weight, unit)  # type: ignore[arg-type]
@@ -534,19 +563,19 @@ def accumulate(
             inner_operand,
             window_weight,
             unit,
-            total=route.read,
+            total=total,
             step=apply,
             like=route.zeros_like(grads, params),
             stats=stats,
             params=None if receipt is None else params,
-            empty=lambda held: route.emptied(held, accepted),
+            empty=empty,
         )
         new_noise = None
         if probe is not None:
             new_inner, new_noise = new_inner
             new_noise = probe.after(new_noise, reset)
 
-        new_acc, new_comp = new_held
+        new_acc, new_comp = (None, None) if bare else new_held
         acc_weight, _ = route.count(
             state.acc_weight, state.num_skipped, accepted, term_weight, reset
         )

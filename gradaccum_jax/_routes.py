@@ -65,9 +65,10 @@ class LocalRoute:
     def read(self, held: Any) -> Any:
         return _window.window_sum(held[0], held[1])
 
-    def emptied(self, held: Any, accepted: jax.Array) -> Any:
-        """Zeros like the held sums, inside the apply branch (`accepted` seeds distinct zeros)."""
-        return _window.fresh_zeros(held, accepted)
+    def emptied(self, held: Any, reset: jax.Array, accepted: jax.Array) -> Any:
+        """The held sums zeroed where `reset` (a traced flag, true where this runs)."""
+        del accepted
+        return _window.emptied(held, reset)
 
     def count(
         self,
@@ -151,10 +152,9 @@ class UnreducedRoute:
     def read(self, held: Any) -> Any:
         return held[0]
 
-    def emptied(self, held: Any, accepted: jax.Array) -> Any:
+    def emptied(self, held: Any, reset: jax.Array, accepted: jax.Array) -> Any:
         # Each device's zeros, typed unreduced like the sums they replace.
-        zeros = _global_view.local_add(held[0], held[0], accepted, None, jnp.array(True), self.axes)
-        return zeros, None
+        return _global_view.local_add(held[0], held[0], accepted, None, reset, self.axes), None
 
     def count(
         self,
