@@ -65,7 +65,9 @@ def _ends_in_accumulate(state: Any) -> bool:
 def _unchanged(out: Any, returned: Any) -> bool:
     out_leaves, out_def = jax.tree.flatten(out)
     ret_leaves, ret_def = jax.tree.flatten(returned)
-    return out_def == ret_def and all(a is b for a, b in zip(out_leaves, ret_leaves, strict=True))
+    if out_def != ret_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub
+        return False
+    return all(a is b for a, b in zip(out_leaves, ret_leaves, strict=True))
 
 
 def apply_gradients(
