@@ -168,11 +168,13 @@ def accumulate(
     need JAX 0.9.1 or newer.
 
     The gate is a `jax.lax.cond`: the inner optimizer is not computed on the
-    micro-steps. The accumulator is updated after the conditional, in one fused
-    in-place pass that also resets it at the window's end, and the conditional
-    returns a flag that orders that pass after the inner optimizer has read
-    the sum. With that layout XLA passes the inner state and the accumulator
-    through without copying them (the compiled program is tested for it).
+    micro-steps. The gradient is added to the accumulator before the
+    conditional, in one fused in-place pass, and a second conditional on the
+    first one's `reset` output empties it at the window's end. With that
+    layout XLA passes the inner state and the accumulator through without
+    copying them (the compiled program is tested for it). For a step that
+    updates the params as well, use `apply_gradients`: it updates them inside
+    the window's close, so that a micro-step does not touch them.
 
     A micro-gradient with a non-finite leaf (or a non-finite or negative
     traced `weight`, or one that `should_skip_update_fn` rejects) is

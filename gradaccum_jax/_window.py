@@ -7,18 +7,20 @@ call of `update`:
 1. **accept**: decide whether this micro-step's contribution joins the window
    (`all_finite`, plus each transform's own rules such as staleness);
 2. **add**: the contribution's term, `scale * g` in the accumulator dtype,
-   plainly or with a Kahan compensation (`window_total`);
+   plainly or with a Kahan compensation, added in place before the gate
+   (`write` with `reset=None`), so that the gate never takes the gradient;
 3. **gate**: a `jax.lax.cond` with two named branches, *apply* (reduce the
    window once, run the inner transformation once) and *skip* (zeros, inner
    state passed through), see `close`;
-4. **write**: after the conditional, one fused pass that either adds the term
-   or resets the accumulator (`write`), ordered after the branch by the
-   `reset` flag the branch returns;
+4. **write**: the window emptied at its end by a second conditional on the
+   `reset` flag the first returns (which orders it after the apply branch's
+   reads), or, for the transforms that add after the gate, one fused pass
+   that adds or resets (`write`);
 5. **count**: saturating `int32` counters (`increment_if`).
 
 The conditional only *reads* the accumulator and passes the inner state
-through untouched on the skip branch; the accumulator is written afterwards,
-in place. With that layout XLA aliases the inner state and the accumulator
+through untouched on the skip branch; the accumulator is written in place,
+outside it. With that layout XLA aliases the inner state and the accumulator
 instead of copying them (tests/test_accumulation.py checks the compiled
 program).
 
@@ -203,13 +205,16 @@ def window_sum(acc: Any, comp: Any) -> Any:
 
 
 def emptied(tree: Any, reset: jax.Array) -> Any:
-    """`tree` with every leaf zero where `reset`: in place, one pass over each leaf.
+    """Zeros like `tree`, for the branch taken on `reset` (a traced flag): a write, no read.
 
-    Inside the branch taken on `reset`, a select on the traced flag rather than
-    fresh zeros: XLA would hoist zero broadcasts out of the branch and merge
-    equal-shaped ones into one buffer, then copy it into each leaf.
+    Each leaf's zero is computed from `reset` and the leaf's index
+    (`distinct_zero`), so that XLA neither hoists the zeros out of the branch
+    nor merges equal-shaped ones into one buffer that it would then copy.
     """
-    return jax.tree.map(lambda leaf: jnp.where(reset, jnp.zeros_like(leaf), leaf), tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten(
+        [jnp.full_like(leaf, distinct_zero(reset, i), leaf.dtype) for i, leaf in enumerate(leaves)]
+    )
 
 
 # --- the window length ---------------------------------------------------------
