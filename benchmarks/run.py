@@ -32,6 +32,7 @@ BENCHMARKS = [
     "mixed_precision",
     "clipping",
     "noise_scale",
+    "fused",
 ]
 MARKER = "@@ROWS@@"
 CHILD = (

@@ -212,9 +212,10 @@ def emptied(tree: Any, reset: jax.Array) -> Any:
     nor merges equal-shaped ones into one buffer that it would then copy.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten(
-        [jnp.full_like(leaf, distinct_zero(reset, i), leaf.dtype) for i, leaf in enumerate(leaves)]
-    )
+    zeros = [
+        jnp.full_like(leaf, distinct_zero(reset, i), leaf.dtype) for i, leaf in enumerate(leaves)
+    ]
+    return jax.tree.unflatten(treedef, zeros)
 
 
 # --- the window length ---------------------------------------------------------
