@@ -301,6 +301,40 @@ class Hlo:
             nbytes += runs * inst.nbytes
         return count, nbytes
 
+    def bytes_moved(self, branch: int | None = None) -> int:
+        """Bytes a run of the program reads and writes, estimated from its top-level ops.
+
+        Every instruction of the entry computation that computes something (a
+        fusion, a reduce, a copy, ...; not parameters, tuples, bitcasts,
+        constants) counts its result once (written) and each operand once
+        (read). A `conditional` counts the computation of `branch` instead
+        (`jax.lax.cond`: 0 is the false branch, 1 the true one; `None`: the
+        conditional's own operands and result, as if it were one fusion), and
+        a `call` its callee. Fused operations count at the fusion's boundary,
+        which is what crosses memory. It overestimates ops that update a
+        slice in place and ignores re-reads inside one fusion.
+        """
+        free = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
+
+        def walk(name: str) -> int:
+            insts = self.computations[name]
+            by_name = {inst.name: inst for inst in insts}
+            total = 0
+            for inst in insts:
+                if inst.opcode in free:
+                    continue
+                if inst.opcode == "conditional" and branch is not None:
+                    total += walk(self.branches(inst)[branch])
+                    continue
+                if inst.opcode == "call":
+                    total += sum(walk(callee) for callee in self._callees(inst))
+                    continue
+                reads = sum(by_name[o].nbytes for o in set(inst.operands) if o in by_name)
+                total += inst.nbytes + reads
+            return total
+
+        return walk(self.entry)
+
 
 def replica_groups(attributes: str, devices: int) -> list[tuple[int, ...]]:
     """The device groups of a collective, sorted, from any of XLA's spellings.

@@ -49,6 +49,9 @@ from gradaccum_jax._distributed import (
     remove_replica_axis,
     replica_state_specs,
 )
+from gradaccum_jax._fused import (
+    apply_gradients,
+)
 from gradaccum_jax._global_view import (
     unreduced_value_and_grad,
 )
@@ -102,6 +105,7 @@ __all__ = [
     "accumulate",
     "adaptive_grad_clip",
     "add_replica_axis",
+    "apply_gradients",
     "centralize",
     "checkpointable",
     "clamp_params",

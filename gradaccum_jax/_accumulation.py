@@ -18,6 +18,7 @@ from gradaccum_jax import (
     _validation,
     _window,
 )
+from gradaccum_jax._fused import FUSE_KEY
 from gradaccum_jax._state import AccumulateState, AxisName
 
 ShouldSkipUpdateFn = Callable[[optax.Updates, jax.Array, optax.Params], tuple[jax.Array, Any]]
@@ -167,11 +168,13 @@ def accumulate(
     need JAX 0.9.1 or newer.
 
     The gate is a `jax.lax.cond`: the inner optimizer is not computed on the
-    micro-steps. The accumulator is updated after the conditional, in one fused
-    in-place pass that also resets it at the window's end, and the conditional
-    returns a flag that orders that pass after the inner optimizer has read
-    the sum. With that layout XLA passes the inner state and the accumulator
-    through without copying them (the compiled program is tested for it).
+    micro-steps. The gradient is added to the accumulator before the
+    conditional, in one fused in-place pass, and a second conditional on the
+    first one's `reset` output empties it at the window's end. With that
+    layout XLA passes the inner state and the accumulator through without
+    copying them (the compiled program is tested for it). For a step that
+    updates the params as well, use `apply_gradients`: it updates them inside
+    the window's close, so that a micro-step does not touch them.
 
     A micro-gradient with a non-finite leaf (or a non-finite or negative
     traced `weight`, or one that `should_skip_update_fn` rejects) is
@@ -352,6 +355,14 @@ def accumulate(
     if shard_inner_state is not None:
         _refuse("unreduced", options, f"shard_inner_state={shard_inner_state!r}")
     inner = optax.with_extra_args_support(inner)
+    # A static window of one micro-step holds nothing between calls: no accumulator.
+    bare = (
+        not callable(every_k_schedule)
+        and every_k_schedule == 1
+        and not compensated
+        and shard_inner_state is None
+        and not track_noise_scale
+    )
 
     def length(step: jax.Array) -> tuple[jax.Array, jax.Array]:
         k, short = _window.window_length(every_k_schedule, step)
@@ -409,6 +420,8 @@ def accumulate(
                 (acc, acc_weight, num_skipped), route.axes
             )
             inner_params = route.inner_params(params)
+        if bare:
+            acc = None
         inner_state = inner.init(inner_params)
         _mixed_precision.refuse_inside_accumulate(inner_state)
         skip_state = ()
@@ -439,8 +452,12 @@ def accumulate(
         weight: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, AccumulateState]:
+        receipt = extra_args.pop(FUSE_KEY, None)
+        if receipt is not None:
+            receipt.received(params)
         grads = _window.as_arrays(updates)
-        _validation.check_same_structure("updates", grads, "state.acc_grads", state.acc_grads)
+        if not bare:
+            _validation.check_same_structure("updates", grads, "state.acc_grads", state.acc_grads)
         _validation.check_float_tree("updates", grads)
         like = grads if params is None else params
         route = route_for(grads, like)
@@ -452,7 +469,7 @@ def accumulate(
                     "scale's batch unit is the weight when one is passed. Build accumulate "
                     "with micro_batch_size=None."
                 )
-            probe = _noise_scale.Probe(noise_scale_decay, micro_batch_size, route.sums_locally)
+            probe = _noise_scale.Probe(noise_scale_decay, micro_batch_size)
 
         # Accept: a finite micro-gradient with a usable weight (per device when unreduced).
         dtype = state.acc_weight.dtype
@@ -480,22 +497,52 @@ def accumulate(
             first = route.starts_unit(accepted, valid, state) & (w > 0)
             unit = jnp.where(first, w, state.weight_unit)
             scale = term_weight = w / unit
+        # A bare window starts empty on every call: from constants, so that
+        # without a finite check or weight the gate is known to apply at trace
+        # time and no conditional is built.
+        held_weight = jnp.zeros([], dtype) if bare else state.acc_weight
         window_weight, num_skipped = route.count(
-            state.acc_weight, state.num_skipped, accepted, term_weight, None
+            held_weight, state.num_skipped, accepted, term_weight, None
         )
         counted = jnp.array(True) if count_skipped_steps else accepted
-        micro_step = state.micro_step + counted.astype(jnp.int32)
-        closes = counted & (micro_step >= state.window_length)
-        held = route.held(state)
+        micro_step = (jnp.int32(0) if bare else state.micro_step) + counted.astype(jnp.int32)
+        closes = counted & (micro_step >= (jnp.int32(1) if bare else state.window_length))
+        if bare:
+            # The window is this micro-step: its sum is read from the gradient
+            # inside the apply branch, and nothing is held.
+            def window_of(grads):
+                blank = (_window.zeros(route.zeros_like(grads, params), accumulator_dtype), None)
+                return route.read(route.add(blank, grads, accepted, scale))
+
+            held, total, empty = grads, window_of, None
+        else:
+            # Add: the window's sums including this micro-step, before the gate reads them.
+            held = route.add(route.held(state), grads, accepted, scale)
+            total = route.read
+
+            def empty(held, reset):
+                return route.emptied(held, reset, accepted)
+
         stats, inner_operand = None, state.inner_state
         if probe is not None:
             stats = probe.stats(state.noise_scale, accepted, term_weight, unit)  # type: ignore[arg-type]
             inner_operand = (state.inner_state, state.noise_scale)
 
         # Apply (reduce once, run the inner optimizer once) or skip.
-        def apply(window: _window.Window, inner_operand: Any) -> tuple[Any, Any]:
+        def apply(
+            window: _window.Window, inner_operand: Any, params: Any = params
+        ) -> tuple[Any, Any]:
             if use_grad_mean:
-                reduced = jax.tree.map(lambda t: t / window.weight.astype(t.dtype), window.total)
+                # A product, not a quotient: XLA recomputes it inside each reader
+                # (adam's two moments) instead of writing the mean to a buffer.
+                # In at least float32, so that 1 / w keeps its precision.
+                reciprocal = 1 / window.weight
+
+                def mean(t):
+                    wide = jnp.promote_types(t.dtype, reciprocal.dtype)
+                    return t.astype(wide) * reciprocal.astype(wide)
+
+                reduced = jax.tree.map(mean, window.total)
             else:
                 reduced = jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
             inner_state = inner_operand if probe is None else inner_operand[0]
@@ -503,30 +550,34 @@ def accumulate(
                 inner, reduced, inner_state, grads, route.inner_params(params), extra_args
             )
             new_updates = route.back(new_updates, like)
+            if receipt is not None:
+                # The fused path: the params are updated here, once per window.
+                new_updates = optax.apply_updates(params, new_updates)
             if probe is None:
                 return new_updates, new_inner
-            big_sq = probe.big_sq_norm(window, held, grads, accepted, scale)
+            big_sq = probe.big_sq_norm(window)
             return new_updates, (new_inner, probe.fold(inner_operand[1], window, big_sq))
 
-        new_updates, new_inner, reset, applied = _window.close(
+        new_updates, new_inner, new_held, reset, applied = _window.close(
             route.gate(),
             closes,
             held,
             inner_operand,
             window_weight,
             unit,
-            total=lambda held: route.total(held, grads, accepted, scale),
+            total=total,
             step=apply,
             like=route.zeros_like(grads, params),
             stats=stats,
+            params=None if receipt is None else params,
+            empty=empty,
         )
         new_noise = None
         if probe is not None:
             new_inner, new_noise = new_inner
             new_noise = probe.after(new_noise, reset)
 
-        # Write: add the micro-gradient, or reset at the window's end (after the gate).
-        new_acc, new_comp = route.write(held, grads, accepted, scale, reset)
+        new_acc, new_comp = (None, None) if bare else new_held
         acc_weight, _ = route.count(
             state.acc_weight, state.num_skipped, accepted, term_weight, reset
         )
@@ -553,6 +604,8 @@ def accumulate(
             skip_state=skip_state,
             noise_scale=new_noise,
         )
+        if receipt is not None:
+            receipt.returned(new_updates)
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -532,7 +532,7 @@ def conditional_accumulate(
             reduced = _reduce(window.total, window.weight, reduction)
             return _window.inner_update(inner, reduced, inner_state, grads, params, extra_args)
 
-        new_updates, new_inner, took, _ = _window.close(
+        new_updates, new_inner, _, took, _ = _window.close(
             _window.local_gate(),
             takes,
             acc.acc_grads,

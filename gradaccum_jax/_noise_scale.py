@@ -133,30 +133,6 @@ def all_finite_given_sq_norm(grads: Any, grads_sq: jax.Array) -> jax.Array:
     )
 
 
-def total_sq_norm(
-    acc: Any, grads: Any, grads_sq: jax.Array, accepted: jax.Array, scale: jax.Array | None
-) -> jax.Array:
-    r"""$|a + s g|^2$ of the window's sum, expanded as $|a|^2 + 2 s\,a \cdot g + s^2 |g|^2$.
-
-    Reductions over the accumulator and the gradient that the close runs
-    beside the inner update: squaring the sum itself would make XLA keep the
-    sum in a parameter-sized temporary, since the inner update reads it too.
-    `grads_sq` is $|g|^2$, already taken on the micro-step.
-    """
-    s = jnp.float32(1.0) if scale is None else scale.astype(jnp.float32)
-
-    def dot(a, b):
-        wide = jnp.promote_types(jnp.promote_types(a.dtype, b.dtype), jnp.float32)
-        return jnp.real(jnp.vdot(a.astype(wide), b.astype(wide))).astype(jnp.float32)
-
-    acc_sq = sum((dot(a, a) for a in jax.tree.leaves(acc)), jnp.float32(0.0))
-    acc_g = sum(
-        (dot(a, g) for a, g in zip(jax.tree.leaves(acc), jax.tree.leaves(grads), strict=True)),
-        jnp.float32(0.0),
-    )
-    return jnp.where(accepted, acc_sq + 2.0 * s * acc_g + s * s * grads_sq, acc_sq)
-
-
 def window_sums(
     state: NoiseScaleState, grads_sq: jax.Array, accepted: jax.Array, term_weight: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -390,10 +366,9 @@ class Probe:
     closed window into them, and `after` writes the running sums.
     """
 
-    def __init__(self, decay: float, micro_batch_size: int | None, sums_locally: bool) -> None:
+    def __init__(self, decay: float, micro_batch_size: int | None) -> None:
         self.decay = decay
         self.batch_unit = 1.0 if micro_batch_size is None else float(micro_batch_size)
-        self.sums_locally = sums_locally
         self.grads_sq: jax.Array | None = None
         self.sums: tuple[jax.Array, jax.Array] | None = None
 
@@ -407,12 +382,9 @@ class Probe:
         sq_sum, count = self.sums
         return (sq_sum * unit, count)
 
-    def big_sq_norm(
-        self, window: Any, held: Any, grads: Any, accepted: jax.Array, scale
-    ) -> jax.Array:
-        if self.sums_locally and held[1] is None:
-            return total_sq_norm(held[0], grads, self.grads_sq, accepted, scale)  # type: ignore[arg-type]
-        # Across replicas the reduced sum is a buffer of its own already.
+    def big_sq_norm(self, window: Any) -> jax.Array:
+        # The window's sum is a buffer already (the accumulator, added before
+        # the gate, or the reduction across replicas): a read, no temporary.
         return sq_norm(window.total)
 
     def fold(self, state: NoiseScaleState, window: Any, big_sq: jax.Array) -> NoiseScaleState:

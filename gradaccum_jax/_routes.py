@@ -14,7 +14,8 @@ chosen once per trace from the arguments and the gradients' types:
 
 Each route answers the same questions: its gate (`_window.Gate`), whether a
 micro-gradient is accepted (one flag, or one per device), how a term is added
-(and the window's total read), how the window's weight and drop count move, and
+(and the window's total read, and emptied at its close), how the window's
+weight and drop count move, and
 in which sharding the inner optimizer sees the params and returns its updates.
 """
 
@@ -39,8 +40,6 @@ class LocalRoute:
 
     name = "local"
     per_device = False
-    # The noise probe may expand |acc + g|^2 instead of reading the window's sum.
-    sums_locally = True
 
     def __init__(self, compensated: bool) -> None:
         self.compensated = compensated
@@ -59,11 +58,17 @@ class LocalRoute:
     def held(self, state: Any) -> Any:
         return (state.acc_grads, state.acc_compensation)
 
-    def total(self, held: Any, grads: Any, accepted: jax.Array, scale: Any) -> Any:
-        return _window.window_total(held[0], held[1], grads, accepted, scale)
+    def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any) -> Any:
+        """The window's sums including this micro-step's term: one fused in-place pass."""
+        return _window.write(held[0], held[1], grads, accepted, scale, None)
 
-    def write(self, held: Any, grads: Any, accepted: jax.Array, scale: Any, reset: Any) -> Any:
-        return _window.write(held[0], held[1], grads, accepted, scale, reset)
+    def read(self, held: Any) -> Any:
+        return _window.window_sum(held[0], held[1])
+
+    def emptied(self, held: Any, reset: jax.Array, accepted: jax.Array) -> Any:
+        """The held sums zeroed where `reset` (a traced flag, true where this runs)."""
+        del accepted
+        return _window.emptied(held, reset)
 
     def count(
         self,
@@ -96,7 +101,6 @@ class ReplicaRoute(LocalRoute):
     """A window per replica inside `jax.shard_map` or `jax.pmap`, summed once at its close."""
 
     name = "replica"
-    sums_locally = False
 
     def __init__(self, compensated: bool, axes: tuple[Any, ...], grads: Any) -> None:
         super().__init__(compensated)
@@ -123,7 +127,6 @@ class UnreducedRoute:
 
     name = "unreduced"
     per_device = True
-    sums_locally = False
 
     def __init__(self, axes: tuple[Any, ...], specs: Any) -> None:
         self.axes = axes
@@ -141,13 +144,17 @@ class UnreducedRoute:
         return valid & (state.micro_step == 0)
 
     def held(self, state: Any) -> Any:
-        return state.acc_grads
+        return (state.acc_grads, None)
 
-    def total(self, held: Any, grads: Any, accepted: jax.Array, scale: Any) -> Any:
-        return _global_view.local_add(held, grads, accepted, scale, None, self.axes)
+    def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any) -> Any:
+        return _global_view.local_add(held[0], grads, accepted, scale, None, self.axes), None
 
-    def write(self, held: Any, grads: Any, accepted: jax.Array, scale: Any, reset: Any) -> Any:
-        return _global_view.local_add(held, grads, accepted, scale, reset, self.axes), None
+    def read(self, held: Any) -> Any:
+        return held[0]
+
+    def emptied(self, held: Any, reset: jax.Array, accepted: jax.Array) -> Any:
+        # Each device's zeros, typed unreduced like the sums they replace.
+        return _global_view.local_add(held[0], held[0], accepted, None, reset, self.axes), None
 
     def count(
         self,

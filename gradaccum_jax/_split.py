@@ -463,7 +463,7 @@ def split_accumulate(
             )
             return new_updates, no_state
 
-        new_updates, _, reset, applied = _window.close(
+        new_updates, _, _, reset, applied = _window.close(
             _window.local_gate(),
             closes,
             (pos_acc, neg_acc),

@@ -40,7 +40,10 @@ class AccumulateState(NamedTuple):
       acc_grads: Tree shaped like the params, in the accumulator dtype. The
         weighted sum of the micro-gradients accepted in the current window, in
         units of `weight_unit`: `Σ (w / weight_unit) · g` (local to the
-        replica when `axis_name` is set).
+        replica when `axis_name` is set). `None` when `every_k_schedule` is the
+        int `1` (without `compensated`, `shard_inner_state` or
+        `track_noise_scale`): every window is one micro-step, read straight
+        from the gradient, and nothing is held between calls.
       acc_weight: `float32[]` (`float64[]` beside a float64 accumulator).
         `Σ w / weight_unit` over the accepted
         micro-gradients of the current window (their count when no `weight`
@@ -79,7 +82,7 @@ class AccumulateState(NamedTuple):
     gradient_step: jax.Array
     window_length: jax.Array
     updated: jax.Array
-    acc_grads: optax.Updates
+    acc_grads: optax.Updates | None
     acc_weight: jax.Array
     weight_unit: jax.Array
     num_skipped: jax.Array

@@ -7,18 +7,20 @@ call of `update`:
 1. **accept**: decide whether this micro-step's contribution joins the window
    (`all_finite`, plus each transform's own rules such as staleness);
 2. **add**: the contribution's term, `scale * g` in the accumulator dtype,
-   plainly or with a Kahan compensation (`window_total`);
+   plainly or with a Kahan compensation, added in place before the gate
+   (`write` with `reset=None`), so that the gate never takes the gradient;
 3. **gate**: a `jax.lax.cond` with two named branches, *apply* (reduce the
    window once, run the inner transformation once) and *skip* (zeros, inner
    state passed through), see `close`;
-4. **write**: after the conditional, one fused pass that either adds the term
-   or resets the accumulator (`write`), ordered after the branch by the
-   `reset` flag the branch returns;
+4. **write**: the window emptied at its end by a second conditional on the
+   `reset` flag the first returns (which orders it after the apply branch's
+   reads), or, for the transforms that add after the gate, one fused pass
+   that adds or resets (`write`);
 5. **count**: saturating `int32` counters (`increment_if`).
 
 The conditional only *reads* the accumulator and passes the inner state
-through untouched on the skip branch; the accumulator is written afterwards,
-in place. With that layout XLA aliases the inner state and the accumulator
+through untouched on the skip branch; the accumulator is written in place,
+outside it. With that layout XLA aliases the inner state and the accumulator
 instead of copying them (tests/test_accumulation.py checks the compiled
 program).
 
@@ -62,7 +64,9 @@ def all_finite(tree: Any) -> jax.Array:
     if not leaves:
         return jnp.array(True)
     # max(|x|) propagates NaN and is finite iff every element is; XLA:CPU
-    # reduces it about twice as fast as all(isfinite(x)).
+    # reduces it about twice as fast as all(isfinite(x)). sum(x * 0), NaN iff
+    # an element is not finite, is no faster there, and its XLA:CPU (YNNPACK)
+    # reduction reads a materialised zero tensor beside x.
     return jnp.all(jnp.stack([jnp.isfinite(jnp.max(jnp.abs(leaf))) for leaf in leaves]))
 
 
@@ -149,17 +153,21 @@ def write(
     grads: Any,
     accepted: jax.Array,
     scale: jax.Array | None,
-    reset: jax.Array,
+    reset: jax.Array | None,
 ) -> tuple[Any, Any]:
     """Adds this micro-step's term, or resets to zero where `reset`: one fused in-place pass.
 
-    `reset` must be an output of the conditional: depending on it schedules
-    this write after the branch has read the old accumulator (with the
-    predicate instead, XLA may run it first and must copy the accumulator).
-    The reset writes fresh zeros, never a product with zero (NaN * 0 = NaN).
+    `reset` (if not `None`) must be an output of the conditional: depending on
+    it schedules this write after the branch has read the old accumulator
+    (with the predicate instead, XLA may run it first and must copy the
+    accumulator). The reset writes fresh zeros, never a product with zero
+    (NaN * 0 = NaN). With `reset=None` it is the add alone, which
+    `accumulate` runs before its conditional.
     """
     if comp is None:
         total = window_total(acc, None, grads, accepted, scale)
+        if reset is None:
+            return total, None
         return jax.tree.map(lambda a, t: jnp.where(reset, jnp.zeros_like(a), t), acc, total), None
 
     def split(a, c, g):
@@ -170,11 +178,11 @@ def write(
         # -> float32 convert pair (excess precision) cannot turn the remainder
         # into zero.
         high = jax.lax.reduce_precision(total, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
+        high, low = high.astype(a.dtype), (total - high).astype(a.dtype)
+        if reset is None:
+            return high, low
         zero = jnp.zeros_like(a)
-        return (
-            jnp.where(reset, zero, high.astype(a.dtype)),
-            jnp.where(reset, zero, (total - high).astype(a.dtype)),
-        )
+        return jnp.where(reset, zero, high), jnp.where(reset, zero, low)
 
     pairs = jax.tree.map(split, acc, comp, grads)
     is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
@@ -182,6 +190,32 @@ def write(
         jax.tree.map(lambda hl: hl[0], pairs, is_leaf=is_pair),
         jax.tree.map(lambda hl: hl[1], pairs, is_leaf=is_pair),
     )
+
+
+def window_sum(acc: Any, comp: Any) -> Any:
+    """The window's sum held in `acc` (plus its compensation `comp`, in float32)."""
+    if comp is None:
+        return acc
+
+    def pair(a, c):
+        wide = jnp.promote_types(a.dtype, jnp.float32)
+        return a.astype(wide) + c.astype(wide)
+
+    return jax.tree.map(pair, acc, comp)
+
+
+def emptied(tree: Any, reset: jax.Array) -> Any:
+    """Zeros like `tree`, for the branch taken on `reset` (a traced flag): a write, no read.
+
+    Each leaf's zero is computed from `reset` and the leaf's index
+    (`distinct_zero`), so that XLA neither hoists the zeros out of the branch
+    nor merges equal-shaped ones into one buffer that it would then copy.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    zeros = [
+        jnp.full_like(leaf, distinct_zero(reset, i), leaf.dtype) for i, leaf in enumerate(leaves)
+    ]
+    return jax.tree.unflatten(treedef, zeros)
 
 
 # --- the window length ---------------------------------------------------------
@@ -340,7 +374,9 @@ def close(
     step: Step,
     like: Any,
     stats: Any = None,
-) -> tuple[Any, Any, jax.Array, jax.Array]:
+    params: Any = None,
+    empty: Callable[[Any, jax.Array], Any] | None = None,
+) -> tuple[Any, Any, Any, jax.Array, jax.Array]:
     """The gate: runs `step` once if the window `closes` with something accepted.
 
     Args:
@@ -356,14 +392,31 @@ def close(
       like: A tree shaped like the updates (the gradients), for the skip
         branch's zeros, which take the dtypes `step` returns.
       stats: `Window.stats`, reduced with the sums (`None`: nothing more).
+      params: `None`, or the params for the fused path (`apply_gradients`):
+        an operand of the conditional that `step` (called as
+        `step(window, inner_state, params)`) returns updated and the skip
+        branch returns untouched, so that in a donated step they stay in
+        place on the micro-steps. The first output is then the new params.
+
+      empty: `None`, or `(operand, reset) -> operand zeroed where reset`: the window's sums are
+        then added before the conditional (`operand` holds them, this
+        micro-step included), and the apply branch returns them emptied while
+        the skip branch passes them through untouched. The conditional takes
+        no gradient: a gradient computed in the step (scaled by a clip) is
+        then fused into the add instead of being written to a buffer.
 
     Returns:
-      `(updates, inner_state, reset, applied)`: `reset` (the window ends) is
-      an output of the conditional, for `write` to depend on; `applied` says
-      whether `step` ran on an accepted window.
+      `(updates, inner_state, operand, reset, applied)`: `operand` is the
+      sums after the window (`None` without `empty`); `reset` (the window
+      ends) is an output of the conditional, for `write` to depend on;
+      `applied` says whether `step` ran on an accepted window. With
+      `params`, the new params instead of `updates`.
     """
+    fused = params is not None
 
-    def skip_like(spec, seed):
+    def skip_like(spec, seed, params):
+        if fused:
+            return params
         leaves, treedef = jax.tree.flatten(like)
         zeros = [
             gate.zeros_like(g, s.dtype, distinct_zero(seed, i))
@@ -371,33 +424,51 @@ def close(
         ]
         return treedef.unflatten(zeros)
 
-    def apply_branch(operand, inner_state, closes, weight, unit, stats):
+    def step_on(window, inner_state, params):
+        return step(window, inner_state, params) if fused else step(window, inner_state)
+
+    def apply_branch(operand, inner_state, closes, weight, unit, stats, params):
         del closes
         window = gate.reduce(Window(total(operand), weight, unit, stats))
         if gate.decides_locally:
-            updates, new_inner = step(window, inner_state)
+            updates, new_inner = step_on(window, inner_state, params)
             return updates, new_inner, jnp.array(True), jnp.array(True)
 
-        def nothing(window, inner_state):
-            spec = jax.eval_shape(step, window, inner_state)[0]
-            return skip_like(spec, window.weight > 0), inner_state
+        def nothing(window, inner_state, params):
+            spec = jax.eval_shape(step_on, window, inner_state, params)[0]
+            return skip_like(spec, window.weight > 0, params), inner_state
 
         accepted = window.weight > 0
-        updates, new_inner = gate.cond(accepted, step, nothing, window, inner_state)
+        updates, new_inner = gate.cond(accepted, step_on, nothing, window, inner_state, params)
         return updates, new_inner, jnp.array(True), accepted
 
-    operands = (operand, inner_state, closes, weight, unit, stats)
+    operands = (operand, inner_state, closes, weight, unit, stats, params)
     spec = jax.eval_shape(apply_branch, *operands)[0]
 
-    def skip_branch(operand, inner_state, closes, weight, unit, stats):
+    def skip_branch(operand, inner_state, closes, weight, unit, stats, params):
         del operand, weight, unit, stats
         # A window with nothing accepted still ends on schedule (reset = closes).
-        return skip_like(spec, closes), inner_state, closes, jnp.array(False)
+        return skip_like(spec, closes, params), inner_state, closes, jnp.array(False)
 
     # On one device a window with nothing accepted is known before the branch
     # and takes the skip branch.
     predicate = closes & (weight > 0) if gate.decides_locally else closes
-    return gate.cond(predicate, apply_branch, skip_branch, *operands)
+    if isinstance(predicate, jax.core.Tracer):
+        updates, new_inner, reset, applied = gate.cond(
+            predicate, apply_branch, skip_branch, *operands
+        )
+    else:
+        # Known when tracing (a static window of one, nothing to check): no conditional.
+        branch = apply_branch if bool(predicate) else skip_branch
+        updates, new_inner, reset, applied = branch(*operands)
+    if empty is None:
+        return updates, new_inner, None, reset, applied
+    # Emptied in a conditional of its own, on `reset` (an output of the first):
+    # ordered after the apply branch's reads, it writes in place, and its pass
+    # through is free. Emptied inside the apply branch, the sums would need a
+    # second buffer and a copy on every micro-step.
+    held = gate.cond(reset, empty, lambda held, reset: held, operand, reset)
+    return updates, new_inner, held, reset, applied
 
 
 # --- the inner update ------------------------------------------------------------

@@ -373,7 +373,32 @@ def _noise(rows: Rows, step: str) -> dict[str, Any]:
     return row(rows, "noise_scale", step=step)
 
 
+TRANSFORMER = "transformer 42.0M params, 147 leaves"
+
+
+def fused(rows: Rows, candidate: str) -> dict[str, Any]:
+    return row(rows, "fused", model=TRANSFORMER, candidate=candidate)
+
+
+def fused_table(rows: Rows) -> str:
+    shown = [r for r in rows["fused"] if r["model"] == TRANSFORMER and "moved_MB" in r]
+    return table(
+        ["step", "time / `acc + g`", "temp MB", "moved MB"],
+        [
+            [r["candidate"], f"{r['x_floor']:.2f}", f"{r['temp_MB']:.1f}", f"{r['moved_MB']:.0f}"]
+            for r in shown
+        ],
+    )
+
+
 FIGURES: dict[str, Callable[[Rows], str]] = {
+    # fused benchmark, transformer-shaped tree with Adam
+    "fused.model": lambda r: fused(r, "acc + g")["model"],
+    "fused.micro.x_floor": lambda r: times(fused(r, "fused micro-step")["x_floor"], 1),
+    "fused.optax.x_floor": lambda r: times(
+        fused(r, "optax path micro-step (update + apply_updates)")["x_floor"], 1
+    ),
+    "table.fused": fused_table,
     # accumulate benchmark, 33.6M-parameter MLP with Adam
     "micro.temp": lambda r: megabytes(micro(r, ACC)["temp_MB"]),
     "micro.state_copies": lambda r: str(micro(r, ACC)["state_copies"]),

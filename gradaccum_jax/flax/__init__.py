@@ -1,4 +1,5 @@
-"""Flax layers for gradient accumulation: batch normalisation with exact window statistics."""
+"""Flax for gradient accumulation: batch normalisation with exact window statistics, and
+the training containers (`TrainState`, `nnx` `Optimizer`) stepping through `apply_gradients`."""
 
 from gradaccum_jax.flax._batchnorm import (
     AccumBatchNorm,
@@ -8,10 +9,16 @@ from gradaccum_jax.flax._batchnorm import (
     commit_batch_stats,
     commit_nnx_batch_stats,
 )
+from gradaccum_jax.flax._train_state import (
+    Optimizer,
+    TrainState,
+)
 
 __all__ = [
     "AccumBatchNorm",
     "NNXAccumBatchNorm",
+    "Optimizer",
+    "TrainState",
     "batch_stats_from_flax",
     "batch_stats_to_flax",
     "commit_batch_stats",

@@ -1,0 +1,112 @@
+"""Flax's training containers with their step through `gradaccum_jax.apply_gradients`.
+
+`flax.training.train_state.TrainState.apply_gradients` and
+`flax.nnx.Optimizer.update` call `tx.update` and then `optax.apply_updates`:
+under `accumulate` every micro-step then writes a parameter-sized tree of zero
+updates and rewrites the params. These subclasses change only that step, so
+that the params are updated inside the window's close (see `apply_gradients`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+from flax.training import train_state
+
+from gradaccum_jax._fused import apply_gradients
+
+
+class TrainState(train_state.TrainState):
+    """`flax.training.train_state.TrainState`, stepping with `gradaccum_jax.apply_gradients`.
+
+    A drop-in replacement: `create`, the fields and `apply_gradients(grads=...)`
+    are Flax's. Only the step differs: with `tx = gradaccum_jax.accumulate(...)`
+    (alone, last in an `optax.chain`, or under `optax.inject_hyperparams`) the
+    params are updated inside the window's close, and a micro-step moves only
+    the gradient and the accumulator. The params come out as with Flax's class.
+    `step` still counts calls (micro-steps); read `gradaccum_jax.optimizer_step`
+    for optimizer steps.
+
+    The same in one line on Flax's own class, for a subclass of your own:
+    `params, opt_state = gradaccum_jax.apply_gradients(state.tx, grads,
+    state.opt_state, state.params)`, then `state.replace(step=state.step + 1,
+    params=params, opt_state=opt_state)`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import gradaccum_jax as ga
+      >>> from gradaccum_jax.flax import TrainState
+      >>> state = TrainState.create(
+      ...     apply_fn=None, params={"w": jnp.ones(2)}, tx=ga.accumulate(optax.sgd(0.5), 2)
+      ... )
+      >>> state = state.apply_gradients(grads={"w": jnp.ones(2)})
+      >>> state = state.apply_gradients(grads={"w": jnp.full(2, 3.0)})
+      >>> state.params["w"]  # 1 - 0.5 * mean([1, 3])
+      Array([0., 0.], dtype=float32)
+    """
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """Updates `step`, `params` and `opt_state` (and `.replace`s `kwargs`), as Flax's.
+
+        Args:
+          grads: Gradients with the structure of `params` (a top-level
+            `overwrite_with_gradient` collection replaces its params, as in Flax).
+          **kwargs: Other fields to replace.
+
+        Returns:
+          The new state, `step` incremented by one.
+        """
+        overwrite = train_state.OVERWRITE_WITH_GRADIENT
+        if overwrite in grads:
+            new_params, new_opt_state = apply_gradients(
+                self.tx, grads["params"], self.opt_state, self.params["params"]
+            )
+            new_params = {"params": new_params, overwrite: grads[overwrite]}
+        else:
+            new_params, new_opt_state = apply_gradients(self.tx, grads, self.opt_state, self.params)
+        return self.replace(
+            step=self.step + 1, params=new_params, opt_state=new_opt_state, **kwargs
+        )
+
+
+class Optimizer(nnx.Optimizer):
+    """`flax.nnx.Optimizer`, stepping with `gradaccum_jax.apply_gradients`.
+
+    Built and used as Flax's (`Optimizer(model, tx, wrt=nnx.Param)`,
+    `optimizer.update(model, grads, **extra_args)`); with `tx =
+    gradaccum_jax.accumulate(...)` the model's params are updated inside the
+    window's close, and a micro-step moves only the gradient and the
+    accumulator. `update` returns `None`: the updates that Flax's returns are
+    what the fused step avoids writing. `step` counts calls (micro-steps).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> import gradaccum_jax as ga
+      >>> from gradaccum_jax.flax import Optimizer
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> optimizer = Optimizer(model, ga.accumulate(optax.sgd(0.1), 2), wrt=nnx.Param)
+      >>> grads = nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model)
+      >>> optimizer.update(model, grads)
+      >>> int(optimizer.step[...])
+      1
+    """
+
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:
+        """Applies `grads` to `model`'s `wrt` state, as Flax's, without returning updates.
+
+        Args:
+          model: The model whose params to update.
+          grads: The gradients from `nnx.grad`.
+          **kwargs: Extra arguments for `tx.update` (`weight=`, `value=`, ...).
+        """
+        params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+        grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+        opt_state = nnx.as_pure(self.opt_state)
+        new_params, new_opt_state = apply_gradients(
+            self.tx, grads, opt_state, params, **nnx.as_pure(kwargs)
+        )
+        nnx.update(model, new_params)
+        nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
+        self.step[...] += 1
