@@ -354,6 +354,7 @@ def accumulate(
         _refuse("replica", options, f"{axis_name=!r}")
     if shard_inner_state is not None:
         _refuse("unreduced", options, f"shard_inner_state={shard_inner_state!r}")
+        _global_view.check_unreduced_windows(f"shard_inner_state={shard_inner_state!r}")
     inner = optax.with_extra_args_support(inner)
     # A static window of one micro-step holds nothing between calls: no accumulator.
     bare = (

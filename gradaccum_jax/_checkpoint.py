@@ -74,7 +74,8 @@ def checkpointable(tree: Any) -> Any:
       >>> explicit = (jax.sharding.AxisType.Explicit,)
       >>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=explicit)
       >>> with jax.set_mesh(mesh):
-      ...     ones = jax.jit(lambda: jax.reshard(jnp.ones(3), jax.P(unreduced={"data"})))()
+      ...     to_unreduced = lambda x: jax.sharding.reshard(x, jax.P(unreduced={"data"}))
+      ...     ones = jax.jit(lambda: to_unreduced(jnp.ones(3)))()
       ...     print(jax.typeof(ones))
       float32[3]{U:data}
       >>> dense = ga.checkpointable({"window": ones})
@@ -86,7 +87,7 @@ def checkpointable(tree: Any) -> Any:
         def dense(x: Any) -> Any:
             if not _unreduced(x):
                 return x
-            return _compat.reshard(x, jax.P(*_sharding(x).spec.partitions))
+            return _compat.reshard(x, jax.P(*_compat.partitions(_sharding(x).spec)))
 
         return jax.tree.map(dense, tree)
 
@@ -115,7 +116,7 @@ def restore_unreduced(tree: Any, like: Any) -> Any:
       `tree` with `like`'s unreduced types.
 
     Raises:
-      ValueError: If the two trees differ in structure.
+      ValueError: If the two trees differ in structure, or JAX is older than 0.9.1.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -144,7 +145,7 @@ def restore_unreduced(tree: Any, like: Any) -> Any:
         axes = tuple(sorted(_unreduced(ref), key=str))
         if not axes:
             return x
-        dense = jax.P(*_sharding(ref).spec.partitions)
+        dense = jax.P(*_compat.partitions(_sharding(ref).spec))
         x = _compat.reshard(jnp.asarray(x), dense)
 
         def first_holds(block: jax.Array) -> jax.Array:
@@ -159,4 +160,11 @@ def restore_unreduced(tree: Any, like: Any) -> Any:
 
     if not any(_unreduced(leaf) for leaf in jax.tree.leaves(like)):
         return tree
+    if not _compat.UNREDUCED_IN_SHARD_MAP:
+        raise ValueError(
+            f"restore_unreduced needs JAX >= 0.9.1 (installed {jax.__version__}), which "
+            "can return unreduced arrays from jax.shard_map. Upgrade JAX, or pass the "
+            "restored tree to the train step as it is: accumulate takes a dense window as "
+            "a partial sum split over the devices (the step then compiles once more)."
+        )
     return _under_mesh(restore, tree, mesh_from=like)

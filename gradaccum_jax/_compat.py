@@ -34,6 +34,13 @@ def reshard(x: Any, spec: Any) -> Any:
     return jax.sharding.reshard(x, spec)  # JAX < 0.8.2 only
 
 
+def partitions(spec: Any) -> tuple[Any, ...]:
+    """The per-dimension entries of a `PartitionSpec` (`spec.partitions` from JAX 0.9; the
+    spec itself, a tuple, before). Newer specs with unreduced axes refuse to be iterated."""
+    found = getattr(spec, "partitions", None)
+    return tuple(spec) if found is None else tuple(found)
+
+
 def pcast_to_varying(x: Any, axes: Any) -> Any:
     """Marks the pytree `x` as varying along the mesh `axes` (a name or a tuple of names).
 

@@ -90,7 +90,7 @@ def _dim_axes(spec: Any) -> tuple[tuple[Any, ...], ...]:
     """The mesh axes each dimension of `spec` is sharded over, as one tuple per dimension."""
     return tuple(
         () if part is None else part if isinstance(part, tuple) else (part,)
-        for part in spec.partitions
+        for part in _compat.partitions(spec)
     )
 
 
@@ -151,12 +151,13 @@ def _check_params(args: tuple[Any, ...], grad_nums: tuple[int, ...]) -> None:
     for i in grad_nums:
         for path, leaf in jax.tree_util.tree_leaves_with_path(args[i]):
             spec = _leaf_spec(leaf)
-            if spec.unreduced or spec.reduced:
+            if spec.unreduced or getattr(spec, "reduced", None):
                 raise ValueError(
                     f"argument {i}{jax.tree_util.keystr(path)} (in argnums) is typed {spec}: "
                     "a partial sum (unreduced) or a value marked reduced, which cannot be "
                     "differentiated with respect to. Pass the params in a dense sharding: "
-                    f"jax.reshard(x, {jax.P(*spec.partitions)}) sums a partial sum into it."
+                    f"jax.reshard(x, {jax.P(*_compat.partitions(spec))}) sums a partial sum "
+                    "into it."
                 )
 
 
@@ -587,7 +588,7 @@ def partial_zeros_like(x: jax.Array) -> jax.Array:
         axes = tuple(sorted(inside, key=str))
         return jax.lax.pcast(pcast_to_varying(zeros, axes), axes, to="unreduced")
     spec = _global_spec(x)
-    return reshard(zeros, jax.P(*spec.partitions, unreduced=spec.unreduced))
+    return reshard(zeros, jax.P(*_compat.partitions(spec), unreduced=spec.unreduced))
 
 
 # --- the unreduced window of `accumulate` ------------------------------------------
@@ -611,7 +612,7 @@ def _is_unreduced(leaf: Any) -> bool:
 def _mesh_axes_of(spec: Any) -> set:
     return {
         a
-        for part in spec.partitions
+        for part in _compat.partitions(spec)
         if part is not None
         for a in (part if isinstance(part, tuple) else (part,))
     }
@@ -679,12 +680,12 @@ def _unsplit(leaf: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
         kept = tuple(a for a in names if a is not None and a not in axes)
         return kept if len(kept) > 1 else (kept[0] if kept else None)
 
-    return reshard(leaf, jax.P(*(drop(part) for part in spec.partitions)))
+    return reshard(leaf, jax.P(*(drop(part) for part in _compat.partitions(spec))))
 
 
 def _with_unreduced(spec: Any, axes: tuple[Any, ...]) -> Any:
     """`spec`'s sharding over mesh axes (HSDP: `fsdp`), unreduced over `axes`."""
-    return jax.P(*spec.partitions, unreduced=frozenset(axes))
+    return jax.P(*_compat.partitions(spec), unreduced=frozenset(axes))
 
 
 def _per_device(
@@ -836,7 +837,7 @@ def local_count(
 def _dense(spec: Any) -> Any:
     """`spec` without its unreduced axes: the sharding the reduction produces."""
     # `*spec` refuses a spec with unreduced axes; its partitions are what is kept.
-    return jax.P(*spec.partitions)
+    return jax.P(*_compat.partitions(spec))
 
 
 def dense_spec(leaf: Any) -> Any:
@@ -892,7 +893,6 @@ def check_shard_inner_state(shard_inner_state: Any) -> tuple[Any, ...] | None:
                 "names, a callable (path, param) -> PartitionSpec, or a tree of "
                 f"PartitionSpecs shaped like the params; got {shard_inner_state=!r}."
             )
-    check_unreduced_windows(f"shard_inner_state={shard_inner_state!r}")
     return axes
 
 
@@ -913,7 +913,7 @@ def _reduce_into(x: jax.Array, target: Any) -> jax.Array:
     spec = _spec(x)
     axes = tuple(sorted(spec.unreduced, key=str))
     ndim = jnp.ndim(x)
-    src = list(spec.partitions) + [None] * (ndim - len(spec.partitions))
+    src = list(_compat.partitions(spec)) + [None] * (ndim - len(_compat.partitions(spec)))
     dst = list(target) + [None] * (ndim - len(target))
     changed = [i for i in range(ndim) if _names(src[i]) != _names(dst[i])]
     if not axes or len(changed) != 1 or _names(dst[changed[0]]) != _names(src[changed[0]]) + axes:
@@ -972,7 +972,7 @@ def inner_specs(params: Any, shard_inner_state: Any, axes: tuple[Any, ...] | Non
     devices = mesh_axes_size(axes, f"shard_inner_state={name!r}")
 
     def split_first(p: Any) -> Any:
-        dense = _dense(_spec(p)).partitions
+        dense = _compat.partitions(_dense(_spec(p)))
         parts = list(dense) + [None] * (jnp.ndim(p) - len(dense))
         if not jnp.ndim(p):
             return jax.P(*parts)

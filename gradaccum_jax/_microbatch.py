@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradaccum_jax import _planning, _validation, _window
+from gradaccum_jax import _compat, _planning, _validation, _window
 from gradaccum_jax._compat import pcast_to_varying, varying_axes
 
 _AUX_REDUCTIONS = ("auto", "mean", "sum", "concat")
@@ -380,7 +380,10 @@ def _match_varying(x: jax.Array, like: Any) -> jax.Array:
 def _explicit_spec(like: jax.ShapeDtypeStruct) -> Any:
     """The `PartitionSpec` of `like` if it names a mesh axis (explicit sharding), else `None`."""
     spec = getattr(getattr(like, "sharding", None), "spec", None)
-    if spec is None or not (any(part is not None for part in spec.partitions) or spec.unreduced):
+    if spec is None or not (
+        any(part is not None for part in _compat.partitions(spec))
+        or getattr(spec, "unreduced", None)
+    ):
         return None
     return spec
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _validation, _window
+from gradaccum_jax import _compat, _validation, _window
 
 _RUNNING_REDUCTIONS = ("sum", "mean", "max", "min", "geometric_mean")
 _REDUCTIONS = (*_RUNNING_REDUCTIONS, "median")
@@ -162,7 +162,9 @@ class _Buffered:
         if spec is None or getattr(getattr(sharding, "mesh", None), "empty", True):
             return jnp.zeros((self.length, *jnp.shape(like)), dtype)
         return jnp.zeros(
-            (self.length, *jnp.shape(like)), dtype, out_sharding=jax.P(None, *spec.partitions)
+            (self.length, *jnp.shape(like)),
+            dtype,
+            out_sharding=jax.P(None, *_compat.partitions(spec)),
         )
 
     def add(self, buffer: jax.Array, x: jax.Array, count: jax.Array, present: jax.Array):

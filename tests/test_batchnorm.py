@@ -1053,8 +1053,13 @@ def test_nnx_uncommitted_statistics_raise_at_the_read(case):
     )
     xs, _ = _data(42, (4, 4))
     xs = [x.reshape(-1, 4 * FEATURES) for x in xs]
+
     # Only the Linear layer trains (frozen affine); or nothing does (recalibration).
-    wrt = nnx.All(nnx.Param, nnx.PathContains("layers", "0")) if affine else nnx.Param
+    # A callable filter: PathContains takes a single key in flax 0.12.1.
+    def in_linear(path, value):
+        return len(path) >= 2 and str(path[0]) == "layers" and str(path[1]) == "0"
+
+    wrt = nnx.All(nnx.Param, in_linear) if affine else nnx.Param
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=wrt)
 
     @nnx.jit
@@ -1210,14 +1215,19 @@ def test_k1_running_statistics_follow_flax_over_thousands_of_commits(fast):
     start = (variables["batch_stats"], {"mean": jnp.zeros(3), "var": jnp.ones(3)})
     (stats, ref_stats), _ = jax.jit(lambda c, xs: jax.lax.scan(body, c, xs))(start, xs)
     assert float(jnp.min(jnp.abs(ref_stats["mean"]))) > 0.5  # moved well off zero
-    np.testing.assert_allclose(stats["mean"], ref_stats["mean"], rtol=2e-6)
-    np.testing.assert_allclose(stats["var"], ref_stats["var"], rtol=2e-6)
+    # Measured: 2e-6 relative with the suite's compiler settings, 2.7e-6 with XLA's
+    # defaults (the wheel and oldest-stack CI steps); the old weight drifted 1.7e-4.
+    np.testing.assert_allclose(stats["mean"], ref_stats["mean"], rtol=1e-5)
+    np.testing.assert_allclose(stats["var"], ref_stats["var"], rtol=1e-5)
 
 
 # --- Issue 24: flax's own BatchNorm tests (tools/upstream_suites.py), differences pinned ---
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+@pytest.mark.requires(
+    "flax 0.12.1's BatchNorm rounds its output otherwise (measured)", flax="0.12.8"
+)
 def test_k1_outputs_equal_flax_bit_for_bit(dtype):
     # flax's nnx-vs-linen test compares outputs with assert_array_equal. Without a mask
     # or axis_name a call divides by a scalar count, as nn.BatchNorm's mean does; a

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,9 +64,23 @@ def run(tx, step_fn, weights=None, first=0):
     return out
 
 
+# Under the suite's compiler settings (conftest.py) the two paths agree bit for bit. With
+# XLA's defaults (GRADACCUM_XLA_DEFAULTS=1, the wheel and oldest-stack CI steps) the apply
+# branch that also updates the params is fused differently. Measured there: one element in
+# 32 one ulp apart on jax 0.10.2; up to 16 ulp on jax 0.8.1, 1.2e-7 absolute on Adam's
+# near-zero moments. There the bound is float32 rounding: rtol 2e-6, atol 2e-7.
+EXACT = os.environ.get("GRADACCUM_XLA_DEFAULTS", "") in ("", "0")
+
+
 def assert_bitwise_equal(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        x, y = np.asarray(x), np.asarray(y)
+        if EXACT or not jnp.issubdtype(x.dtype, jnp.inexact):
+            np.testing.assert_array_equal(x, y)
+        else:
+            np.testing.assert_allclose(
+                x.astype(np.float64), y.astype(np.float64), rtol=2e-6, atol=2e-7
+            )
 
 
 TRANSFORMS = {
@@ -202,6 +218,9 @@ def _donated_step(tx, fused=True):
         lambda: ga.accumulate(optax.adam(1e-3), 1),
         lambda: optax.inject_hyperparams(lambda lr: ga.accumulate(optax.adam(lr), 4))(lr=1e-3),
     ],
+)
+@pytest.mark.requires(
+    "measured: jax 0.8.1's compiler keeps a parameter-sized temporary in this step", jax="0.10.2"
 )
 def test_fused_step_has_no_parameter_sized_temp_and_aliases_params(make):
     compiled = _donated_step(make())

@@ -858,7 +858,7 @@ def summed(tree):
 
     def dense(x):
         spec = jax.typeof(x).sharding.spec
-        return _compat.reshard(x, jax.P(*spec.partitions)) if spec.unreduced else x
+        return _compat.reshard(x, jax.P(*_compat.partitions(spec))) if spec.unreduced else x
 
     return jax.tree.map(dense, tree)
 

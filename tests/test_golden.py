@@ -67,7 +67,7 @@ def summed(tree):
         spec = getattr(jax.typeof(x).sharding, "spec", None)
         if spec is None or not spec.unreduced:
             return x
-        return jax.jit(lambda a: _compat.reshard(a, P(*spec.partitions)))(x)
+        return jax.jit(lambda a: _compat.reshard(a, P(*_compat.partitions(spec))))(x)
 
     return jax.tree.map(dense, tree)
 

@@ -171,7 +171,7 @@ def _sharded_like(stat: jax.Array, ref: jax.Array) -> jax.Array:
     explicit = jax.sharding.AxisType.Explicit
     if mesh.empty or any(t != explicit for t in mesh.axis_types):
         return stat
-    return _compat.reshard(stat, jax.P(*target.partitions))
+    return _compat.reshard(stat, jax.P(*_compat.partitions(target)))
 
 
 def _micro_batch_sums(

@@ -101,12 +101,16 @@ class Optimizer(nnx.Optimizer):
           grads: The gradients from `nnx.grad`.
           **kwargs: Extra arguments for `tx.update` (`weight=`, `value=`, ...).
         """
-        params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
-        grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-        opt_state = nnx.as_pure(self.opt_state)
+        # Newer flax names nnx.pure nnx.as_pure and takes a graph option; flax 0.12.1
+        # (the oldest supported) has neither.
+        pure = getattr(nnx, "as_pure", None) or nnx.pure
+        graph = {"graph": self.graph} if hasattr(self, "graph") else {}
+        params = pure(nnx.state(model, self.wrt, **graph))
+        grads = pure(nnx.state(grads, self.wrt, **graph))
+        opt_state = pure(self.opt_state)
         new_params, new_opt_state = apply_gradients(
-            self.tx, grads, opt_state, params, **nnx.as_pure(kwargs)
+            self.tx, grads, opt_state, params, **pure(kwargs)
         )
         nnx.update(model, new_params)
-        nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
+        nnx.update(self.opt_state, nnx.state(new_opt_state, **graph))
         self.step[...] += 1
