@@ -47,21 +47,6 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
 
 
-# The `requires` marker for docstring examples, which cannot carry markers: the doctest's
-# name, why, and the minimum versions.
-DOCTEST_REQUIRES = {
-    "gradaccum_jax._checkpoint.checkpointable": (
-        "its example makes an unreduced array with jax.sharding.reshard, which JAX 0.8.1 "
-        "gives every device a copy of (measured: the sum is 8x)",
-        {"jax": "0.9.1"},
-    ),
-    "gradaccum_jax._checkpoint.restore_unreduced": (
-        "unreduced outputs of jax.shard_map",
-        {"jax": "0.9.1"},
-    ),
-}
-
-
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Skips, with its reason, a test marked `requires(reason, jax="0.9.0", ...)` on older stacks.
 
@@ -77,8 +62,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                 f"got args={marker.args!r}, kwargs={marker.kwargs!r}."
             )
         needs.append((marker.args[0], marker.kwargs))
-    if item.name in DOCTEST_REQUIRES:
-        needs.append(DOCTEST_REQUIRES[item.name])
     for why, versions in needs:
         for package, minimum in versions.items():
             installed = importlib.metadata.version(package)

@@ -73,14 +73,18 @@ def checkpointable(tree: Any) -> Any:
       >>> import gradaccum_jax as ga
       >>> explicit = (jax.sharding.AxisType.Explicit,)
       >>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=explicit)
+      >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+      >>> x = jnp.arange(32.0).reshape(16, 2) / 16
       >>> with jax.set_mesh(mesh):
-      ...     to_unreduced = lambda x: jax.sharding.reshard(x, jax.P(unreduced={"data"}))
-      ...     ones = jax.jit(lambda: to_unreduced(jnp.ones(3)))()
-      ...     print(jax.typeof(ones))
-      float32[3]{U:data}
-      >>> dense = ga.checkpointable({"window": ones})
-      >>> print(jax.typeof(dense["window"]), dense["window"])
-      float32[3] [1. 1. 1.]
+      ...     grad_fn = jax.jit(ga.unreduced_value_and_grad(loss, "data"))
+      ...     _, grad = grad_fn(jnp.array([1.0, -1.0]), jax.device_put(x, jax.P("data")))
+      ...     print(jax.typeof(grad))
+      float32[2]{U:data}
+      >>> dense = ga.checkpointable({"window": grad})
+      >>> print(jax.typeof(dense["window"]))
+      float32[2]
+      >>> bool(jnp.allclose(dense["window"], jax.grad(loss)(jnp.array([1.0, -1.0]), x)))
+      True
     """
 
     def summed(tree: Any) -> Any:
@@ -119,19 +123,14 @@ def restore_unreduced(tree: Any, like: Any) -> Any:
       ValueError: If the two trees differ in structure, or JAX is older than 0.9.1.
 
     Examples:
-      >>> import jax, jax.numpy as jnp
-      >>> import gradaccum_jax as ga
-      >>> explicit = (jax.sharding.AxisType.Explicit,)
-      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=explicit)
-      >>> with jax.set_mesh(mesh):
-      ...     like = jax.ShapeDtypeStruct(
-      ...         (3,), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P(unreduced={"data"}))
-      ...     )
-      ...     window = ga.restore_unreduced(jnp.arange(3.0), like)
-      ...     print(jax.typeof(window))
-      ...     print(ga.checkpointable(window))
-      float32[3]{U:data}
-      [0. 1. 2.]
+      In the train loop of the distributed-training guide (its checkpointing
+      section, whose code the test suite runs), after restoring with Orbax:
+
+      ```python
+      restored = checkpointer.restore(path, abstract_checkpointable_state)
+      live = {"params": params, "opt_state": opt_state}  # or jax.eval_shape of the step
+      restored = ga.restore_unreduced(restored, live)
+      ```
     """
     tree_def, like_def = jax.tree.structure(tree), jax.tree.structure(like)
     if tree_def != like_def:  # type: ignore[operator]  # jaxlib's PyTreeDef stub
