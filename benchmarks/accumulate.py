@@ -295,13 +295,7 @@ def train_step_table(label: str, sizes: list[int], repeats: int, k: int, micro: 
     ]
 
 
-def print_rows(title: str, rows: list[dict]) -> None:
-    print(f"\n## {title}")
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for r in rows:
-        print("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
+print_rows = harness.print_rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -98,17 +98,7 @@ def build_unreduced(k, **kwargs):
 
 def build_shard_map(k, params):
     tx = ga.accumulate(inner(), k, axis_name=AXIS)
-    specs = ga.replica_state_specs(jax.eval_shape(tx.init, params), AXIS)
-
-    def body(params, state, batch):
-        local = jax.lax.pcast(params, AXIS, to="varying")
-        grads = jax.grad(loss_fn)(local, batch)
-        updates, state = tx.update(grads, ga.remove_replica_axis(state), params)
-        return optax.apply_updates(params, updates), ga.add_replica_axis(state)
-
-    init = jax.shard_map(lambda p: ga.add_replica_axis(tx.init(p)), in_specs=P(), out_specs=specs)
-    step = jax.shard_map(body, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs))
-    return jax.jit(init), jax.jit(step, donate_argnums=(0, 1))
+    return harness.shard_map_accumulate(tx, params, AXIS, loss_fn)
 
 
 def collectives_per_window(compiled, k: int, devices: int) -> tuple[dict[str, int], float]:

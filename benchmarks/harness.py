@@ -374,6 +374,41 @@ def replica_groups(attributes: str, devices: int) -> list[tuple[int, ...]]:
     return sorted(tuple(int(d) for d in row) for row in ids.reshape(-1, size))
 
 
+def print_rows(title: str, rows: list[dict]) -> None:
+    """Prints `rows` (dicts) as a markdown table under a `## title` heading."""
+    print(f"\n## {title}")
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
+
+
+def shard_map_accumulate(tx: Any, params: Any, axes: Any, loss: Callable) -> tuple[Any, Any]:
+    """Jitted `(init, step)` of a data-parallel `jax.shard_map` step with `accumulate` over `axes`.
+
+    Params replicated, the batch split over `axes`, the gradient taken with respect to
+    the params cast to varying (no reduction in the backward pass); `step` donates
+    params and state. Under the context mesh.
+    """
+    import optax
+
+    import gradaccum_jax as ga
+
+    specs = ga.replica_state_specs(jax.eval_shape(tx.init, params), axes)
+
+    def body(params, state, batch):
+        local = jax.lax.pcast(params, axes, to="varying")
+        grads = jax.grad(loss)(local, batch)
+        updates, state = tx.update(grads, ga.remove_replica_axis(state), params)
+        return optax.apply_updates(params, updates), ga.add_replica_axis(state)
+
+    P = jax.sharding.PartitionSpec
+    init = jax.shard_map(lambda p: ga.add_replica_axis(tx.init(p)), in_specs=P(), out_specs=specs)
+    step = jax.shard_map(body, in_specs=(P(), specs, P(axes)), out_specs=(P(), specs))
+    return jax.jit(init), jax.jit(step, donate_argnums=(0, 1))
+
+
 def mlp_host_params(sizes: list[int]) -> list[dict[str, np.ndarray]]:
     """A ReLU MLP's params as host arrays: each candidate puts fresh device arrays of them,
     since the steps donate theirs."""
