@@ -454,8 +454,10 @@ def accumulate(
         **extra_args: Any,
     ) -> tuple[optax.Updates, AccumulateState]:
         receipt = extra_args.pop(FUSE_KEY, None)
+        vouched = None
         if receipt is not None:
             receipt.received(params)
+            vouched = receipt.finite(updates)
         grads = _window.as_arrays(updates)
         if not bare:
             _validation.check_same_structure("updates", grads, "state.acc_grads", state.acc_grads)
@@ -484,6 +486,10 @@ def accumulate(
                 valid = ok
         if probe is not None and skip_nonfinite:
             accepted = valid & probe.finite(grads)
+        elif vouched is not None and skip_nonfinite and not route.per_device:
+            # The transformation before this one measured the gradient and said
+            # whether it is finite (a global clip_norm): the same flag, no pass.
+            accepted = valid & vouched
         else:
             accepted = route.accept(grads, valid, skip_nonfinite)
         skip_state = state.skip_state

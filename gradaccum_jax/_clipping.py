@@ -24,7 +24,9 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax import _validation, _window
+from gradaccum_jax._fused import FUSE_KEY
 from gradaccum_jax._norms import (
+    L2,
     Measure,
     Size,
     apply_factors,
@@ -208,22 +210,11 @@ def _rescale_units(
     elements, are returned unchanged. 0-d leaves are handled as shape `(1,)`,
     as torchzero does.
     """
+    if dim == "global":
+        out, size = _rescale_whole(tree, m, factors)
+        return out, _reported(size, m)
     leaves, treedef = jax.tree.flatten(tree)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
-    if dim == "global":
-        dtype = compute_dtype(*[leaf.dtype for leaf in leaves]) if leaves else jnp.float32
-        xs = [leaf.astype(dtype) for leaf in leaves]
-        parts = [(x, tuple(range(x.ndim))) for x in xs if x.size]
-        zero = jnp.zeros([], real_dtype(dtype))
-        size = Size(zero, zero.astype(jnp.int32))
-        if parts:
-            (whole,) = measure([parts], m)
-            size = Size(whole.mant.reshape(()), whole.exp.reshape(()))
-        a, b = factors(size)
-        out = [
-            apply_factors(x, a, b).astype(leaf.dtype) for x, leaf in zip(xs, leaves, strict=True)
-        ]
-        return jax.tree.unflatten(treedef, out), _reported(size, m)
     xs, axes_list = [], []
     for leaf in leaves:
         x = jnp.reshape(leaf, jnp.shape(leaf) or (1,)).astype(compute_dtype(leaf.dtype))
@@ -249,6 +240,23 @@ def _rescale_units(
         # One scalar per leaf for whole-leaf units; otherwise keep the leaf's rank.
         measures.append(reported.reshape(()) if dim is None or not leaf.ndim else reported)
     return jax.tree.unflatten(treedef, out), jax.tree.unflatten(treedef, measures)
+
+
+def _rescale_whole(tree: Any, m: Measure, factors: Factors) -> tuple[Any, Size]:
+    """`_rescale_units` with all leaves one unit; returns the unit's `Size` as measured."""
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
+    dtype = compute_dtype(*[leaf.dtype for leaf in leaves]) if leaves else jnp.float32
+    xs = [leaf.astype(dtype) for leaf in leaves]
+    parts = [(x, tuple(range(x.ndim))) for x in xs if x.size]
+    zero = jnp.zeros([], real_dtype(dtype))
+    size = Size(zero, zero.astype(jnp.int32))
+    if parts:
+        (whole,) = measure([parts], m)
+        size = Size(whole.mant.reshape(()), whole.exp.reshape(()))
+    a, b = factors(size)
+    out = [apply_factors(x, a, b).astype(leaf.dtype) for x, leaf in zip(xs, leaves, strict=True)]
+    return jax.tree.unflatten(treedef, out), size
 
 
 def _select(
@@ -298,6 +306,40 @@ def _stateless(fn: Callable[[optax.Updates], optax.Updates]) -> optax.GradientTr
         return fn(updates), state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _vouching(
+    fn: Callable[[optax.Updates], tuple[optax.Updates, jax.Array]],
+) -> optax.GradientTransformationExtraArgs:
+    """`_stateless` for a `fn` that also returns whether its output is all finite.
+
+    Under `apply_gradients` the flag is handed to the `accumulate` that
+    follows (`Receipt.vouch`): it then knows whether the clipped gradient is
+    finite without reading it again, and XLA can fuse the clip's scaling
+    into the add instead of writing the clipped gradient to memory for two
+    readers. Other extra arguments are ignored, as `optax.chain` does for a
+    transformation that takes none.
+    """
+
+    def init_fn(params: optax.Params) -> optax.EmptyState:
+        del params
+        return optax.EmptyState()
+
+    def update_fn(
+        updates: optax.Updates,
+        state: optax.EmptyState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, optax.EmptyState]:
+        del params
+        _validation.refuse_unreduced("updates", updates, "this clipping transformation")
+        out, finite = fn(updates)
+        receipt = extra_args.get(FUSE_KEY)
+        if receipt is not None:
+            receipt.vouch(out, finite)
+        return out, state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 # --------------------------------------------------------------------------- #
@@ -657,8 +699,21 @@ def clip_norm(
       >>> updates["a"], updates["b"]
       (Array([1.], dtype=float32), Array([1.], dtype=float32))
     """
-    _unit_args(ord, dim, inverse_dims, min_size)
+    m, _, _ = _unit_args(ord, dim, inverse_dims, min_size)
     _validation.check_hyperparameter("max_norm", max_norm)
+    if dim == "global" and m == L2:
+        # The measured norm is finite exactly when every element is (it is exact
+        # over the whole float range, and NaN and infinities reach it), and a
+        # factor of at most 1 keeps finite elements finite and makes no
+        # non-finite one finite: so it tells whether the clipped tree is finite.
+        factors = _clip_factors(max_norm)
+
+        def clip(g: optax.Updates) -> tuple[optax.Updates, jax.Array]:
+            out, size = _rescale_whole(g, m, factors)
+            real = all(jnp.isrealobj(leaf) for leaf in jax.tree.leaves(out))
+            return out, jnp.isfinite(size.mant) if real else _window.all_finite(out)
+
+        return _vouching(clip)
     return _stateless(
         lambda g: clip_grad_norm(
             g, max_norm, ord, dim=dim, inverse_dims=inverse_dims, min_size=min_size

@@ -39,6 +39,7 @@ class Receipt:
     def __init__(self) -> None:
         self.calls = 0
         self.output: Any = None
+        self.vouched: list[tuple[Any, list[Any], jax.Array]] = []
 
     def received(self, params: Any) -> None:
         if params is None:
@@ -50,6 +51,25 @@ class Receipt:
 
     def returned(self, output: Any) -> None:
         self.output = output
+
+    def vouch(self, tree: Any, finite: jax.Array) -> None:
+        """A transformation states that `finite` is whether every element of `tree` is.
+
+        A clip that measured its input's norm knows this already (see
+        `clip_norm`); the `accumulate` that receives exactly these leaves
+        then skips its own pass over them.
+        """
+        leaves, treedef = jax.tree.flatten(tree)
+        self.vouched.append((treedef, leaves, finite))
+
+    def finite(self, tree: Any) -> jax.Array | None:
+        """The flag vouched for `tree`'s very leaves (the same objects), or None."""
+        leaves, treedef = jax.tree.flatten(tree)
+        for known_def, known, finite in self.vouched:
+            if known_def == treedef and len(known) == len(leaves):
+                if all(a is b for a, b in zip(known, leaves, strict=True)):
+                    return finite
+        return None
 
 
 def _ends_in_accumulate(state: Any) -> bool:

@@ -70,6 +70,33 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack([jnp.isfinite(jnp.max(jnp.abs(leaf))) for leaf in leaves]))
 
 
+def all_finite_by_squares(tree: Any) -> jax.Array:
+    """`all_finite(tree)`, decided in the ordinary case by each leaf's sum of squares.
+
+    A sum of squares is finite only if every element is (a NaN or an infinity
+    makes it NaN or infinite); one that is not (a non-finite element, or
+    float32 elements above about 1.8e19 whose squares overflow) is decided by
+    `all_finite`, in a conditional that the ordinary case skips. The answer
+    is `all_finite`'s in every case. XLA:CPU reduces squares faster than
+    `max(|x|)` (on the transformer tree of benchmarks/fused.py the checked
+    micro-step went from about 2.0x to 1.7x the floor).
+    """
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(tree) if jnp.size(leaf)]
+    if not leaves:
+        return jnp.array(True)
+
+    def squares(x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        return jnp.square(x.real) + jnp.square(x.imag) if jnp.iscomplexobj(x) else jnp.square(x)
+
+    quick = jnp.all(jnp.stack([jnp.isfinite(jnp.sum(squares(leaf))) for leaf in leaves]))
+    if not isinstance(quick, jax.core.Tracer):
+        return quick if bool(quick) else all_finite(leaves)
+    # The ordinary case is the false branch (index 0). Both branches compute
+    # from operands, so that they vary alike between replicas in shard_map.
+    return jax.lax.cond(~quick, lambda g, q: all_finite(g), lambda g, q: q, leaves, quick)
+
+
 def as_arrays(tree: Any) -> Any:
     """`tree` with Python scalars turned into arrays, as optax's own transforms accept them."""
     return jax.tree.map(jnp.asarray, tree)

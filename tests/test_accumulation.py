@@ -1043,3 +1043,30 @@ def test_weighted_float64_window_keeps_float64_precision(use_grad_mean):
         want = -(total / 3.5 if use_grad_mean else total)
         np.testing.assert_allclose(updates["w"], want, rtol=4e-16, atol=0)
         assert state.acc_weight.dtype == jnp.float64
+
+
+@pytest.mark.parametrize(
+    "leaves",
+    [
+        [np.ones((3, 4)), np.arange(5.0)],
+        [np.ones((3, 4)), np.array([1.0, np.nan])],
+        [np.array([np.inf, 1.0]), np.ones(2)],
+        [np.array([-np.inf])],
+        [np.full((2, 2), 3e19), np.ones(3)],  # squares overflow: decided by the exact pass
+        [np.array([3e19, np.nan])],
+        [np.zeros((0, 3)), np.ones(2)],
+        [],
+        [np.array([1.0, 2.0], jnp.bfloat16), np.array([1e30], np.float32)],
+        [np.array([1.0, 2.0], jnp.bfloat16), np.array([np.inf], jnp.bfloat16)],
+        [np.array([1 + 2j, 3e30 + 0j], np.complex64)],
+        [np.array([1 + 1j, complex(np.inf, 0)], np.complex64)],
+    ],
+)
+def test_all_finite_by_squares_answers_as_all_finite(leaves):
+    from gradaccum_jax import _window
+
+    tree = {f"x{i}": jnp.asarray(leaf) for i, leaf in enumerate(leaves)}
+    expected = all(np.isfinite(np.asarray(leaf, np.complex128)).all() for leaf in leaves)
+    assert bool(_window.all_finite(tree)) == expected
+    assert bool(_window.all_finite_by_squares(tree)) == expected
+    assert bool(jax.jit(_window.all_finite_by_squares)(tree)) == expected

@@ -217,6 +217,8 @@ def _donated_step(tx, fused=True):
         lambda: ga.accumulate(optax.adam(1e-3), 4, skip_nonfinite=False),
         lambda: ga.accumulate(optax.adam(1e-3), 1),
         lambda: optax.inject_hyperparams(lambda lr: ga.accumulate(optax.adam(lr), 4))(lr=1e-3),
+        # The clipped gradient is not written out: its scaling is fused into the add.
+        lambda: optax.chain(ga.clip_norm(1.0), ga.accumulate(optax.adam(1e-3), 4)),
     ],
 )
 @pytest.mark.requires(
@@ -289,3 +291,89 @@ def test_unreduced_route_fused_equals_optax_path(kwargs):
     assert_bitwise_equal(
         _global_view_run(ga.apply_gradients, **kwargs), _global_view_run(optax_path, **kwargs)
     )
+
+
+# --- a clip that measured the gradient tells accumulate whether it is finite ---------
+
+
+def _count_checks(monkeypatch):
+    """Counts, while tracing, the finiteness passes accumulate makes over its input."""
+    from gradaccum_jax import _window
+
+    calls = []
+    original = _window.all_finite_by_squares
+
+    def spy(tree):
+        calls.append(tree)
+        return original(tree)
+
+    monkeypatch.setattr(_window, "all_finite_by_squares", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "make, passes",
+    [
+        # The global L2 clip vouches: accumulate reads the gradient only to add it.
+        (lambda: ga.clip_norm(1.0), 0),
+        # Per-leaf units, other measures and optax's clip: the check runs as before.
+        (lambda: ga.clip_norm(1.0, dim=None), 1),
+        (lambda: ga.clip_norm(1.0, "linf"), 1),
+        (lambda: optax.clip_by_global_norm(1.0), 1),
+        # A transformation between them changes the leaves: the vouch does not apply.
+        (lambda: optax.chain(ga.clip_norm(1.0), optax.scale(0.5)), 1),
+    ],
+)
+def test_only_a_vouched_gradient_skips_the_finite_check(monkeypatch, make, passes):
+    tx = optax.chain(make(), ga.accumulate(optax.adam(1e-2), 3))
+    params = init_params()
+    calls = _count_checks(monkeypatch)
+    jax.jit(lambda p, s, g: ga.apply_gradients(tx, g, s, p)).lower(
+        params, tx.init(params), params
+    )
+    assert len(calls) == passes
+
+
+def test_receipt_vouches_only_for_the_same_leaves():
+    receipt = _fused.Receipt()
+    tree = {"a": jnp.ones(2), "b": jnp.zeros(3)}
+    flag = jnp.array(True)
+    receipt.vouch(tree, flag)
+    assert receipt.finite(dict(tree)) is flag  # a new dict, the same arrays
+    assert receipt.finite({"a": tree["a"], "b": jnp.zeros(3)}) is None
+    assert receipt.finite({"a": tree["a"]}) is None
+
+
+EXTREME = [
+    1.0,  # ordinary, clipped
+    np.nan,  # dropped
+    3e19,  # finite, but its squares overflow float32: kept, clipped exactly
+    np.inf,  # dropped
+    0.0,  # kept, zeros
+    -np.inf,  # dropped
+    1e-3,  # kept, under the bound
+]
+
+
+def _clip_chain_run(step_fn, dtype):
+    tx = optax.chain(ga.clip_norm(0.5), ga.accumulate(optax.adam(1e-2), 3))
+    params = jax.tree.map(lambda p: p.astype(dtype), init_params())
+    state = tx.init(params)
+    step = jax.jit(lambda p, s, g: step_fn(tx, g, s, p))
+    out = []
+    for i, value in enumerate(EXTREME):
+        grads = jax.tree.map(lambda p, i=i, value=value: jnp.full_like(p, value), params)
+        grads["b1"] = grads["b1"].at[0].set(float(i))  # finite elements beside the value
+        params, state = step(params, state, grads)
+        out.append((params, state))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_vouched_clip_chain_drops_exactly_what_the_optax_path_drops(dtype):
+    fused = _clip_chain_run(ga.apply_gradients, dtype)
+    reference = _clip_chain_run(optax_path, dtype)
+    assert_bitwise_equal(fused, reference)
+    skipped = [int(s[1].num_skipped) for _, s in fused]
+    assert skipped == [0, 1, 1, 2, 2, 3, 3]
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(fused[-1]))
