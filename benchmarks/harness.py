@@ -313,6 +313,11 @@ class Hlo:
         a `call` its callee. Fused operations count at the fusion's boundary,
         which is what crosses memory. It overestimates ops that update a
         slice in place and ignores re-reads inside one fusion.
+
+        A conditional whose result is one boolean is a test with a fallback (the
+        exact finiteness pass behind a quick one, `_window.all_finite_by_squares`):
+        it counts its cheaper branch, the one an ordinary step takes, whatever
+        `branch` says.
         """
         free = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
 
@@ -324,7 +329,10 @@ class Hlo:
                 if inst.opcode in free:
                     continue
                 if inst.opcode == "conditional" and branch is not None:
-                    total += walk(self.branches(inst)[branch])
+                    if inst.types == (("pred", ()),):
+                        total += min(walk(b) for b in self.branches(inst))
+                    else:
+                        total += walk(self.branches(inst)[branch])
                     continue
                 if inst.opcode == "call":
                     total += sum(walk(callee) for callee in self._callees(inst))

@@ -667,6 +667,13 @@ def clip_norm(
     on its own (torchzero's `ClipNorm` default). See `clip_grad_norm` for
     `ord`, the units and where this departs from torchzero.
 
+    With the defaults, in `optax.chain(clip_norm(c), accumulate(...))` stepped
+    by `gradaccum_jax.apply_gradients`, the norm measured here also tells
+    `accumulate` whether the clipped gradient is finite (it is finite exactly
+    when every element is): `accumulate` makes no pass of its own to check,
+    and the clip's scaling is fused into its add, so the clipped gradient is
+    never written to memory.
+
     Args:
       max_norm: The bound, `>= 0`.
       ord: The measure, as in `clip_grad_norm` (default 2).

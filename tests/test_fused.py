@@ -328,9 +328,7 @@ def test_only_a_vouched_gradient_skips_the_finite_check(monkeypatch, make, passe
     tx = optax.chain(make(), ga.accumulate(optax.adam(1e-2), 3))
     params = init_params()
     calls = _count_checks(monkeypatch)
-    jax.jit(lambda p, s, g: ga.apply_gradients(tx, g, s, p)).lower(
-        params, tx.init(params), params
-    )
+    jax.jit(lambda p, s, g: ga.apply_gradients(tx, g, s, p)).lower(params, tx.init(params), params)
     assert len(calls) == passes
 
 

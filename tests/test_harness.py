@@ -105,3 +105,21 @@ def test_interleaved_medians_alternate_the_order():
 def test_no_entry_is_an_error():
     with pytest.raises(ValueError, match="ENTRY"):
         harness.Hlo("HloModule empty\n")
+
+
+def test_bytes_moved_takes_the_ordinary_branch_of_a_boolean_fallback():
+    from gradaccum_jax import _window
+
+    x = jnp.ones((256, 256))
+
+    def check_then_add(acc, g):
+        ok = _window.all_finite_by_squares(g)
+        return jnp.where(ok, acc + g, acc)
+
+    hlo = harness.Hlo(jax.jit(check_then_add).lower(x, x).compile())
+    assert len(hlo.conditionals()) == 1
+    size = x.nbytes
+    # The sums of squares read g (P) and the add reads acc and g and writes acc (3 P); the
+    # exact fallback (one more read of g) is not counted, with either `branch`.
+    for branch in (0, 1):
+        assert 4 * size <= hlo.bytes_moved(branch) < 4.1 * size
