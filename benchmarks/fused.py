@@ -12,7 +12,9 @@ are what to read.
 Rows (per tree):
   floor `p + g`, `acc + g`, and `acc + g` in a step that carries the params and
   Adam's state as the fused step does (the same bytes; what more it costs is the
-  dispatch of every donated buffer: 743 on the transformer against 294); the
+  dispatch of every donated buffer: 743 on the transformer against 294), and the
+  same with a conditional that passes the params and Adam's state through (the
+  fused micro-step's structure, without its accounting); the
   micro-step of `accumulate(adam)` through `apply_gradients` (fused) with and
   without the finite check, behind `clip_norm(1.0)`, and through the optax
   path (`update` + `apply_updates`, and `update` alone with the state
@@ -143,6 +145,21 @@ def carried_add_step(params, state, grads):
     return params, state._replace(acc_grads=jax.tree.map(jnp.add, state.acc_grads, grads))
 
 
+def carried_cond_step(params, state, grads):
+    """`carried_add_step` plus a conditional that passes the params and Adam's state
+    through (its other branch, never taken, changes them): the structure of the fused
+    micro-step without its accounting."""
+    acc = jax.tree.map(jnp.add, state.acc_grads, grads)
+
+    def change(params, inner):
+        return jax.tree.map(lambda x: 2 * x, params), inner
+
+    params, inner = jax.lax.cond(
+        state.micro_step >= NEVER, change, lambda *x: x, params, state.inner_state
+    )
+    return params, state._replace(acc_grads=acc, inner_state=inner)
+
+
 def step_table(label: str, params, repeats: int) -> list[dict]:
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
     adam = optax.adam(1e-3)
@@ -168,6 +185,13 @@ def step_table(label: str, params, repeats: int) -> list[dict]:
             (fresh(params), micro.init(params)),
             (grads,),
             None,
+        ),
+        Candidate(
+            "acc + g, carrying params and Adam's state through a conditional",
+            carried_cond_step,
+            (fresh(params), micro.init(params)),
+            (grads,),
+            0,
         ),
         c("fused micro-step", fused_step, micro),
         c("fused micro-step, skip_nonfinite=False", fused_step, unchecked),
@@ -204,6 +228,9 @@ def step_table(label: str, params, repeats: int) -> list[dict]:
             "fused micro-step, skip_nonfinite=False"
         ]
         / t["acc + g, carrying params and Adam's state"],
+        "fused micro-step, skip_nonfinite=False / acc + g carrying the same state through "
+        "a conditional": t["fused micro-step, skip_nonfinite=False"]
+        / t["acc + g, carrying params and Adam's state through a conditional"],
         "optax path K=1 unchecked / (adam + apply_updates)": t[
             "optax path K=1, skip_nonfinite=False"
         ]
