@@ -293,11 +293,12 @@ def _normalize_factors(target: Any) -> Factors:
     return lambda size: ratio_factors(target, size)
 
 
-def _stateless(fn: Callable[[optax.Updates], optax.Updates]) -> optax.GradientTransformation:
-    def init_fn(params: optax.Params) -> optax.EmptyState:
-        del params
-        return optax.EmptyState()
+def _empty_init(params: optax.Params) -> optax.EmptyState:
+    del params
+    return optax.EmptyState()
 
+
+def _stateless(fn: Callable[[optax.Updates], optax.Updates]) -> optax.GradientTransformation:
     def update_fn(
         updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, optax.EmptyState]:
@@ -305,7 +306,7 @@ def _stateless(fn: Callable[[optax.Updates], optax.Updates]) -> optax.GradientTr
         _validation.refuse_unreduced("updates", updates, "this clipping transformation")
         return fn(updates), state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(_empty_init, update_fn)
 
 
 def _vouching(
@@ -321,10 +322,6 @@ def _vouching(
     transformation that takes none.
     """
 
-    def init_fn(params: optax.Params) -> optax.EmptyState:
-        del params
-        return optax.EmptyState()
-
     def update_fn(
         updates: optax.Updates,
         state: optax.EmptyState,
@@ -339,7 +336,7 @@ def _vouching(
             receipt.vouch(out, finite)
         return out, state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(_empty_init, update_fn)
 
 
 # --------------------------------------------------------------------------- #

@@ -78,8 +78,8 @@ def all_finite_by_squares(tree: Any) -> jax.Array:
     float32 elements above about 1.8e19 whose squares overflow) is decided by
     `all_finite`, in a conditional that the ordinary case skips. The answer
     is `all_finite`'s in every case. XLA:CPU reduces squares faster than
-    `max(|x|)` (on the transformer tree of benchmarks/fused.py the checked
-    micro-step went from about 2.0x to 1.7x the floor).
+    `max(|x|)`: 7.4 ms against 9.2 ms over the 168 MB of the transformer
+    tree of benchmarks/fused.py.
     """
     leaves = [leaf for leaf in jax.tree_util.tree_leaves(tree) if jnp.size(leaf)]
     if not leaves:
