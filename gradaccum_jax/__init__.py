@@ -2,39 +2,53 @@
 
 from typing import TYPE_CHECKING, Any
 
-from gradaccum_jax._accumulation import (
+from gradaccum_jax._batching.microbatch import (
+    microbatch_value_and_grad,
+    plan_microbatches,
+)
+from gradaccum_jax._batching.planning import (
+    MicrobatchPlan,
+)
+from gradaccum_jax._batching.unreduced import (
+    unreduced_value_and_grad,
+)
+from gradaccum_jax._clipping.agc import (
+    adaptive_grad_clip,
+)
+from gradaccum_jax._clipping.ema import (
+    ClipNormByEMAState,
+    ClipValueByEMAState,
+    clip_norm_by_ema,
+    clip_value_by_ema,
+    normalize_by_ema,
+)
+from gradaccum_jax._clipping.growth import (
+    ClipNormGrowthState,
+    ClipValueGrowthState,
+    clip_norm_growth,
+    clip_value_growth,
+)
+from gradaccum_jax._clipping.norm import (
+    centralize,
+    clip_grad_norm,
+    clip_grad_value,
+    clip_norm,
+    clip_value,
+    normalize,
+    normalize_grads,
+)
+from gradaccum_jax._sharding.checkpoint import (
+    checkpointable,
+    restore_unreduced,
+)
+from gradaccum_jax._window.accumulate import (
     AccumulateState,
     accumulate,
     closes_window,
     has_updated,
     optimizer_step,
 )
-from gradaccum_jax._agc import (
-    adaptive_grad_clip,
-)
-from gradaccum_jax._checkpoint import (
-    checkpointable,
-    restore_unreduced,
-)
-from gradaccum_jax._clipping import (
-    ClipNormByEMAState,
-    ClipNormGrowthState,
-    ClipValueByEMAState,
-    ClipValueGrowthState,
-    centralize,
-    clip_grad_norm,
-    clip_grad_value,
-    clip_norm,
-    clip_norm_by_ema,
-    clip_norm_growth,
-    clip_value,
-    clip_value_by_ema,
-    clip_value_growth,
-    normalize,
-    normalize_by_ema,
-    normalize_grads,
-)
-from gradaccum_jax._conditional import (
+from gradaccum_jax._window.conditional import (
     ConditionalAccumulateState,
     ConditionalAccumulator,
     conditional_accumulate,
@@ -44,22 +58,10 @@ from gradaccum_jax._conditional import (
     conditional_set_global_step,
     conditional_take_grad,
 )
-from gradaccum_jax._distributed import (
-    add_replica_axis,
-    remove_replica_axis,
-    replica_state_specs,
-)
-from gradaccum_jax._fused import (
+from gradaccum_jax._window.fused import (
     apply_gradients,
 )
-from gradaccum_jax._global_view import (
-    unreduced_value_and_grad,
-)
-from gradaccum_jax._microbatch import (
-    microbatch_value_and_grad,
-    plan_microbatches,
-)
-from gradaccum_jax._mixed_precision import (
+from gradaccum_jax._window.loss_scale import (
     LossScaleState,
     current_loss_scale,
     dynamic_loss_scale,
@@ -67,17 +69,19 @@ from gradaccum_jax._mixed_precision import (
     scaled_value_and_grad,
     static_loss_scale,
 )
-from gradaccum_jax._noise_scale import (
+from gradaccum_jax._window.noise_scale import (
     CriticalBatchSchedule,
     GradientNoiseScale,
     NoiseScaleState,
     critical_batch_schedule,
     gradient_noise_scale,
 )
-from gradaccum_jax._planning import (
-    MicrobatchPlan,
+from gradaccum_jax._window.specs import (
+    add_replica_axis,
+    remove_replica_axis,
+    replica_state_specs,
 )
-from gradaccum_jax._split import (
+from gradaccum_jax._window.split import (
     SplitAccumulateState,
     clamp_params,
     split_accumulate,

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._compat import pcast_to_varying, varying_axes
+from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
 
 
 def check_axes_bound(arg_name: str, axis_names: tuple[Any, ...]) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from gradaccum_jax import _compat
+from gradaccum_jax._base import compat
 
 # With memory_budget=None the plan may use this fraction of the memory the
 # device reports free: the runtime needs room beyond the compiled program's
@@ -101,7 +101,7 @@ def _abstract(x: Any) -> Any:
         sharding = None
         if isinstance(x, jax.core.Tracer):
             spec = getattr(aval.sharding, "spec", None)
-            if spec is not None and any(part is not None for part in _compat.partitions(spec)):
+            if spec is not None and any(part is not None for part in compat.partitions(spec)):
                 sharding = aval.sharding
         elif len(x.sharding.device_set) > 1:
             sharding = x.sharding

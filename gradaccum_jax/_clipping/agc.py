@@ -10,8 +10,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _validation
-from gradaccum_jax._norms import L2, Size, apply_factors, compute_dtype, measure, ratio_factors
+from gradaccum_jax._base import validation
+from gradaccum_jax._clipping.measures import (
+    L2,
+    Size,
+    apply_factors,
+    compute_dtype,
+    measure,
+    ratio_factors,
+)
 
 # A per-leaf unit specification: the axes one unit spans (an int or a tuple of
 # ints; `()` makes every element its own unit), `None` for the whole leaf,
@@ -266,8 +273,8 @@ def adaptive_grad_clip(
       Brock et al., *High-Performance Large-Scale Image Recognition Without
       Normalization*, 2021, https://arxiv.org/abs/2102.06171
     """
-    _validation.check_hyperparameter("clipping", clipping, allow_zero=False)
-    _validation.check_hyperparameter("eps", eps)
+    validation.check_hyperparameter("clipping", clipping, allow_zero=False)
+    validation.check_hyperparameter("eps", eps)
     if axis is not None:
         if unit_axes is not None:
             raise ValueError(
@@ -301,14 +308,14 @@ def adaptive_grad_clip(
         state: optax.EmptyState,
         params: optax.Params | None = None,
     ) -> tuple[optax.Updates, optax.EmptyState]:
-        _validation.refuse_unreduced("updates", updates, "adaptive_grad_clip")
+        validation.refuse_unreduced("updates", updates, "adaptive_grad_clip")
         if params is None:
             raise ValueError(
                 "adaptive_grad_clip needs the parameters: its bound is relative to each "
                 "unit's weight norm. Call update(updates, state, params); optax.chain and "
                 "gradaccum_jax.accumulate pass params on to it."
             )
-        _validation.check_same_structure("updates", updates, "params", params)
+        validation.check_same_structure("updates", updates, "params", params)
         grad_leaves, treedef = jax.tree.flatten(updates)
         param_leaves = jax.tree.leaves(params)
         leaf_axes = _leaf_axes(unit_axes if axis is None else axis, params)

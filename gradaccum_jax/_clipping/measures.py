@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
+
+from gradaccum_jax._base import validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,3 +258,209 @@ def apply_factors(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     """`x * a * b` in `x`'s dtype (real factors keep a complex `x` complex)."""
     dtype = real_dtype(x.dtype)
     return x * a.astype(dtype) * b.astype(dtype)
+
+
+def _check_beta(beta: Any) -> Any:
+    validation.check_hyperparameter("beta", beta)
+    if isinstance(beta, numbers.Real) and not beta < 1:
+        raise ValueError(f"beta must be in [0, 1); got {beta=}.")
+    return beta
+
+
+def _keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
+    """`new` where `ok`, else `old`, leaf by leaf, in `old`'s dtypes."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o).astype(o.dtype), new, old)
+
+
+def _state_dtype(leaf: Any) -> jnp.dtype:
+    return compute_dtype(jnp.result_type(leaf))
+
+
+def _capped(x: jax.Array) -> jax.Array:
+    """`x` with values beyond the largest float brought back to it.
+
+    A weighted mean of finite values can round past `finfo.max` by one
+    rounding step; keeping it finite keeps the state usable.
+    """
+    big = jnp.finfo(real_dtype(x.dtype)).max
+    if jnp.iscomplexobj(x):
+        return jax.lax.complex(jnp.clip(x.real, -big, big), jnp.clip(x.imag, -big, big))
+    return jnp.clip(x, -big, big)
+
+
+def _tree_sizes(tree: Any, m: Measure, per_leaf: bool) -> list[Size]:
+    """Sizes of whole leaves (one per leaf) or of the whole tree (a list of one)."""
+    leaves = [jnp.asarray(leaf) for leaf in jax.tree.leaves(tree)]
+    if per_leaf:
+        nonempty = [i for i, x in enumerate(leaves) if x.size]
+        found = measure([[(leaves[i], tuple(range(leaves[i].ndim)))] for i in nonempty], m)
+        sizes = dict(zip(nonempty, found, strict=True))
+        out = []
+        for i, x in enumerate(leaves):
+            size = sizes.get(i)
+            if size is None:
+                zero = jnp.zeros([], real_dtype(x.dtype))
+                size = Size(zero, zero.astype(jnp.int32))
+            out.append(Size(size.mant.reshape(()), size.exp.reshape(())))
+        return out
+    parts = [(x, tuple(range(x.ndim))) for x in leaves if x.size]
+    dtype = real_dtype(compute_dtype(*[x.dtype for x in leaves])) if leaves else jnp.float32
+    if not parts:
+        zero = jnp.zeros([], dtype)
+        return [Size(zero, zero.astype(jnp.int32))]
+    (size,) = measure([parts], m)
+    return [Size(size.mant.reshape(()), size.exp.reshape(()))]
+
+
+def _size_like(params: optax.Params, per_leaf: bool) -> Any:
+    """Zero sizes (plain floats) with the structure the state keeps."""
+    if per_leaf:
+        return jax.tree.map(lambda p: jnp.zeros([], real_dtype(_state_dtype(p))), params)
+    leaves = jax.tree.leaves(params)
+    dtype = compute_dtype(*[jnp.result_type(p) for p in leaves]) if leaves else jnp.float32
+    return jnp.zeros([], real_dtype(dtype))
+
+
+def _scale_by(tree: Any, factors: list[tuple[jax.Array, jax.Array]], per_leaf: bool) -> Any:
+    """Multiplies every leaf by its factor pair (per leaf) or by one pair."""
+    leaves, treedef = jax.tree.flatten(tree)
+    pairs = factors if per_leaf else factors * len(leaves)
+    out = [
+        apply_factors(jnp.asarray(x).astype(compute_dtype(jnp.result_type(x))), a, b).astype(
+            jnp.result_type(x)
+        )
+        for x, (a, b) in zip(leaves, pairs, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _as_list(sizes: Any, per_leaf: bool) -> list[jax.Array]:
+    return jax.tree.leaves(sizes) if per_leaf else [sizes]
+
+
+def _from_list(values: list[jax.Array], like: Any, per_leaf: bool) -> Any:
+    if per_leaf:
+        return jax.tree.unflatten(jax.tree.structure(like), values)
+    return values[0]
+
+
+Ord = int | float | Literal["mad", "std", "var", "sum", "l0", "l1", "l2", "l3", "l4", "linf"]
+
+
+Dim = int | Sequence[int] | Literal["global"] | None
+
+
+_NAMED_ORDS: dict[str, Measure] = {
+    "mad": Measure("mad"),
+    "std": Measure("std"),
+    "var": Measure("var"),
+    "sum": Measure("sum"),
+    "l0": Measure("norm", 0.0),
+    "l1": Measure("norm", 1.0),
+    "l2": Measure("norm", 2.0),
+    "l3": Measure("norm", 3.0),
+    "l4": Measure("norm", 4.0),
+    "linf": Measure("norm", math.inf),
+}
+
+
+# The arguments of each factory that decide the program's structure.
+_UNIT_STATIC = ("ord", "dim", "min_size")
+
+
+_CENTRALIZE_STATIC = ("dim", "min_size")
+
+
+_EMA_STATIC = ("ord",)
+
+
+def _static_hint(value: Any, static: tuple[str, ...]) -> str:
+    # optax.inject_hyperparams turns every numeric argument into an array.
+    if not hasattr(value, "dtype"):
+        return ""
+    return (
+        " It decides the program's structure, so it must be a Python value: with "
+        f"optax.inject_hyperparams pass static_args={static!r}."
+    )
+
+
+def _parse_ord(ord: Any, static: tuple[str, ...]) -> Measure:
+    if isinstance(ord, str):
+        if ord in _NAMED_ORDS:
+            return _NAMED_ORDS[ord]
+        raise ValueError(
+            f"ord must be a number >= 0, inf, or one of {tuple(_NAMED_ORDS)}; got {ord=}."
+        )
+    if isinstance(ord, bool) or not isinstance(ord, numbers.Real):
+        raise TypeError(
+            f"ord must be a number >= 0, inf, or one of {tuple(_NAMED_ORDS)}; got {ord!r} "
+            f"of type {type(ord).__name__}.{_static_hint(ord, static)}"
+        )
+    p = float(ord)
+    if math.isnan(p) or p < 0:
+        raise ValueError(f"ord must be a number >= 0 (or inf); got {ord=}.")
+    return Measure("norm", p)
+
+
+def _parse_dim(
+    dim: Any, inverse_dims: Any, static: tuple[str, ...], rules: tuple[str, ...] = ("global",)
+) -> str | tuple[int, ...] | None:
+    if not isinstance(inverse_dims, bool):
+        raise TypeError(f"inverse_dims must be a bool; got {inverse_dims=}.")
+    allowed = f"None, {', '.join(repr(r) for r in rules)}, an int or a tuple of ints"
+    if dim is None or (isinstance(dim, str) and dim in rules):
+        if inverse_dims:
+            raise ValueError(
+                f"inverse_dims=True needs dim to be an int or a tuple of ints; got {dim=}, "
+                "which leaves no axis to invert."
+            )
+        return dim
+    if isinstance(dim, str):
+        raise ValueError(f"dim must be {allowed}; got {dim=}.")
+    dims = (dim,) if isinstance(dim, numbers.Integral) else dim
+    if (
+        isinstance(dim, bool)
+        or not isinstance(dims, Sequence)
+        or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in dims)
+    ):
+        raise TypeError(
+            f"dim must be {allowed}; got {dim!r} of type {type(dim).__name__}."
+            f"{_static_hint(dim, static)}"
+        )
+    return tuple(int(d) for d in dims)
+
+
+def _check_min_size(min_size: Any, dims: Any, static: tuple[str, ...]) -> int:
+    if isinstance(min_size, bool) or not isinstance(min_size, numbers.Integral):
+        raise TypeError(
+            f"min_size must be an int >= 0; got {min_size!r}.{_static_hint(min_size, static)}"
+        )
+    if min_size < 0:
+        raise ValueError(f"min_size must be an int >= 0; got {min_size=}.")
+    if dims == "global" and min_size > 1:  # type: ignore[operator]
+        # torchzero ignores min_size for the global norm; ignoring it silently
+        # here would hide that the whole tree is always one unit.
+        raise ValueError(
+            f"min_size applies to per-leaf and per-slice units; with dim='global' the whole "
+            f"tree is one unit and is always measured (got {min_size=}). Pass dim=None (each "
+            "leaf a unit) or an int or tuple of axes to use min_size."
+        )
+    return int(min_size)
+
+
+def _unit_args(
+    ord: Any, dim: Any, inverse_dims: Any, min_size: Any
+) -> tuple[Measure, str | tuple[int, ...] | None, int]:
+    dims = _parse_dim(dim, inverse_dims, _UNIT_STATIC)
+    return _parse_ord(ord, _UNIT_STATIC), dims, _check_min_size(min_size, dims, _UNIT_STATIC)
+
+
+def _check_tree_dim(dim: Any) -> bool:
+    """`dim` of the EMA and growth clippers: `None` (per leaf) or `"global"`; True if per leaf."""
+    if dim is None or (isinstance(dim, str) and dim == "global"):
+        return dim is None
+    raise ValueError(
+        f"dim must be None (each leaf is measured on its own) or 'global' (all leaves as one "
+        f"vector); got {dim=}. (This replaces torchzero's tensorwise=True / False and "
+        "parameterwise=True / False.)"
+    )

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax import _compat
+from gradaccum_jax._base import compat
 
 
 def _sharding(x: Any) -> Any:
@@ -91,7 +91,7 @@ def checkpointable(tree: Any) -> Any:
         def dense(x: Any) -> Any:
             if not _unreduced(x):
                 return x
-            return _compat.reshard(x, jax.P(*_compat.partitions(_sharding(x).spec)))
+            return compat.reshard(x, jax.P(*compat.partitions(_sharding(x).spec)))
 
         return jax.tree.map(dense, tree)
 
@@ -144,8 +144,8 @@ def restore_unreduced(tree: Any, like: Any) -> Any:
         axes = tuple(sorted(_unreduced(ref), key=str))
         if not axes:
             return x
-        dense = jax.P(*_compat.partitions(_sharding(ref).spec))
-        x = _compat.reshard(jnp.asarray(x), dense)
+        dense = jax.P(*compat.partitions(_sharding(ref).spec))
+        x = compat.reshard(jnp.asarray(x), dense)
 
         def first_holds(block: jax.Array) -> jax.Array:
             return jnp.where(jax.lax.axis_index(axes) == 0, block, jnp.zeros_like(block))
@@ -159,7 +159,7 @@ def restore_unreduced(tree: Any, like: Any) -> Any:
 
     if not any(_unreduced(leaf) for leaf in jax.tree.leaves(like)):
         return tree
-    if not _compat.UNREDUCED_IN_SHARD_MAP:
+    if not compat.UNREDUCED_IN_SHARD_MAP:
         raise ValueError(
             f"restore_unreduced needs JAX >= 0.9.1 (installed {jax.__version__}), which "
             "can return unreduced arrays from jax.shard_map. Upgrade JAX, or pass the "

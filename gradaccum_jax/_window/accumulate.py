@@ -10,16 +10,11 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import checkify
 
-from gradaccum_jax import (
-    _global_view,
-    _mixed_precision,
-    _noise_scale,
-    _routes,
-    _validation,
-    _window,
-)
-from gradaccum_jax._fused import FUSE_KEY
-from gradaccum_jax._state import AccumulateState, AxisName
+from gradaccum_jax._base import trees, validation
+from gradaccum_jax._sharding import partials
+from gradaccum_jax._window import engine, loss_scale, noise_scale, routes
+from gradaccum_jax._window.fused import FUSE_KEY
+from gradaccum_jax._window.state import AccumulateState, AxisName
 
 ShouldSkipUpdateFn = Callable[[optax.Updates, jax.Array, optax.Params], tuple[jax.Array, Any]]
 
@@ -115,7 +110,7 @@ def _refuse(route: str, options: _Options, where: str) -> None:
 
 
 def _check_weight(weight: Any) -> jax.Array:
-    return _validation.check_scalar(
+    return validation.check_scalar(
         "weight",
         weight,
         minimum=0.0,
@@ -332,13 +327,13 @@ def accumulate(
       Goyal et al., *Accurate, Large Minibatch SGD*, 2017,
       https://arxiv.org/abs/1706.02677
     """
-    _validation.check_gradient_transformation("inner", inner)
+    validation.check_gradient_transformation("inner", inner)
     if not callable(every_k_schedule):
-        _validation.check_int("every_k_schedule", every_k_schedule, schedule=True)
-    _validation.check_accumulator_dtype(accumulator_dtype, compensated=compensated)
-    axis_names = None if axis_name is None else _validation.check_axis_name("axis_name", axis_name)
+        validation.check_int("every_k_schedule", every_k_schedule, schedule=True)
+    validation.check_accumulator_dtype(accumulator_dtype, compensated=compensated)
+    axis_names = None if axis_name is None else validation.check_axis_name("axis_name", axis_name)
     _check_skip_options(should_skip_update_fn, count_skipped_steps, check_values)
-    zero_axes = _global_view.check_shard_inner_state(shard_inner_state)
+    zero_axes = partials.check_shard_inner_state(shard_inner_state)
     _check_noise_scale_args(
         track_noise_scale, noise_scale_decay, micro_batch_size, every_k_schedule, axis_name
     )
@@ -354,7 +349,7 @@ def accumulate(
         _refuse("replica", options, f"{axis_name=!r}")
     if shard_inner_state is not None:
         _refuse("unreduced", options, f"shard_inner_state={shard_inner_state!r}")
-        _global_view.check_unreduced_windows(f"shard_inner_state={shard_inner_state!r}")
+        partials.check_unreduced_windows(f"shard_inner_state={shard_inner_state!r}")
     inner = optax.with_extra_args_support(inner)
     # A static window of one micro-step holds nothing between calls: no accumulator.
     bare = (
@@ -366,7 +361,7 @@ def accumulate(
     )
 
     def length(step: jax.Array) -> tuple[jax.Array, jax.Array]:
-        k, short = _window.window_length(every_k_schedule, step)
+        k, short = engine.window_length(every_k_schedule, step)
         if check_values:
             checkify.check(
                 ~short,
@@ -388,14 +383,14 @@ def accumulate(
     def route_for(grads: optax.Updates, like: optax.Params) -> Any:
         """The reduction strategy, from the arguments and the gradients' types."""
         if axis_names is not None:
-            return _routes.ReplicaRoute(compensated, axis_names, grads)
-        axes = _global_view.unreduced_axes("updates", grads) or zero_axes
+            return routes.ReplicaRoute(compensated, axis_names, grads)
+        axes = partials.unreduced_axes("updates", grads) or zero_axes
         if axes is None and shard_inner_state is None:
-            return _routes.LocalRoute(compensated)
+            return routes.LocalRoute(compensated)
         if axes is None:
-            specs = _global_view.inner_specs(like, shard_inner_state, None)
-            axes = _global_view.spec_axes("shard_inner_state", specs)
-        _global_view.check_unreduced_windows(f"updates unreduced over mesh axes {axes}")
+            specs = partials.inner_specs(like, shard_inner_state, None)
+            axes = partials.spec_axes("shard_inner_state", specs)
+        partials.check_unreduced_windows(f"updates unreduced over mesh axes {axes}")
         if zero_axes is not None and set(axes) != set(zero_axes):
             raise ValueError(
                 f"the gradients are unreduced over {axes}, but shard_inner_state="
@@ -403,46 +398,46 @@ def accumulate(
                 "same axis in both."
             )
         _refuse("unreduced", options, f"gradients unreduced over mesh axes {axes}")
-        specs = _global_view.inner_specs(like, shard_inner_state, zero_axes)
-        return _routes.UnreducedRoute(axes, specs)
+        specs = partials.inner_specs(like, shard_inner_state, zero_axes)
+        return routes.UnreducedRoute(axes, specs)
 
     def init_fn(params: optax.Params) -> AccumulateState:
-        params = _window.as_arrays(params)
-        _validation.check_float_tree("params", params)
-        acc = _window.zeros(params, accumulator_dtype)
+        params = trees.as_arrays(params)
+        validation.check_float_tree("params", params)
+        acc = trees.zeros(params, accumulator_dtype)
         if compensated:
-            _validation.check_compensable("params", acc)
-        acc_weight, num_skipped = jnp.zeros([], _window.weight_dtype(acc)), _window.counter()
+            validation.check_compensable("params", acc)
+        acc_weight, num_skipped = jnp.zeros([], trees.weight_dtype(acc)), trees.counter()
         inner_params = params
         if shard_inner_state is not None:
             # ZeRO-1: the window is unreduced from the start, the inner state sharded.
             route = route_for(params, params)
-            acc, acc_weight, num_skipped = _global_view.unreduced_zeros(
+            acc, acc_weight, num_skipped = partials.unreduced_zeros(
                 (acc, acc_weight, num_skipped), route.axes
             )
             inner_params = route.inner_params(params)
         if bare:
             acc = None
         inner_state = inner.init(inner_params)
-        _mixed_precision.refuse_inside_accumulate(inner_state)
+        loss_scale.refuse_inside_accumulate(inner_state)
         skip_state = ()
         if should_skip_update_fn is not None:
             zeros = jax.tree.map(jnp.zeros_like, params)
-            _, skip_state = skip_decision(zeros, _window.counter(), params)
+            _, skip_state = skip_decision(zeros, trees.counter(), params)
         return AccumulateState(
-            micro_step=_window.counter(),
-            gradient_step=_window.counter(),
-            window_length=length(_window.counter())[0],
+            micro_step=trees.counter(),
+            gradient_step=trees.counter(),
+            window_length=length(trees.counter())[0],
             updated=jnp.array(False),
             acc_grads=acc,
             acc_weight=acc_weight,
             weight_unit=jnp.ones([], acc_weight.dtype),
             num_skipped=num_skipped,
             inner_state=inner_state,
-            num_short_windows=_window.counter(),
+            num_short_windows=trees.counter(),
             acc_compensation=jax.tree.map(jnp.zeros_like, acc) if compensated else None,
             skip_state=skip_state,
-            noise_scale=_noise_scale.init() if track_noise_scale else None,
+            noise_scale=noise_scale.init() if track_noise_scale else None,
         )
 
     def update_fn(
@@ -458,10 +453,10 @@ def accumulate(
         if receipt is not None:
             receipt.received(params)
             vouched = receipt.finite(updates)
-        grads = _window.as_arrays(updates)
+        grads = trees.as_arrays(updates)
         if not bare:
-            _validation.check_same_structure("updates", grads, "state.acc_grads", state.acc_grads)
-        _validation.check_float_tree("updates", grads)
+            validation.check_same_structure("updates", grads, "state.acc_grads", state.acc_grads)
+        validation.check_float_tree("updates", grads)
         like = grads if params is None else params
         route = route_for(grads, like)
         probe = None
@@ -472,7 +467,7 @@ def accumulate(
                     "scale's batch unit is the weight when one is passed. Build accumulate "
                     "with micro_batch_size=None."
                 )
-            probe = _noise_scale.Probe(noise_scale_decay, micro_batch_size)
+            probe = noise_scale.Probe(noise_scale_decay, micro_batch_size)
 
         # Accept: a finite micro-gradient with a usable weight (per device when unreduced).
         dtype = state.acc_weight.dtype
@@ -495,7 +490,7 @@ def accumulate(
         skip_state = state.skip_state
         if should_skip_update_fn is not None:
             should_skip, skip_state = skip_decision(grads, state.gradient_step, params)
-            skip_state = _window.keep_state_types(skip_state, state.skip_state, "skip")
+            skip_state = engine.keep_state_types(skip_state, state.skip_state, "skip")
             accepted = accepted & ~should_skip
         if w is None:
             scale, unit, term_weight = None, state.weight_unit, jnp.ones([], dtype)
@@ -518,7 +513,7 @@ def accumulate(
             # The window is this micro-step: its sum is read from the gradient
             # inside the apply branch, and nothing is held.
             def window_of(grads):
-                blank = (_window.zeros(route.zeros_like(grads, params), accumulator_dtype), None)
+                blank = (trees.zeros(route.zeros_like(grads, params), accumulator_dtype), None)
                 return route.read(route.add(blank, grads, accepted, scale))
 
             held, total, empty = grads, window_of, None
@@ -537,7 +532,7 @@ def accumulate(
 
         # Apply (reduce once, run the inner optimizer once) or skip.
         def apply(
-            window: _window.Window, inner_operand: Any, params: Any = params
+            window: engine.Window, inner_operand: Any, params: Any = params
         ) -> tuple[Any, Any]:
             if use_grad_mean:
                 # A product, not a quotient: XLA recomputes it inside each reader
@@ -553,7 +548,7 @@ def accumulate(
             else:
                 reduced = jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
             inner_state = inner_operand if probe is None else inner_operand[0]
-            new_updates, new_inner = _window.inner_update(
+            new_updates, new_inner = engine.inner_update(
                 inner, reduced, inner_state, grads, route.inner_params(params), extra_args
             )
             new_updates = route.back(new_updates, like)
@@ -565,7 +560,7 @@ def accumulate(
             big_sq = probe.big_sq_norm(window)
             return new_updates, (new_inner, probe.fold(inner_operand[1], window, big_sq))
 
-        new_updates, new_inner, new_held, reset, applied = _window.close(
+        new_updates, new_inner, new_held, reset, applied = engine.close(
             route.gate(),
             closes,
             held,
@@ -588,13 +583,13 @@ def accumulate(
         acc_weight, _ = route.count(
             state.acc_weight, state.num_skipped, accepted, term_weight, reset
         )
-        gradient_step = _window.increment_if(state.gradient_step, applied)
+        gradient_step = trees.increment_if(state.gradient_step, applied)
         next_length, short = length(gradient_step)
-        if isinstance(every_k_schedule, _noise_scale.CriticalBatchSchedule):
+        if isinstance(every_k_schedule, noise_scale.CriticalBatchSchedule):
             next_length = every_k_schedule.next_k(
                 gradient_step,
                 state.window_length,
-                _noise_scale.estimate(new_noise),  # type: ignore[arg-type]
+                noise_scale.estimate(new_noise),  # type: ignore[arg-type]
             )
         new_state = AccumulateState(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
@@ -606,7 +601,7 @@ def accumulate(
             weight_unit=jnp.where(reset, 1.0, unit).astype(dtype),
             num_skipped=num_skipped,
             inner_state=new_inner,
-            num_short_windows=_window.increment_if(state.num_short_windows, reset & short),
+            num_short_windows=trees.increment_if(state.num_short_windows, reset & short),
             acc_compensation=new_comp,
             skip_state=skip_state,
             noise_scale=new_noise,
@@ -623,14 +618,14 @@ def _check_noise_scale_args(
 ) -> None:
     if not isinstance(track, bool):
         raise TypeError(f"track_noise_scale must be True or False; got {track=}.")
-    _validation.check_real("noise_scale_decay", decay, minimum=0.0)
+    validation.check_real("noise_scale_decay", decay, minimum=0.0)
     if decay >= 1:
         raise ValueError(
             f"noise_scale_decay must be in [0, 1), e.g. 0.99; got noise_scale_decay={decay!r}."
         )
     if micro_batch_size is not None:
-        _validation.check_int("micro_batch_size", micro_batch_size)
-    if isinstance(every_k_schedule, _noise_scale.CriticalBatchSchedule) and not track:
+        validation.check_int("micro_batch_size", micro_batch_size)
+    if isinstance(every_k_schedule, noise_scale.CriticalBatchSchedule) and not track:
         raise ValueError(
             "every_k_schedule is a critical_batch_schedule, which reads the measured noise "
             "scale: pass track_noise_scale=True as well."
@@ -643,7 +638,7 @@ def _check_noise_scale_args(
 
 
 def _find_accumulate_state(opt_state: Any) -> AccumulateState:
-    return _validation.find_unique_state(opt_state, AccumulateState, "gradaccum_jax.accumulate")
+    return validation.find_unique_state(opt_state, AccumulateState, "gradaccum_jax.accumulate")
 
 
 def optimizer_step(opt_state: optax.OptState) -> jax.Array:

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _validation, _window
+from gradaccum_jax._base import trees, validation
+from gradaccum_jax._window import engine
 
 _REDUCTIONS = ("mean", "sum")
 StalenessWeight = Callable[[jax.Array], Any]
@@ -87,7 +88,7 @@ def _check_staleness_weight(staleness_weight: Any) -> None:
 
 
 def _evaluate_weight(staleness_weight: StalenessWeight, staleness: jax.Array) -> jax.Array:
-    return _validation.check_scalar("staleness_weight's result", staleness_weight(staleness))
+    return validation.check_scalar("staleness_weight's result", staleness_weight(staleness))
 
 
 class _Verdict(NamedTuple):
@@ -106,9 +107,9 @@ def _judge(
     skip_nonfinite: bool,
 ) -> _Verdict:
     """Decides whether `grad` joins the sum, and with which weight."""
-    _validation.check_same_structure("grad", grad, "state.acc_grads", acc.acc_grads)
-    _validation.check_float_tree("grad", grad)
-    step = _validation.check_scalar("local_step", local_step, integer=True)
+    validation.check_same_structure("grad", grad, "state.acc_grads", acc.acc_grads)
+    validation.check_float_tree("grad", grad)
+    step = validation.check_scalar("local_step", local_step, integer=True)
     # Compared as local_step < global_step - max_staleness: global_step >= 0,
     # so the right side cannot overflow, unlike global_step - local_step.
     stale = step < acc.global_step - jnp.int32(max_staleness)
@@ -121,7 +122,7 @@ def _judge(
         weight = _evaluate_weight(staleness_weight, staleness.astype(jnp.int32))
         usable = jnp.isfinite(weight) & (weight >= 0)
     if skip_nonfinite:
-        usable = usable & _window.all_finite(grad)
+        usable = usable & trees.all_finite(grad)
     else:
         usable = jnp.array(True)
     return _Verdict(accepted=~stale & usable, stale=stale, skipped=~stale & ~usable, weight=weight)
@@ -135,9 +136,9 @@ def _reduce(total: optax.Updates, count: jax.Array, reduction: str) -> optax.Upd
 
 def _counted(acc: ConditionalAccumulator, verdict: _Verdict) -> ConditionalAccumulator:
     return acc._replace(
-        num_accumulated=_window.increment_if(acc.num_accumulated, verdict.accepted),
-        num_stale=_window.increment_if(acc.num_stale, verdict.stale),
-        num_skipped=_window.increment_if(acc.num_skipped, verdict.skipped),
+        num_accumulated=trees.increment_if(acc.num_accumulated, verdict.accepted),
+        num_stale=trees.increment_if(acc.num_stale, verdict.stale),
+        num_skipped=trees.increment_if(acc.num_skipped, verdict.skipped),
     )
 
 
@@ -172,16 +173,16 @@ def conditional_accumulator_init(
       >>> int(acc.global_step), int(ga.conditional_num_accumulated(acc))
       (0, 0)
     """
-    _validation.check_accumulator_dtype(accumulator_dtype)
-    params = _window.as_arrays(params)
-    _validation.check_float_tree("params", params)
+    validation.check_accumulator_dtype(accumulator_dtype)
+    params = trees.as_arrays(params)
+    validation.check_float_tree("params", params)
     return ConditionalAccumulator(
-        global_step=_window.counter(),
-        num_accumulated=_window.counter(),
-        acc_grads=_window.zeros(params, accumulator_dtype),
-        num_stale=_window.counter(),
-        num_skipped=_window.counter(),
-        num_ignored_steps=_window.counter(),
+        global_step=trees.counter(),
+        num_accumulated=trees.counter(),
+        acc_grads=trees.zeros(params, accumulator_dtype),
+        num_stale=trees.counter(),
+        num_skipped=trees.counter(),
+        num_ignored_steps=trees.counter(),
     )
 
 
@@ -243,12 +244,12 @@ def conditional_apply_grad(
       >>> int(acc.num_accumulated), int(acc.num_stale)
       (1, 1)
     """
-    max_staleness = _validation.check_int("max_staleness", max_staleness, minimum=0)
+    max_staleness = validation.check_int("max_staleness", max_staleness, minimum=0)
     _check_staleness_weight(staleness_weight)
     acc, rewrap = _unwrap(state)
-    grad = _window.as_arrays(grad)
+    grad = trees.as_arrays(grad)
     verdict = _judge(acc, grad, local_step, max_staleness, staleness_weight, skip_nonfinite)
-    new_sum = _window.window_total(acc.acc_grads, None, grad, verdict.accepted, verdict.weight)
+    new_sum = engine.window_total(acc.acc_grads, None, grad, verdict.accepted, verdict.weight)
     return rewrap(_counted(acc, verdict)._replace(acc_grads=new_sum))
 
 
@@ -309,12 +310,12 @@ def conditional_set_global_step(
       (5, 1)
     """
     acc, rewrap = _unwrap(state)
-    new = _validation.check_scalar("new_global_step", new_global_step, integer=True)
+    new = validation.check_scalar("new_global_step", new_global_step, integer=True)
     lower = new < acc.global_step
     return rewrap(
         acc._replace(
             global_step=jnp.where(lower, acc.global_step, new).astype(jnp.int32),
-            num_ignored_steps=_window.increment_if(acc.num_ignored_steps, lower),
+            num_ignored_steps=trees.increment_if(acc.num_ignored_steps, lower),
         )
     )
 
@@ -358,20 +359,20 @@ def conditional_take_grad(
       >>> g["w"], bool(ready), int(acc.global_step)
       (Array([2., 4.], dtype=float32), True, 1)
     """
-    _validation.check_choice("reduction", reduction, _REDUCTIONS)
+    validation.check_choice("reduction", reduction, _REDUCTIONS)
     if isinstance(num_required, jax.core.Tracer):
         required = jnp.maximum(
-            _validation.check_scalar("num_required", num_required, integer=True), 1
+            validation.check_scalar("num_required", num_required, integer=True), 1
         )
     else:
-        required = _validation.check_int("num_required", num_required, minimum=1)  # type: ignore[assignment]
+        required = validation.check_int("num_required", num_required, minimum=1)  # type: ignore[assignment]
     acc, rewrap = _unwrap(state)
     ready = acc.num_accumulated >= required
     count = jnp.maximum(acc.num_accumulated, 1)
     reduced = _reduce(acc.acc_grads, count, reduction)
     taken = jax.tree.map(lambda r: jnp.where(ready, r, jnp.zeros_like(r)), reduced)
     new_acc = acc._replace(
-        global_step=_window.increment_if(acc.global_step, ready),
+        global_step=trees.increment_if(acc.global_step, ready),
         num_accumulated=jnp.where(ready, 0, acc.num_accumulated).astype(jnp.int32),
         acc_grads=jax.tree.map(lambda a: jnp.where(ready, jnp.zeros_like(a), a), acc.acc_grads),
     )
@@ -486,12 +487,12 @@ def conditional_accumulate(
       Zhang et al., *Staleness-aware Async-SGD for Distributed Deep Learning*,
       2016, https://arxiv.org/abs/1511.05950
     """
-    _validation.check_gradient_transformation("inner", inner)
-    num_required = _validation.check_int("num_required", num_required, minimum=1)
-    _validation.check_choice("reduction", reduction, _REDUCTIONS)
-    max_staleness = _validation.check_int("max_staleness", max_staleness, minimum=0)
+    validation.check_gradient_transformation("inner", inner)
+    num_required = validation.check_int("num_required", num_required, minimum=1)
+    validation.check_choice("reduction", reduction, _REDUCTIONS)
+    max_staleness = validation.check_int("max_staleness", max_staleness, minimum=0)
     _check_staleness_weight(staleness_weight)
-    _validation.check_accumulator_dtype(accumulator_dtype)
+    validation.check_accumulator_dtype(accumulator_dtype)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> ConditionalAccumulateState:
@@ -508,14 +509,14 @@ def conditional_accumulate(
         local_step: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, ConditionalAccumulateState]:
-        _validation.refuse_unreduced("updates", updates, "conditional_accumulate")
+        validation.refuse_unreduced("updates", updates, "conditional_accumulate")
         if local_step is None:
             raise TypeError(
                 "conditional_accumulate's update needs local_step=, the global step at "
                 "which the gradient's parameters were read (for fresh gradients, "
                 "state.accumulator.global_step)."
             )
-        grads = _window.as_arrays(updates)
+        grads = trees.as_arrays(updates)
         acc = state.accumulator
 
         # Accept.
@@ -528,28 +529,28 @@ def conditional_accumulate(
         # Apply or skip. The count enters as a float operand, as accumulate's
         # weight does: a division by an int converted inside the branch is
         # rewritten by XLA into a product with its reciprocal (one ulp off).
-        def step(window: _window.Window, inner_state):
+        def step(window: engine.Window, inner_state):
             reduced = _reduce(window.total, window.weight, reduction)
-            return _window.inner_update(inner, reduced, inner_state, grads, params, extra_args)
+            return engine.inner_update(inner, reduced, inner_state, grads, params, extra_args)
 
-        new_updates, new_inner, _, took, _ = _window.close(
-            _window.local_gate(),
+        new_updates, new_inner, _, took, _ = engine.close(
+            engine.local_gate(),
             takes,
             acc.acc_grads,
             state.inner_state,
             counted.num_accumulated.astype(jnp.float32),
             jnp.ones([], jnp.float32),
-            total=lambda a: _window.window_total(a, None, grads, verdict.accepted, verdict.weight),
+            total=lambda a: engine.window_total(a, None, grads, verdict.accepted, verdict.weight),
             step=step,
             like=grads,
         )
 
         # Write.
-        new_sum, _ = _window.write(
+        new_sum, _ = engine.write(
             acc.acc_grads, None, grads, verdict.accepted, verdict.weight, took
         )
         new_acc = counted._replace(
-            global_step=_window.increment_if(acc.global_step, took),
+            global_step=trees.increment_if(acc.global_step, took),
             num_accumulated=jnp.where(took, 0, counted.num_accumulated).astype(jnp.int32),
             acc_grads=new_sum,
         )

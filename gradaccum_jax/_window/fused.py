@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import optax
 
-from gradaccum_jax._state import AccumulateState
+from gradaccum_jax._window.state import AccumulateState
 
 # The private extra argument that asks `accumulate` for new params instead of updates.
 FUSE_KEY = "_gradaccum_jax_apply_to_params"

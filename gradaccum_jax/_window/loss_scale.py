@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _validation, _window
-from gradaccum_jax._state import AccumulateState, AxisName
+from gradaccum_jax._base import trees, validation
+from gradaccum_jax._window.state import AccumulateState, AxisName
 
 _F32 = np.finfo(np.float32)
 _RIGHT_ORDER = (
@@ -28,7 +28,7 @@ def _check_float32_factor(name: str, value: Any, *, at_most_one: bool = False) -
     finite and positive can still overflow to `inf` (`1e39`) or flush to `0`
     (`1e-50`, or a subnormal that XLA:CPU flushes) once it is used.
     """
-    value = _validation.check_real(name, value, minimum=0.0, exclusive=True)
+    value = validation.check_real(name, value, minimum=0.0, exclusive=True)
     largest, smallest = float(_F32.max), float(_F32.tiny)
     if not smallest <= value <= largest:
         becomes = "inf" if value > largest else "0 (or a subnormal that XLA may flush to 0)"
@@ -65,7 +65,7 @@ def _find_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
     for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AccumulateState)):
         if isinstance(node, AccumulateState):
             refuse_inside_accumulate(node.inner_state)
-    return _validation.find_unique_state(
+    return validation.find_unique_state(
         opt_state, LossScaleState, "gradaccum_jax.dynamic_loss_scale or static_loss_scale"
     )
 
@@ -111,15 +111,15 @@ def _loss_scaling(
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScaleState]:
         del params, extra_args
-        _validation.check_float_tree("updates", updates)
-        _validation.refuse_unreduced("updates", updates, "the loss scale")
+        validation.check_float_tree("updates", updates)
+        validation.refuse_unreduced("updates", updates, "the loss scale")
         # Unscaled into float32 at least: back in float16, the small gradients
         # that the scale kept from underflowing would flush to zero again.
         grads = jax.tree.map(
             lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)) / state.loss_scale,
             updates,
         )
-        finite = _window.all_finite(grads)
+        finite = trees.all_finite(grads)
         if axis_name is not None:
             # One scalar per micro-step keeps every replica's scale identical.
             finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
@@ -127,7 +127,7 @@ def _loss_scaling(
         new_state = LossScaleState(
             loss_scale=scale.astype(jnp.float32),
             growth_count=count.astype(jnp.int32),
-            num_overflows=_window.increment_if(state.num_overflows, ~finite),
+            num_overflows=trees.increment_if(state.num_overflows, ~finite),
         )
         return grads, new_state
 
@@ -223,7 +223,7 @@ def dynamic_loss_scale(
       https://arxiv.org/abs/1710.03740
     """
     initial_scale = _check_float32_factor("initial_scale", initial_scale)
-    growth_interval = _validation.check_int("growth_interval", growth_interval)
+    growth_interval = validation.check_int("growth_interval", growth_interval)
     growth_factor = _check_float32_factor("growth_factor", growth_factor)
     if growth_factor < 1:
         raise ValueError(
@@ -372,7 +372,7 @@ def scale_loss(
     """
     if not callable(fun):
         raise TypeError(f"fun must be a callable loss function; got {fun!r}.")
-    scale = _validation.check_scalar("loss_scale", loss_scale, minimum=0.0, exclusive=True)
+    scale = validation.check_scalar("loss_scale", loss_scale, minimum=0.0, exclusive=True)
 
     @functools.wraps(fun)
     def scaled(*args: Any, **kwargs: Any) -> Any:

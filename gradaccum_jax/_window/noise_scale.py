@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _validation, _window
+from gradaccum_jax._base import trees, validation
 
 
 class NoiseScaleState(NamedTuple):
@@ -119,7 +119,7 @@ def sq_norm(tree: Any) -> jax.Array:
 def all_finite_given_sq_norm(grads: Any, grads_sq: jax.Array) -> jax.Array:
     """Whether every element of `grads` is finite, given their squared norm `grads_sq`.
 
-    A finite squared norm proves it, and saves the pass of `_window.all_finite`
+    A finite squared norm proves it, and saves the pass of `trees.all_finite`
     over the gradients; only an infinite or NaN norm (a non-finite element, or
     elements above ~1e19 whose squares overflow) needs that pass.
     """
@@ -127,7 +127,7 @@ def all_finite_given_sq_norm(grads: Any, grads_sq: jax.Array) -> jax.Array:
     return jax.lax.cond(
         jnp.isfinite(grads_sq),
         lambda g, q: jnp.isfinite(q),
-        lambda g, q: _window.all_finite(g),
+        lambda g, q: trees.all_finite(g),
         grads,
         grads_sq,
     )
@@ -236,7 +236,7 @@ def gradient_noise_scale(opt_state: optax.OptState) -> GradientNoiseScale:
       >>> ga.gradient_noise_scale(state).grad_sq_norm  # (2 * 2² - (1 + 9) / 2) / 1
       Array(3., dtype=float32)
     """
-    state = _validation.find_unique_state(
+    state = validation.find_unique_state(
         opt_state, NoiseScaleState, "gradaccum_jax.accumulate(..., track_noise_scale=True)"
     )
     return estimate(state)
@@ -347,11 +347,11 @@ def critical_batch_schedule(
       >>> int(tx.init({"w": jnp.zeros(3)}).window_length)
       2
     """
-    min_k = _validation.check_int("min_k", min_k, minimum=2)
-    max_k = _validation.check_int("max_k", max_k, minimum=min_k)
-    warmup_steps = _validation.check_int("warmup_steps", warmup_steps, minimum=0)
-    max_change = _validation.check_real("max_change", max_change, minimum=1.0, exclusive=True)
-    batch_per_micro_step = _validation.check_real(
+    min_k = validation.check_int("min_k", min_k, minimum=2)
+    max_k = validation.check_int("max_k", max_k, minimum=min_k)
+    warmup_steps = validation.check_int("warmup_steps", warmup_steps, minimum=0)
+    max_change = validation.check_real("max_change", max_change, minimum=1.0, exclusive=True)
+    batch_per_micro_step = validation.check_real(
         "batch_per_micro_step", batch_per_micro_step, minimum=0.0, exclusive=True
     )
     return CriticalBatchSchedule(min_k, max_k, warmup_steps, max_change, batch_per_micro_step)

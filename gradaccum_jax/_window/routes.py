@@ -12,7 +12,7 @@ chosen once per trace from the arguments and the gradients' types:
   (data parallel, HSDP, ZeRO-1); each device holds its partial sum, sharded like the
   params over the other axes; one `jax.reshard` at the close.
 
-Each route answers the same questions: its gate (`_window.Gate`), whether a
+Each route answers the same questions: its gate (`engine.Gate`), whether a
 micro-gradient is accepted (one flag, or one per device), how a term is added
 (and the window's total read, and emptied at its close), how the window's
 weight and drop count move, and
@@ -26,7 +26,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax import _collectives, _compat, _global_view, _window
+from gradaccum_jax._base import collectives, compat, trees
+from gradaccum_jax._base.compat import reshard
+from gradaccum_jax._sharding import partials
+from gradaccum_jax._sharding.partials import _reduce_into
+from gradaccum_jax._window import engine
 
 
 class LocalRoute:
@@ -44,11 +48,11 @@ class LocalRoute:
     def __init__(self, compensated: bool) -> None:
         self.compensated = compensated
 
-    def gate(self) -> _window.Gate:
-        return _window.local_gate()
+    def gate(self) -> engine.Gate:
+        return engine.local_gate()
 
     def accept(self, grads: Any, valid: jax.Array, check: bool) -> jax.Array:
-        return valid & _window.all_finite_by_squares(grads) if check else valid
+        return valid & trees.all_finite_by_squares(grads) if check else valid
 
     def starts_unit(self, accepted: jax.Array, valid: jax.Array, state: Any) -> jax.Array:
         """Whether this micro-step's weight becomes the window's unit: the first accepted one."""
@@ -60,15 +64,15 @@ class LocalRoute:
 
     def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any) -> Any:
         """The window's sums including this micro-step's term: one fused in-place pass."""
-        return _window.write(held[0], held[1], grads, accepted, scale, None)
+        return engine.write(held[0], held[1], grads, accepted, scale, None)
 
     def read(self, held: Any) -> Any:
-        return _window.window_sum(held[0], held[1])
+        return engine.window_sum(held[0], held[1])
 
     def emptied(self, held: Any, reset: jax.Array, accepted: jax.Array) -> Any:
         """The held sums zeroed where `reset` (a traced flag, true where this runs)."""
         del accepted
-        return _window.emptied(held, reset)
+        return engine.emptied(held, reset)
 
     def count(
         self,
@@ -82,7 +86,7 @@ class LocalRoute:
         weight = weight + jnp.where(accepted, term, 0.0)
         if reset is not None:
             weight = jnp.where(reset, 0.0, weight).astype(weight.dtype)
-        return weight, _window.increment_if(skipped, ~accepted)
+        return weight, trees.increment_if(skipped, ~accepted)
 
     def inner_params(self, params: Any) -> Any:
         return params
@@ -105,12 +109,12 @@ class ReplicaRoute(LocalRoute):
     def __init__(self, compensated: bool, axes: tuple[Any, ...], grads: Any) -> None:
         super().__init__(compensated)
         self.axes = axes
-        self.typed = _collectives.check_axes_bound("axis_name", axes)
+        self.typed = collectives.check_axes_bound("axis_name", axes)
         if self.typed:
-            _collectives.check_grads_vary("updates", grads, axes)
+            collectives.check_grads_vary("updates", grads, axes)
 
-    def gate(self) -> _window.Gate:
-        return _window.replica_gate(self.axes, self.typed)
+    def gate(self) -> engine.Gate:
+        return engine.replica_gate(self.axes, self.typed)
 
 
 class UnreducedRoute:
@@ -132,11 +136,11 @@ class UnreducedRoute:
         self.axes = axes
         self.specs = specs
 
-    def gate(self) -> _window.Gate:
-        return _global_view.unreduced_gate(self.specs)
+    def gate(self) -> engine.Gate:
+        return unreduced_gate(self.specs)
 
     def accept(self, grads: Any, valid: jax.Array, check: bool) -> jax.Array:
-        return _global_view.local_accept(grads, valid, self.axes, check=check)
+        return partials.local_accept(grads, valid, self.axes, check=check)
 
     def starts_unit(self, accepted: jax.Array, valid: jax.Array, state: Any) -> jax.Array:
         """The unit must be the same on every device: the first micro-step's usable weight."""
@@ -147,14 +151,14 @@ class UnreducedRoute:
         return (state.acc_grads, None)
 
     def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any) -> Any:
-        return _global_view.local_add(held[0], grads, accepted, scale, None, self.axes), None
+        return partials.local_add(held[0], grads, accepted, scale, None, self.axes), None
 
     def read(self, held: Any) -> Any:
         return held[0]
 
     def emptied(self, held: Any, reset: jax.Array, accepted: jax.Array) -> Any:
         # Each device's zeros, typed unreduced like the sums they replace.
-        return _global_view.local_add(held[0], held[0], accepted, None, reset, self.axes), None
+        return partials.local_add(held[0], held[0], accepted, None, reset, self.axes), None
 
     def count(
         self,
@@ -164,12 +168,12 @@ class UnreducedRoute:
         term: jax.Array,
         reset: jax.Array | None,
     ) -> tuple[jax.Array, jax.Array]:
-        return _global_view.local_count(weight, skipped, accepted, term, reset, self.axes)
+        return partials.local_count(weight, skipped, accepted, term, reset, self.axes)
 
     def inner_params(self, params: Any) -> Any:
         if params is None:
             return None
-        return jax.tree.map(_compat.reshard, params, self.specs)
+        return jax.tree.map(compat.reshard, params, self.specs)
 
     def zeros_like(self, grads: Any, params: Any) -> Any:
         # The updates leave in the params' sharding, not the gradients' unreduced one.
@@ -177,6 +181,28 @@ class UnreducedRoute:
 
     def back(self, updates: Any, like: Any) -> Any:
         # Back to the params' sharding (an all-gather where the inner state is sharded).
-        return jax.tree.map(
-            lambda u, p: _compat.reshard(u, _global_view.dense_spec(p)), updates, like
-        )
+        return jax.tree.map(lambda u, p: compat.reshard(u, partials.dense_spec(p)), updates, like)
+
+
+def unreduced_gate(specs: Any) -> engine.Gate:
+    """The gate of an unreduced window: one reduction of the sums at the close.
+
+    `specs` (a tree like the window sums) gives the sharding the reduction
+    produces: the params' sharding is an all-reduce over the unreduced axes (of
+    each device's shard, for HSDP), a spec that splits a dimension over the
+    unreduced axes (ZeRO-1) a reduce-scatter. The weight is reduced with them.
+    No other collective runs; "anything accepted" is known after the reduction.
+    """
+
+    def reduce(window: engine.Window) -> engine.Window:
+        total = jax.tree.map(_reduce_into, window.total, specs)
+        return window._replace(total=total, weight=reshard(window.weight, jax.P()))
+
+    def zeros_like(leaf: jax.Array, dtype: Any, zero: jax.Array) -> jax.Array:
+        # Adding the leaf's own zero keeps equal-shaped leaves' zeros apart (no CSE, no copy).
+        zeros = jnp.zeros(jnp.shape(leaf), dtype, out_sharding=partials.dense_spec(leaf))
+        return zeros + zero.astype(dtype)
+
+    return engine.Gate(
+        cond=jax.lax.cond, reduce=reduce, decides_locally=False, zeros_like=zeros_like
+    )

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from gradaccum_jax import _validation
-from gradaccum_jax._compat import varying_axes
-from gradaccum_jax._state import AccumulateState, AxisName
+from gradaccum_jax._base import validation
+from gradaccum_jax._base.compat import varying_axes
+from gradaccum_jax._window.state import AccumulateState, AxisName
 
 # The rounding error of a replica's `acc_grads` is its own, like `acc_grads`; the
 # noise-scale window sums are the replica's own too (its averages are equal on
@@ -125,7 +125,7 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
       >>> specs.acc_grads == jax.P("data"), specs.micro_step == jax.P()
       (True, True)
     """
-    names = _validation.check_axis_name("axis_name", axis_name)
+    names = validation.check_axis_name("axis_name", axis_name)
     replica_spec = PartitionSpec(names[0] if len(names) == 1 else names)
     return _map_accumulate_states(
         opt_state,

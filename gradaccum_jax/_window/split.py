@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _compat, _validation, _window
+from gradaccum_jax._base import compat, trees, validation
+from gradaccum_jax._window import engine
 
 _RUNNING_REDUCTIONS = ("sum", "mean", "max", "min", "geometric_mean")
 _REDUCTIONS = (*_RUNNING_REDUCTIONS, "median")
@@ -132,7 +133,7 @@ class _Running:
 
     def init(self, like: Any, dtype: Any) -> jax.Array:
         # Sharded like the param (FSDP), as the accumulator of `accumulate` is.
-        return _window.zeros(like, dtype)
+        return trees.zeros(like, dtype)
 
     def add(self, acc: jax.Array, x: jax.Array, count: jax.Array, present: jax.Array):
         return jnp.where(present, _combine(self.reduction, acc, x, count), acc)
@@ -164,7 +165,7 @@ class _Buffered:
         return jnp.zeros(
             (self.length, *jnp.shape(like)),
             dtype,
-            out_sharding=jax.P(None, *_compat.partitions(spec)),
+            out_sharding=jax.P(None, *compat.partitions(spec)),
         )
 
     def add(self, buffer: jax.Array, x: jax.Array, count: jax.Array, present: jax.Array):
@@ -332,11 +333,11 @@ def split_accumulate(
       https://doi.org/10.1523/JNEUROSCI.20-23-08812.2000
     """
     if not callable(every_k_schedule):
-        _validation.check_int("every_k_schedule", every_k_schedule, schedule=True)
+        validation.check_int("every_k_schedule", every_k_schedule, schedule=True)
     if callable(reduction):
         window_fn: WindowReduction | None = reduction
     else:
-        _validation.check_choice("reduction", reduction, _REDUCTIONS)
+        validation.check_choice("reduction", reduction, _REDUCTIONS)
         window_fn = _median if reduction == "median" else None
     if window_fn is not None and callable(every_k_schedule):
         raise ValueError(
@@ -347,7 +348,7 @@ def split_accumulate(
     lower_exponent, upper_exponent, span = _check_bound(
         bound, lower, upper, lower_exponent, upper_exponent
     )
-    _validation.check_accumulator_dtype(accumulator_dtype)
+    validation.check_accumulator_dtype(accumulator_dtype)
     if window_fn is None:
         accumulator: _Running | _Buffered = _Running(str(reduction))
     else:
@@ -355,19 +356,19 @@ def split_accumulate(
         accumulator = _Buffered(window_fn, int(every_k_schedule))  # type: ignore[arg-type]
 
     def empty_component(p):
-        return accumulator.init(p, _window.accumulator_dtype(p, accumulator_dtype))
+        return accumulator.init(p, trees.accumulator_dtype(p, accumulator_dtype))
 
     def init_fn(params: optax.Params) -> SplitAccumulateState:
-        params = _window.as_arrays(params)
-        _validation.check_float_tree("params", params)
+        params = trees.as_arrays(params)
+        validation.check_float_tree("params", params)
         return SplitAccumulateState(
-            micro_step=_window.counter(),
-            gradient_step=_window.counter(),
+            micro_step=trees.counter(),
+            gradient_step=trees.counter(),
             positive=jax.tree.map(empty_component, params),
             negative=jax.tree.map(empty_component, params),
-            positive_count=_window.counter(),
-            negative_count=_window.counter(),
-            num_skipped=_window.counter(),
+            positive_count=trees.counter(),
+            negative_count=trees.counter(),
+            num_skipped=trees.counter(),
         )
 
     def added(acc: Any, c: _Component) -> Any:
@@ -379,8 +380,8 @@ def split_accumulate(
 
     def split(updates, params):
         if not paired:
-            _validation.check_same_structure("updates", updates, "params", params)
-            _validation.check_float_tree("updates", updates)
+            validation.check_same_structure("updates", updates, "params", params)
+            validation.check_float_tree("updates", updates)
             # The parts are taken where they are used (in the branch, in the
             # accumulator pass) so that XLA fuses them instead of keeping two
             # parameter-sized temporaries alive across the conditional.
@@ -395,8 +396,8 @@ def split_accumulate(
             ("updates[0] (positive)", "updates[1] (negative)"), updates, strict=True
         ):
             if part is not None:
-                _validation.check_same_structure(name, part, "params", params)
-                _validation.check_float_tree(name, part)
+                validation.check_same_structure(name, part, "params", params)
+                validation.check_float_tree(name, part)
         return updates[0], updates[1], _identity, _identity
 
     def update_fn(
@@ -410,14 +411,14 @@ def split_accumulate(
                 "update(updates, state, params) with params (got params=None), and put it "
                 "last in optax.chain (only clamp_params may follow it)."
             )
-        _validation.check_float_tree("params", params)
-        _validation.refuse_unreduced("updates", updates, "split_accumulate")
+        validation.check_float_tree("params", params)
+        validation.refuse_unreduced("updates", updates, "split_accumulate")
         positive, negative, pos_part, neg_part = split(updates, params)
         given = [src for src in (positive, negative) if src is not None] if paired else [updates]
 
         accepted = jnp.array(True)
         if skip_nonfinite:
-            accepted = _window.all_finite(given)
+            accepted = trees.all_finite(given)
         if paired and reduction == "geometric_mean":
             for part in given:
                 for leaf in jax.tree.leaves(part):
@@ -431,7 +432,7 @@ def split_accumulate(
         pos_count = state.positive_count + pos.present.astype(jnp.int32)
         neg_count = state.negative_count + neg.present.astype(jnp.int32)
         # A traced schedule value below 1 is taken as 1 (documented, not counted).
-        k, _ = _window.window_length(every_k_schedule, state.gradient_step)
+        k, _ = engine.window_length(every_k_schedule, state.gradient_step)
         micro_step = state.micro_step + 1
         closes = micro_step >= k
 
@@ -455,7 +456,7 @@ def split_accumulate(
                 big_n = _bound_factor(bound, p - lower, lower_exponent, span) * big_n
             return big_p - big_n
 
-        def step(window: _window.Window, no_state):
+        def step(window: engine.Window, no_state):
             big_p, big_n = window.total
             new_updates = jax.tree.map(
                 lambda bp, bn, p: bounded(bp, bn, p.astype(bp.dtype)).astype(p.dtype),
@@ -465,8 +466,8 @@ def split_accumulate(
             )
             return new_updates, no_state
 
-        new_updates, _, _, reset, applied = _window.close(
-            _window.local_gate(),
+        new_updates, _, _, reset, applied = engine.close(
+            engine.local_gate(),
             closes,
             (pos_acc, neg_acc),
             (),
@@ -478,7 +479,7 @@ def split_accumulate(
         )
 
         if not accumulator.adds_before_gate:
-            # Ordered after the branch by its `reset` output (see _window.write).
+            # Ordered after the branch by its `reset` output (see engine.write).
             def written(acc, c):
                 acc = added(acc, c)
                 return jax.tree.map(lambda a: jnp.where(reset, jnp.zeros_like(a), a), acc)
@@ -487,12 +488,12 @@ def split_accumulate(
 
         new_state = SplitAccumulateState(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
-            gradient_step=_window.increment_if(state.gradient_step, applied),
+            gradient_step=trees.increment_if(state.gradient_step, applied),
             positive=pos_acc,
             negative=neg_acc,
             positive_count=jnp.where(reset, 0, pos_count).astype(jnp.int32),
             negative_count=jnp.where(reset, 0, neg_count).astype(jnp.int32),
-            num_skipped=_window.increment_if(state.num_skipped, ~accepted),
+            num_skipped=trees.increment_if(state.num_skipped, ~accepted),
         )
         return new_updates, new_state
 
@@ -521,11 +522,11 @@ def _check_bound(
                 f"pass bound= one of {', '.join(repr(b) for b in _BOUNDS)}, or drop them."
             )
         return 1.0, 1.0, None
-    _validation.check_choice("bound", bound, _BOUNDS)
+    validation.check_choice("bound", bound, _BOUNDS)
     if upper is not None:
-        upper = _validation.check_real("upper", upper)
+        upper = validation.check_real("upper", upper)
     if lower is not None:
-        lower = _validation.check_real("lower", lower)
+        lower = validation.check_real("lower", lower)
     if upper is None and lower is None:
         raise ValueError(
             f"bound={bound!r} needs a limit: pass upper= (acts on the positive part), "
@@ -551,7 +552,7 @@ def _check_bound(
                 f"{name}={value!r} applies only to the power bounds ('power', "
                 f"'scaled_power'); bound={bound!r} has no exponent."
             )
-        exponents.append(_validation.check_real(name, value, minimum=0.0, exclusive=True))
+        exponents.append(validation.check_real(name, value, minimum=0.0, exclusive=True))
     return exponents[0], exponents[1], span
 
 
@@ -643,9 +644,9 @@ def clamp_params(lower: float | None, upper: float | None) -> optax.GradientTran
       Array([0.  , 1.  , 0.25], dtype=float32)
     """
     if lower is not None:
-        lower = _validation.check_real("lower", lower)
+        lower = validation.check_real("lower", lower)
     if upper is not None:
-        upper = _validation.check_real("upper", upper)
+        upper = validation.check_real("upper", upper)
     if lower is None and upper is None:
         raise ValueError("clamp_params needs a limit: got lower=None and upper=None.")
     if lower is not None and upper is not None and lower > upper:
@@ -696,9 +697,9 @@ def clamp_params(lower: float | None, upper: float | None) -> optax.GradientTran
                 "clamp_params needs the current parameters: call update(updates, state, "
                 "params) with params (got params=None)."
             )
-        _validation.check_same_structure("updates", updates, "params", params)
-        _validation.check_float_tree("params", params)
-        _validation.refuse_unreduced("updates", updates, "clamp_params")
+        validation.check_same_structure("updates", updates, "params", params)
+        validation.check_float_tree("params", params)
+        validation.refuse_unreduced("updates", updates, "clamp_params")
         _check_real_params(params)
         return jax.tree.map(clamp_leaf, updates, params), state
 

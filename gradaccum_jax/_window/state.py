@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from gradaccum_jax import _noise_scale
+from gradaccum_jax._window.noise_scale import NoiseScaleState
 
 AxisName = Hashable | Sequence[Hashable]
 
@@ -90,4 +90,4 @@ class AccumulateState(NamedTuple):
     num_short_windows: jax.Array
     acc_compensation: optax.Updates | None = None
     skip_state: Any = ()
-    noise_scale: _noise_scale.NoiseScaleState | None = None
+    noise_scale: NoiseScaleState | None = None

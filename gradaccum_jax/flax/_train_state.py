@@ -14,7 +14,7 @@ from typing import Any
 from flax import nnx
 from flax.training import train_state
 
-from gradaccum_jax._fused import apply_gradients
+from gradaccum_jax._window.fused import apply_gradients
 
 
 class TrainState(train_state.TrainState):
