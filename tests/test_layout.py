@@ -21,10 +21,9 @@ MAX_MODULE_LINES = 800
 MAX_FUNCTION_CODE_LINES = 100
 # Functions still over the limit, with their code lines today; each entry goes
 # when its function is split (the test fails if an entry is no longer needed).
+# `accumulate` becomes a thin factory over named stages in its own change.
 KNOWN_LONG_FUNCTIONS = {
     "_window/accumulate.py:accumulate": 268,
-    "_window/split.py:split_accumulate": 156,
-    "_batching/unreduced.py:unreduced_value_and_grad": 122,
 }
 
 

@@ -123,6 +123,12 @@ def _reduce_grad(grad: jax.Array, spec: Any, others: tuple[Any, ...]) -> jax.Arr
 
 def _check_params(args: tuple[Any, ...], grad_nums: tuple[int, ...]) -> None:
     for i in grad_nums:
+        if i >= len(args):
+            raise ValueError(
+                f"argnums names position {i}, but the function was called with "
+                f"{len(args)} positional argument(s)."
+            )
+    for i in grad_nums:
         for path, leaf in jax.tree_util.tree_leaves_with_path(args[i]):
             spec = _leaf_spec(leaf)
             if spec.unreduced or getattr(spec, "reduced", None):
@@ -164,6 +170,114 @@ def _check_batch(
                     f"that is a multiple of {devices * k}, and pass per-batch constants at "
                     "a position that is not in batch_argnums."
                 )
+
+
+def _check_options(
+    axis_name: Any,
+    argnums: Any,
+    batch_argnums: Any,
+    num_microbatches: Any,
+    reduce_value: Any,
+    has_aux: bool,
+    aux_out_specs: Any,
+) -> tuple[tuple[Any, ...], tuple[int, ...], tuple[int, ...], int]:
+    """Checks `unreduced_value_and_grad`'s options; returns the axes, positions and K."""
+    axes = validation.check_axis_name("axis_name", axis_name)
+    grad_nums = _positions("argnums", argnums)
+    batch_nums = _positions("batch_argnums", batch_argnums)
+    overlap = sorted(set(grad_nums) & set(batch_nums))
+    if overlap:
+        raise ValueError(
+            f"position(s) {overlap} are in both argnums and batch_argnums; the params are "
+            f"replicated and the batch is split. Got {argnums=!r}, {batch_argnums=!r}."
+        )
+    k = validation.check_int("num_microbatches", num_microbatches)
+    if not isinstance(reduce_value, bool):
+        raise TypeError(f"reduce_value must be a bool; got {reduce_value=!r}.")
+    if aux_out_specs is not None and not has_aux:
+        raise ValueError(f"aux_out_specs is given but has_aux=False; got {aux_out_specs=!r}.")
+    return axes, grad_nums, batch_nums, k
+
+
+def _value_and_grad_over(
+    fun: Callable[..., Any],
+    devices: int,
+    k: int,
+    has_aux: bool,
+    argnums: Any,
+    batch_argnums: Any,
+) -> Callable[..., Any]:
+    """`value_and_grad` of `fun / devices`: the gradient comes out of the backward
+    pass already scaled (the scalar seeds it), with no pass of its own over the
+    gradient, whose result would be one more parameter-sized buffer per call."""
+
+    def fun_over_devices(*args: Any, **kwargs: Any) -> Any:
+        out = fun(*args, **kwargs)
+        if has_aux:
+            return out[0] / devices, out[1]
+        return out / devices
+
+    if k == 1:
+        return jax.value_and_grad(fun_over_devices, argnums, has_aux=has_aux)
+    return microbatch_value_and_grad(
+        fun_over_devices, k, has_aux=has_aux, argnums=argnums, batch_argnums=batch_argnums
+    )
+
+
+def _aux_spec(leaf: Any) -> Any:
+    """The out spec of an aux leaf: unreduced where it is a per-device partial sum."""
+    partial = unreduced_axes_in_body(leaf)
+    return jax.P(unreduced=partial) if partial else jax.P()
+
+
+def _reduce_aux(leaf: Any, keep_unreduced: bool, split: tuple[Any, ...]) -> Any:
+    """One aux leaf as the caller sees it: averaged (or summed) over the batch's axes."""
+    summed = unreduced_axes_in_body(leaf)
+    if summed:
+        # A per-device partial sum (AccumBatchNorm's window) leaves unreduced;
+        # the first pass, which only learns the aux's types, sums it.
+        return leaf if keep_unreduced else jax.lax.psum(leaf, tuple(summed))
+    if not (_varying_axes(leaf) & set(split)):
+        return leaf
+    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+        return jax.lax.pmean(leaf, split)
+    return jax.lax.psum(leaf, split)
+
+
+def _arg_spec(
+    i: int,
+    leaf: Any,
+    grad_nums: tuple[int, ...],
+    batch_nums: tuple[int, ...],
+    split: tuple[Any, ...],
+    partial: Any,
+) -> Any:
+    """The in spec of a leaf of positional argument `i`."""
+    if i in batch_nums:
+        return jax.P(split)
+    # Partial sums over the batch's axes (AccumBatchNorm's window from an
+    # earlier step) reach `fun` as they are, each device its own; reduced,
+    # they would cost an all-reduce on every call.
+    if i not in grad_nums and isinstance(leaf, jax.Array):
+        spec = _spec(leaf)
+        if spec.unreduced == frozenset(split) and not _mesh_axes_of(spec):
+            return partial
+    return jax.P()
+
+
+def _reduce_grads(grads: Any, grad_specs: list[Any], others: tuple[Any, ...], argnums: Any) -> Any:
+    """The gradients summed over the other batch axes now, into the params' sharding.
+
+    Reduce-scatters (and all-reduces of replicated leaves) within their groups,
+    none across the unreduced axes.
+    """
+    is_spec = lambda x: isinstance(x, jax.P)  # noqa: E731
+    flat = [grads] if isinstance(argnums, numbers.Integral) else list(grads)
+    flat = [
+        jax.tree.map(lambda g, s: _reduce_grad(g, s, others), g, s, is_leaf=is_spec)
+        for g, s in zip(flat, grad_specs, strict=True)
+    ]
+    return flat[0] if isinstance(argnums, numbers.Integral) else tuple(flat)
 
 
 def unreduced_value_and_grad(
@@ -315,48 +429,17 @@ def unreduced_value_and_grad(
     """
     if not callable(fun):
         raise TypeError(f"fun must be callable; got {fun=!r}.")
-    axes = validation.check_axis_name("axis_name", axis_name)
-    grad_nums = _positions("argnums", argnums)
-    batch_nums = _positions("batch_argnums", batch_argnums)
-    overlap = sorted(set(grad_nums) & set(batch_nums))
-    if overlap:
-        raise ValueError(
-            f"position(s) {overlap} are in both argnums and batch_argnums; the params are "
-            f"replicated and the batch is split. Got {argnums=!r}, {batch_argnums=!r}."
-        )
-    k = validation.check_int("num_microbatches", num_microbatches)
-    if not isinstance(reduce_value, bool):
-        raise TypeError(f"reduce_value must be a bool; got {reduce_value=!r}.")
-    if aux_out_specs is not None and not has_aux:
-        raise ValueError(f"aux_out_specs is given but has_aux=False; got {aux_out_specs=!r}.")
+    axes, grad_nums, batch_nums, k = _check_options(
+        axis_name, argnums, batch_argnums, num_microbatches, reduce_value, has_aux, aux_out_specs
+    )
 
     def value_and_grad_over(devices: int) -> Callable[..., Any]:
-        """`value_and_grad` of `fun / devices`: the gradient comes out of the backward
-        pass already scaled (the scalar seeds it), with no pass of its own over the
-        gradient, whose result would be one more parameter-sized buffer per call."""
-
-        def fun_over_devices(*args: Any, **kwargs: Any) -> Any:
-            out = fun(*args, **kwargs)
-            if has_aux:
-                return out[0] / devices, out[1]
-            return out / devices
-
-        if k == 1:
-            return jax.value_and_grad(fun_over_devices, argnums, has_aux=has_aux)
-        return microbatch_value_and_grad(
-            fun_over_devices, k, has_aux=has_aux, argnums=argnums, batch_argnums=batch_argnums
-        )
+        return _value_and_grad_over(fun, devices, k, has_aux, argnums, batch_argnums)
 
     value_and_grad_over(1)  # checks the options now, not at the first call
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         mesh_axes_size(axes, f"unreduced_value_and_grad(..., axis_name={axis_name!r})")
-        for i in grad_nums:
-            if i >= len(args):
-                raise ValueError(
-                    f"argnums names position {i}, but the function was called with "
-                    f"{len(args)} positional argument(s)."
-                )
         _check_params(args, grad_nums)
         split = _split_axes(args, grad_nums, batch_nums, axes)
         _check_batch(args, batch_nums, split, axes, k)
@@ -370,33 +453,8 @@ def unreduced_value_and_grad(
             jax.tree.map(lambda x: _grad_spec(_leaf_spec(x), axes), args[i]) for i in grad_nums
         ]
 
-        def aux_spec(leaf: Any) -> Any:
-            partial = unreduced_axes_in_body(leaf)
-            return jax.P(unreduced=partial) if partial else jax.P()
-
-        def reduce_aux(leaf: Any, keep_unreduced: bool) -> Any:
-            summed = unreduced_axes_in_body(leaf)
-            if summed:
-                # A per-device partial sum (AccumBatchNorm's window) leaves unreduced;
-                # the first pass, which only learns the aux's types, sums it.
-                return leaf if keep_unreduced else jax.lax.psum(leaf, tuple(summed))
-            if not (_varying_axes(leaf) & set(split)):
-                return leaf
-            if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-                return jax.lax.pmean(leaf, split)
-            return jax.lax.psum(leaf, split)
-
         def arg_spec(i: int, leaf: Any) -> Any:
-            if i in batch_nums:
-                return jax.P(split)
-            # Partial sums over the batch's axes (AccumBatchNorm's window from an
-            # earlier step) reach `fun` as they are, each device its own; reduced,
-            # they would cost an all-reduce on every call.
-            if i not in grad_nums and isinstance(leaf, jax.Array):
-                spec = _spec(leaf)
-                if spec.unreduced == frozenset(split) and not _mesh_axes_of(spec):
-                    return partial
-            return jax.P()
+            return _arg_spec(i, leaf, grad_nums, batch_nums, split, partial)
 
         is_spec = lambda x: isinstance(x, jax.P)  # noqa: E731
         in_specs = tuple(jax.tree.map(lambda x, i=i: arg_spec(i, x), a) for i, a in enumerate(args))
@@ -429,18 +487,10 @@ def unreduced_value_and_grad(
             if reduce_value or others:
                 value = jax.lax.psum(value, split if reduce_value else others)
             if others:
-                # Summed over the other batch axes now, into the params' sharding:
-                # reduce-scatters (and all-reduces of replicated leaves) within
-                # their groups, none across `axes`.
-                flat = [grads] if isinstance(argnums, numbers.Integral) else list(grads)
-                flat = [
-                    jax.tree.map(lambda g, s: _reduce_grad(g, s, others), g, s, is_leaf=is_spec)
-                    for g, s in zip(flat, grad_specs, strict=True)
-                ]
-                grads = flat[0] if isinstance(argnums, numbers.Integral) else tuple(flat)
+                grads = _reduce_grads(grads, grad_specs, others, argnums)
             if has_aux and aux_out_specs is None:
-                seen.append(jax.tree.map(aux_spec, aux))
-                aux = jax.tree.map(lambda x: reduce_aux(x, keep_unreduced), aux)
+                seen.append(jax.tree.map(_aux_spec, aux))
+                aux = jax.tree.map(lambda x: _reduce_aux(x, keep_unreduced, split), aux)
             return value, grads, aux
 
         grads_spec = grad_specs[0] if isinstance(argnums, numbers.Integral) else tuple(grad_specs)

@@ -191,7 +191,7 @@ class _Component(NamedTuple):
     count: jax.Array  # type: ignore[assignment]  # shadows tuple.count on purpose
 
 
-def _bound_factor(bound: str, distance: jax.Array, exponent: float, span: float | None):
+def _bound_factor(bound: str | None, distance: jax.Array, exponent: float, span: float | None):
     """The factor multiplying one component, given its distance to the limit."""
     if bound == "sharp":
         # Θ(0) = 0: a parameter exactly at its limit gets no push beyond it.
@@ -204,6 +204,114 @@ def _bound_factor(bound: str, distance: jax.Array, exponent: float, span: float 
         # the multiplicative bound exactly.
         return jnp.sign(distance) * jnp.abs(distance) ** exponent
     return distance
+
+
+class _Bounds(NamedTuple):
+    """The bound of `split_accumulate`, checked (`_check_bound`)."""
+
+    bound: str | None
+    lower: float | None
+    upper: float | None
+    lower_exponent: float
+    upper_exponent: float
+    span: float | None
+
+    def bounded(self, big_p: jax.Array, big_n: jax.Array, p: jax.Array) -> jax.Array:
+        """`P - N`, each scaled by its distance from its limit."""
+        if self.upper is not None:
+            factor = _bound_factor(self.bound, self.upper - p, self.upper_exponent, self.span)
+            big_p = factor * big_p
+        if self.lower is not None:
+            factor = _bound_factor(self.bound, p - self.lower, self.lower_exponent, self.span)
+            big_n = factor * big_n
+        return big_p - big_n
+
+    def apply(self, big_p: jax.Array, big_n: jax.Array, p: jax.Array) -> jax.Array:
+        """One leaf's update, computed in the window's dtype, returned in the param's."""
+        return self.bounded(big_p, big_n, p.astype(big_p.dtype)).astype(p.dtype)
+
+
+def _window_accumulator(reduction: Any, every_k_schedule: Any) -> _Running | _Buffered:
+    """The accumulator of a component's window, from `reduction` (checked here)."""
+    if callable(reduction):
+        window_fn: WindowReduction | None = reduction
+    else:
+        validation.check_choice("reduction", reduction, _REDUCTIONS)
+        window_fn = _median if reduction == "median" else None
+    if window_fn is None:
+        return _Running(str(reduction))
+    if callable(every_k_schedule):
+        raise ValueError(
+            f"reduction={reduction!r} keeps every contribution of the window and needs a "
+            "fixed window length; pass an int every_k_schedule, or a running reduction "
+            f"({', '.join(_RUNNING_REDUCTIONS)}) with a schedule."
+        )
+    return _Buffered(window_fn, int(every_k_schedule))
+
+
+def _split_updates(updates: Any, params: Any, paired: bool) -> tuple[Any, Any, Any, Any]:
+    """The positive and negative sources in `updates`, and how to take each part from them."""
+    if not paired:
+        validation.check_same_structure("updates", updates, "params", params)
+        validation.check_float_tree("updates", updates)
+        # The parts are taken where they are used (in the branch, in the
+        # accumulator pass) so that XLA fuses them instead of keeping two
+        # parameter-sized temporaries alive across the conditional.
+        return updates, updates, _positive_part, _negative_part
+    if not (isinstance(updates, (tuple, list)) and len(updates) == 2):
+        raise TypeError(
+            "with paired=True, updates must be a pair (positive, negative) of trees "
+            "shaped like the params (None for a missing component); got "
+            f"{type(updates).__name__}."
+        )
+    for name, part in zip(("updates[0] (positive)", "updates[1] (negative)"), updates, strict=True):
+        if part is not None:
+            validation.check_same_structure(name, part, "params", params)
+            validation.check_float_tree(name, part)
+    return updates[0], updates[1], _identity, _identity
+
+
+def _accepted(given: list[Any], skip_nonfinite: bool, nonnegative: bool) -> jax.Array:
+    """Whether this call's contribution joins the window: finite, and `>= 0` where required."""
+    accepted = jnp.array(True)
+    if skip_nonfinite:
+        accepted = trees.all_finite(given)
+    if nonnegative:
+        for part in given:
+            for leaf in jax.tree.leaves(part):
+                accepted = accepted & jnp.all(leaf >= 0)
+    return accepted
+
+
+def _contributions(
+    updates: Any,
+    params: Any,
+    state: SplitAccumulateState,
+    paired: bool,
+    skip_nonfinite: bool,
+    nonnegative: bool,
+) -> tuple[_Component, _Component, jax.Array]:
+    """This call's positive and negative components, and whether they join the window."""
+    positive, negative, pos_part, neg_part = _split_updates(updates, params, paired)
+    given = [src for src in (positive, negative) if src is not None] if paired else [updates]
+    accepted = _accepted(given, skip_nonfinite, nonnegative)
+    pos = _Component(positive, pos_part, accepted & (positive is not None), state.positive_count)
+    neg = _Component(negative, neg_part, accepted & (negative is not None), state.negative_count)
+    return pos, neg, accepted
+
+
+def _added(accumulator: _Running | _Buffered, acc: Any, c: _Component) -> Any:
+    """The component's window with this call's contribution added."""
+    if c.source is None:
+        return acc
+    return jax.tree.map(
+        lambda a, x: accumulator.add(a, c.part(x), c.count, c.present), acc, c.source
+    )
+
+
+def _emptied(acc: Any, reset: jax.Array) -> Any:
+    """`acc`, or zeros where the window closed (`reset`)."""
+    return jax.tree.map(lambda a: jnp.where(reset, jnp.zeros_like(a), a), acc)
 
 
 def split_accumulate(
@@ -334,26 +442,12 @@ def split_accumulate(
     """
     if not callable(every_k_schedule):
         validation.check_int("every_k_schedule", every_k_schedule, schedule=True)
-    if callable(reduction):
-        window_fn: WindowReduction | None = reduction
-    else:
-        validation.check_choice("reduction", reduction, _REDUCTIONS)
-        window_fn = _median if reduction == "median" else None
-    if window_fn is not None and callable(every_k_schedule):
-        raise ValueError(
-            f"reduction={reduction!r} keeps every contribution of the window and needs a "
-            "fixed window length; pass an int every_k_schedule, or a running reduction "
-            f"({', '.join(_RUNNING_REDUCTIONS)}) with a schedule."
-        )
-    lower_exponent, upper_exponent, span = _check_bound(
-        bound, lower, upper, lower_exponent, upper_exponent
+    accumulator = _window_accumulator(reduction, every_k_schedule)
+    bounds = _Bounds(
+        bound, lower, upper, *_check_bound(bound, lower, upper, lower_exponent, upper_exponent)
     )
     validation.check_accumulator_dtype(accumulator_dtype)
-    if window_fn is None:
-        accumulator: _Running | _Buffered = _Running(str(reduction))
-    else:
-        # Checked above: a buffered reduction has an int window length.
-        accumulator = _Buffered(window_fn, int(every_k_schedule))  # type: ignore[arg-type]
+    nonnegative = paired and reduction == "geometric_mean"
 
     def empty_component(p):
         return accumulator.init(p, trees.accumulator_dtype(p, accumulator_dtype))
@@ -372,33 +466,7 @@ def split_accumulate(
         )
 
     def added(acc: Any, c: _Component) -> Any:
-        if c.source is None:
-            return acc
-        return jax.tree.map(
-            lambda a, x: accumulator.add(a, c.part(x), c.count, c.present), acc, c.source
-        )
-
-    def split(updates, params):
-        if not paired:
-            validation.check_same_structure("updates", updates, "params", params)
-            validation.check_float_tree("updates", updates)
-            # The parts are taken where they are used (in the branch, in the
-            # accumulator pass) so that XLA fuses them instead of keeping two
-            # parameter-sized temporaries alive across the conditional.
-            return updates, updates, _positive_part, _negative_part
-        if not (isinstance(updates, (tuple, list)) and len(updates) == 2):
-            raise TypeError(
-                "with paired=True, updates must be a pair (positive, negative) of trees "
-                "shaped like the params (None for a missing component); got "
-                f"{type(updates).__name__}."
-            )
-        for name, part in zip(
-            ("updates[0] (positive)", "updates[1] (negative)"), updates, strict=True
-        ):
-            if part is not None:
-                validation.check_same_structure(name, part, "params", params)
-                validation.check_float_tree(name, part)
-        return updates[0], updates[1], _identity, _identity
+        return _added(accumulator, acc, c)
 
     def update_fn(
         updates: optax.Updates,
@@ -413,21 +481,8 @@ def split_accumulate(
             )
         validation.check_float_tree("params", params)
         validation.refuse_unreduced("updates", updates, "split_accumulate")
-        positive, negative, pos_part, neg_part = split(updates, params)
-        given = [src for src in (positive, negative) if src is not None] if paired else [updates]
-
-        accepted = jnp.array(True)
-        if skip_nonfinite:
-            accepted = trees.all_finite(given)
-        if paired and reduction == "geometric_mean":
-            for part in given:
-                for leaf in jax.tree.leaves(part):
-                    accepted = accepted & jnp.all(leaf >= 0)
-        pos = _Component(
-            positive, pos_part, accepted & (positive is not None), state.positive_count
-        )
-        neg = _Component(
-            negative, neg_part, accepted & (negative is not None), state.negative_count
+        pos, neg, accepted = _contributions(
+            updates, params, state, paired, skip_nonfinite, nonnegative
         )
         pos_count = state.positive_count + pos.present.astype(jnp.int32)
         neg_count = state.negative_count + neg.present.astype(jnp.int32)
@@ -449,22 +504,9 @@ def split_accumulate(
             big_n = jax.tree.map(lambda a: accumulator.finalize(a, neg_count), accs[1])
             return big_p, big_n
 
-        def bounded(big_p, big_n, p):
-            if upper is not None:
-                big_p = _bound_factor(bound, upper - p, upper_exponent, span) * big_p
-            if lower is not None:
-                big_n = _bound_factor(bound, p - lower, lower_exponent, span) * big_n
-            return big_p - big_n
-
         def step(window: engine.Window, no_state):
             big_p, big_n = window.total
-            new_updates = jax.tree.map(
-                lambda bp, bn, p: bounded(bp, bn, p.astype(bp.dtype)).astype(p.dtype),
-                big_p,
-                big_n,
-                params,
-            )
-            return new_updates, no_state
+            return jax.tree.map(bounds.apply, big_p, big_n, params), no_state
 
         new_updates, _, _, reset, applied = engine.close(
             engine.local_gate(),
@@ -480,11 +522,8 @@ def split_accumulate(
 
         if not accumulator.adds_before_gate:
             # Ordered after the branch by its `reset` output (see engine.write).
-            def written(acc, c):
-                acc = added(acc, c)
-                return jax.tree.map(lambda a: jnp.where(reset, jnp.zeros_like(a), a), acc)
-
-            pos_acc, neg_acc = written(state.positive, pos), written(state.negative, neg)
+            pos_acc = _emptied(added(state.positive, pos), reset)
+            neg_acc = _emptied(added(state.negative, neg), reset)
 
         new_state = SplitAccumulateState(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
