@@ -1,4 +1,18 @@
-"""gradaccum_jax: exact, fast gradient accumulation for JAX and Optax."""
+"""gradaccum_jax: exact, fast gradient accumulation for JAX and Optax.
+
+Every public name is re-exported here, flat. The code lives in private packages by job,
+each importing only from those below it (docs/concepts.md, "Architecture", has the picture):
+
+- `_base`: version shims, argument checks, collectives, tree helpers; imports nothing of ours.
+- `_sharding`: partial sums over mesh axes (typed unreduced) and their checkpoints.
+- `_window`: the window engine (`engine.py`) and the transformations built on it.
+- `_batching`: micro-batching inside a step, the planner, per-device unreduced gradients.
+- `_clipping`: overflow-free measures and the clipping families.
+- `flax`: the Flax layers (linen, NNX, their shared window statistics) and containers.
+
+Reading order: `_base/trees.py`, `_window/engine.py`, `_window/routes.py` with
+`_sharding/partials.py`, then `_window/accumulate.py`.
+"""
 
 from typing import TYPE_CHECKING, Any
 
