@@ -1,4 +1,11 @@
-"""Per-device gradients for global-view `jax.jit` on an explicit mesh, typed unreduced."""
+"""Partial sums over mesh axes, typed unreduced: the primitives of the unreduced window.
+
+`add_partial`, `reduced`, `local_accept`, `local_add`, `local_count` and friends
+keep a window of per-device partial sums under global-view `jax.jit`;
+`_window.routes` (the unreduced route), `flax` (AccumBatchNorm's per-device
+window) and `_batching.unreduced` (`unreduced_value_and_grad`, which sets
+`_PER_DEVICE` while it traces `fun`) use them.
+"""
 
 from __future__ import annotations
 

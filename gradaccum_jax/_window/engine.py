@@ -5,7 +5,7 @@ Every accumulating transformation of this package (`accumulate`,
 call of `update`:
 
 1. **accept**: decide whether this micro-step's contribution joins the window
-   (`all_finite`, plus each transform's own rules such as staleness);
+   (`trees.all_finite`, plus each transform's own rules such as staleness);
 2. **add**: the contribution's term, `scale * g` in the accumulator dtype,
    plainly or with a Kahan compensation, added in place before the gate
    (`write` with `reset=None`), so that the gate never takes the gradient;
@@ -16,7 +16,7 @@ call of `update`:
    `reset` flag the first returns (which orders it after the apply branch's
    reads), or, for the transforms that add after the gate, one fused pass
    that adds or resets (`write`);
-5. **count**: saturating `int32` counters (`increment_if`).
+5. **count**: saturating `int32` counters (`trees.increment_if`).
 
 The conditional only *reads* the accumulator and passes the inner state
 through untouched on the skip branch; the accumulator is written in place,
