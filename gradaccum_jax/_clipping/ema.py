@@ -16,21 +16,25 @@ from gradaccum_jax._base import trees, validation
 from gradaccum_jax._clipping.measures import (
     _EMA_STATIC,
     Ord,
-    _as_list,
-    _capped,
-    _check_beta,
     _check_tree_dim,
-    _from_list,
-    _keep_if,
     _parse_ord,
-    _scale_by,
-    _size_like,
-    _state_dtype,
-    _tree_sizes,
     ratio_factors,
     real_dtype,
 )
-from gradaccum_jax._clipping.norm import _clip_elements, _select, _unit_factors
+from gradaccum_jax._clipping.norm import (
+    _as_list,
+    _capped,
+    _check_beta,
+    _clip_elements,
+    _from_list,
+    _keep_if,
+    _scale_by,
+    _select,
+    _size_like,
+    _state_dtype,
+    _tree_sizes,
+    _unit_factors,
+)
 
 
 class ClipNormByEMAState(NamedTuple):

@@ -17,18 +17,21 @@ from gradaccum_jax._base import trees, validation
 from gradaccum_jax._clipping.measures import (
     _EMA_STATIC,
     Ord,
-    _as_list,
     _check_tree_dim,
+    _parse_ord,
+    ratio_factors,
+)
+from gradaccum_jax._clipping.norm import (
+    _as_list,
     _from_list,
     _keep_if,
-    _parse_ord,
     _scale_by,
+    _select,
     _size_like,
     _state_dtype,
     _tree_sizes,
-    ratio_factors,
+    _unit_factors,
 )
-from gradaccum_jax._clipping.norm import _select, _unit_factors
 
 
 def _check_growth_args(add: Any, mul: Any, min_value: Any, max_decay: Any) -> None:

@@ -24,9 +24,6 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
-
-from gradaccum_jax._base import validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,90 +255,6 @@ def apply_factors(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     """`x * a * b` in `x`'s dtype (real factors keep a complex `x` complex)."""
     dtype = real_dtype(x.dtype)
     return x * a.astype(dtype) * b.astype(dtype)
-
-
-def _check_beta(beta: Any) -> Any:
-    validation.check_hyperparameter("beta", beta)
-    if isinstance(beta, numbers.Real) and not beta < 1:
-        raise ValueError(f"beta must be in [0, 1); got {beta=}.")
-    return beta
-
-
-def _keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
-    """`new` where `ok`, else `old`, leaf by leaf, in `old`'s dtypes."""
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o).astype(o.dtype), new, old)
-
-
-def _state_dtype(leaf: Any) -> jnp.dtype:
-    return compute_dtype(jnp.result_type(leaf))
-
-
-def _capped(x: jax.Array) -> jax.Array:
-    """`x` with values beyond the largest float brought back to it.
-
-    A weighted mean of finite values can round past `finfo.max` by one
-    rounding step; keeping it finite keeps the state usable.
-    """
-    big = jnp.finfo(real_dtype(x.dtype)).max
-    if jnp.iscomplexobj(x):
-        return jax.lax.complex(jnp.clip(x.real, -big, big), jnp.clip(x.imag, -big, big))
-    return jnp.clip(x, -big, big)
-
-
-def _tree_sizes(tree: Any, m: Measure, per_leaf: bool) -> list[Size]:
-    """Sizes of whole leaves (one per leaf) or of the whole tree (a list of one)."""
-    leaves = [jnp.asarray(leaf) for leaf in jax.tree.leaves(tree)]
-    if per_leaf:
-        nonempty = [i for i, x in enumerate(leaves) if x.size]
-        found = measure([[(leaves[i], tuple(range(leaves[i].ndim)))] for i in nonempty], m)
-        sizes = dict(zip(nonempty, found, strict=True))
-        out = []
-        for i, x in enumerate(leaves):
-            size = sizes.get(i)
-            if size is None:
-                zero = jnp.zeros([], real_dtype(x.dtype))
-                size = Size(zero, zero.astype(jnp.int32))
-            out.append(Size(size.mant.reshape(()), size.exp.reshape(())))
-        return out
-    parts = [(x, tuple(range(x.ndim))) for x in leaves if x.size]
-    dtype = real_dtype(compute_dtype(*[x.dtype for x in leaves])) if leaves else jnp.float32
-    if not parts:
-        zero = jnp.zeros([], dtype)
-        return [Size(zero, zero.astype(jnp.int32))]
-    (size,) = measure([parts], m)
-    return [Size(size.mant.reshape(()), size.exp.reshape(()))]
-
-
-def _size_like(params: optax.Params, per_leaf: bool) -> Any:
-    """Zero sizes (plain floats) with the structure the state keeps."""
-    if per_leaf:
-        return jax.tree.map(lambda p: jnp.zeros([], real_dtype(_state_dtype(p))), params)
-    leaves = jax.tree.leaves(params)
-    dtype = compute_dtype(*[jnp.result_type(p) for p in leaves]) if leaves else jnp.float32
-    return jnp.zeros([], real_dtype(dtype))
-
-
-def _scale_by(tree: Any, factors: list[tuple[jax.Array, jax.Array]], per_leaf: bool) -> Any:
-    """Multiplies every leaf by its factor pair (per leaf) or by one pair."""
-    leaves, treedef = jax.tree.flatten(tree)
-    pairs = factors if per_leaf else factors * len(leaves)
-    out = [
-        apply_factors(jnp.asarray(x).astype(compute_dtype(jnp.result_type(x))), a, b).astype(
-            jnp.result_type(x)
-        )
-        for x, (a, b) in zip(leaves, pairs, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, out)
-
-
-def _as_list(sizes: Any, per_leaf: bool) -> list[jax.Array]:
-    return jax.tree.leaves(sizes) if per_leaf else [sizes]
-
-
-def _from_list(values: list[jax.Array], like: Any, per_leaf: bool) -> Any:
-    if per_leaf:
-        return jax.tree.unflatten(jax.tree.structure(like), values)
-    return values[0]
 
 
 Ord = int | float | Literal["mad", "std", "var", "sum", "l0", "l1", "l2", "l3", "l4", "linf"]
