@@ -11,7 +11,8 @@ each importing only from those below it (docs/concepts.md, "Architecture", has t
 - `flax`: the Flax layers (linen, NNX, their shared window statistics) and containers.
 
 Reading order: `_base/trees.py`, `_window/engine.py`, `_window/routes.py` with
-`_sharding/partials.py`, then `_window/accumulate.py`.
+`_sharding/partials.py`, `_window/stages.py` (accumulate's update path: accept, weigh, add,
+close, write), then `_window/accumulate.py`.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -6,14 +6,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
-from jax.experimental import checkify
 
-from gradaccum_jax._base import trees, validation
+from gradaccum_jax._base import validation
 from gradaccum_jax._sharding import partials
-from gradaccum_jax._window import engine, loss_scale, noise_scale, routes
-from gradaccum_jax._window.fused import FUSE_KEY
+from gradaccum_jax._window import noise_scale, stages
 from gradaccum_jax._window.state import AccumulateState, AxisName
 
 ShouldSkipUpdateFn = Callable[[optax.Updates, jax.Array, optax.Params], tuple[jax.Array, Any]]
@@ -107,17 +104,6 @@ def _refuse(route: str, options: _Options, where: str) -> None:
     for name, option, is_set, why in _REFUSED:
         if name == route and is_set(options):
             raise ValueError(f"{option} is not supported with {where}: {why}")
-
-
-def _check_weight(weight: Any) -> jax.Array:
-    return validation.check_scalar(
-        "weight",
-        weight,
-        minimum=0.0,
-        dtype=jnp.float32,
-        hint=" It is the micro-batch's total weight: sum per-example weights first, "
-        "e.g. weight=mask.sum().",
-    )
 
 
 def accumulate(
@@ -350,95 +336,27 @@ def accumulate(
     if shard_inner_state is not None:
         _refuse("unreduced", options, f"shard_inner_state={shard_inner_state!r}")
         partials.check_unreduced_windows(f"shard_inner_state={shard_inner_state!r}")
-    inner = optax.with_extra_args_support(inner)
-    # A static window of one micro-step holds nothing between calls: no accumulator.
-    bare = (
-        not callable(every_k_schedule)
-        and every_k_schedule == 1
-        and not compensated
-        and shard_inner_state is None
-        and not track_noise_scale
+    plan = stages.Plan(
+        inner=optax.with_extra_args_support(inner),
+        every_k_schedule=every_k_schedule,
+        use_grad_mean=use_grad_mean,
+        accumulator_dtype=accumulator_dtype,
+        compensated=compensated,
+        skip_nonfinite=skip_nonfinite,
+        axis_names=axis_names,
+        should_skip_update_fn=should_skip_update_fn,
+        count_skipped_steps=count_skipped_steps,
+        check_values=check_values,
+        shard_inner_state=shard_inner_state,
+        zero_axes=zero_axes,
+        track_noise_scale=track_noise_scale,
+        noise_scale_decay=noise_scale_decay,
+        micro_batch_size=micro_batch_size,
+        refuse=lambda route, where: _refuse(route, options, where),
     )
 
-    def length(step: jax.Array) -> tuple[jax.Array, jax.Array]:
-        k, short = engine.window_length(every_k_schedule, step)
-        if check_values:
-            checkify.check(
-                ~short,
-                "every_k_schedule returned a window length below 1 at gradient_step={}",
-                step,
-            )
-        return k, short
-
-    def skip_decision(grads, gradient_step, params):
-        should_skip, metrics = should_skip_update_fn(grads, gradient_step, params)
-        if jnp.result_type(should_skip) != jnp.bool_ or jnp.shape(should_skip) != ():
-            raise TypeError(
-                "should_skip_update_fn must return (should_skip, metrics) with should_skip a "
-                f"boolean scalar; it returned dtype {jnp.result_type(should_skip)} and shape "
-                f"{jnp.shape(should_skip)}."
-            )
-        return should_skip, metrics
-
-    def route_for(grads: optax.Updates, like: optax.Params) -> Any:
-        """The reduction strategy, from the arguments and the gradients' types."""
-        if axis_names is not None:
-            return routes.ReplicaRoute(compensated, axis_names, grads)
-        axes = partials.unreduced_axes("updates", grads) or zero_axes
-        if axes is None and shard_inner_state is None:
-            return routes.LocalRoute(compensated)
-        if axes is None:
-            specs = partials.inner_specs(like, shard_inner_state, None)
-            axes = partials.spec_axes("shard_inner_state", specs)
-        partials.check_unreduced_windows(f"updates unreduced over mesh axes {axes}")
-        if zero_axes is not None and set(axes) != set(zero_axes):
-            raise ValueError(
-                f"the gradients are unreduced over {axes}, but shard_inner_state="
-                f"{shard_inner_state!r} shards the inner state over {zero_axes}; name the "
-                "same axis in both."
-            )
-        _refuse("unreduced", options, f"gradients unreduced over mesh axes {axes}")
-        specs = partials.inner_specs(like, shard_inner_state, zero_axes)
-        return routes.UnreducedRoute(axes, specs)
-
     def init_fn(params: optax.Params) -> AccumulateState:
-        params = trees.as_arrays(params)
-        validation.check_float_tree("params", params)
-        acc = trees.zeros(params, accumulator_dtype)
-        if compensated:
-            validation.check_compensable("params", acc)
-        acc_weight, num_skipped = jnp.zeros([], trees.weight_dtype(acc)), trees.counter()
-        inner_params = params
-        if shard_inner_state is not None:
-            # ZeRO-1: the window is unreduced from the start, the inner state sharded.
-            route = route_for(params, params)
-            acc, acc_weight, num_skipped = partials.unreduced_zeros(
-                (acc, acc_weight, num_skipped), route.axes
-            )
-            inner_params = route.inner_params(params)
-        if bare:
-            acc = None
-        inner_state = inner.init(inner_params)
-        loss_scale.refuse_inside_accumulate(inner_state)
-        skip_state = ()
-        if should_skip_update_fn is not None:
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            _, skip_state = skip_decision(zeros, trees.counter(), params)
-        return AccumulateState(
-            micro_step=trees.counter(),
-            gradient_step=trees.counter(),
-            window_length=length(trees.counter())[0],
-            updated=jnp.array(False),
-            acc_grads=acc,
-            acc_weight=acc_weight,
-            weight_unit=jnp.ones([], acc_weight.dtype),
-            num_skipped=num_skipped,
-            inner_state=inner_state,
-            num_short_windows=trees.counter(),
-            acc_compensation=jax.tree.map(jnp.zeros_like, acc) if compensated else None,
-            skip_state=skip_state,
-            noise_scale=noise_scale.init() if track_noise_scale else None,
-        )
+        return stages.init(plan, params)
 
     def update_fn(
         updates: optax.Updates,
@@ -448,167 +366,7 @@ def accumulate(
         weight: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, AccumulateState]:
-        receipt = extra_args.pop(FUSE_KEY, None)
-        vouched = None
-        if receipt is not None:
-            receipt.received(params)
-            vouched = receipt.finite(updates)
-        grads = trees.as_arrays(updates)
-        if not bare:
-            validation.check_same_structure("updates", grads, "state.acc_grads", state.acc_grads)
-        validation.check_float_tree("updates", grads)
-        like = grads if params is None else params
-        route = route_for(grads, like)
-        probe = None
-        if track_noise_scale:
-            if weight is not None and micro_batch_size is not None:
-                raise ValueError(
-                    f"update got weight= but accumulate has {micro_batch_size=}: the noise "
-                    "scale's batch unit is the weight when one is passed. Build accumulate "
-                    "with micro_batch_size=None."
-                )
-            probe = noise_scale.Probe(noise_scale_decay, micro_batch_size)
-
-        # Accept: a finite micro-gradient with a usable weight (per device when unreduced).
-        dtype = state.acc_weight.dtype
-        w = None if weight is None else _check_weight(weight).astype(dtype)
-        valid = jnp.array(True)
-        if w is not None:
-            ok = jnp.isfinite(w) & (w >= 0)
-            if check_values:
-                checkify.check(ok, "weight must be finite and >= 0; got weight={}", w)
-            if skip_nonfinite:
-                valid = ok
-        if probe is not None and skip_nonfinite:
-            accepted = valid & probe.finite(grads)
-        elif vouched is not None and skip_nonfinite and not route.per_device:
-            # The transformation before this one measured the gradient and said
-            # whether it is finite (a global clip_norm): the same flag, no pass.
-            accepted = valid & vouched
-        else:
-            accepted = route.accept(grads, valid, skip_nonfinite)
-        skip_state = state.skip_state
-        if should_skip_update_fn is not None:
-            should_skip, skip_state = skip_decision(grads, state.gradient_step, params)
-            skip_state = engine.keep_state_types(skip_state, state.skip_state, "skip")
-            accepted = accepted & ~should_skip
-        if w is None:
-            scale, unit, term_weight = None, state.weight_unit, jnp.ones([], dtype)
-        else:
-            # Sums are held in units of the window's first usable weight (see weight_unit).
-            first = route.starts_unit(accepted, valid, state) & (w > 0)
-            unit = jnp.where(first, w, state.weight_unit)
-            scale = term_weight = w / unit
-        # A bare window starts empty on every call: from constants, so that
-        # without a finite check or weight the gate is known to apply at trace
-        # time and no conditional is built.
-        held_weight = jnp.zeros([], dtype) if bare else state.acc_weight
-        window_weight, num_skipped = route.count(
-            held_weight, state.num_skipped, accepted, term_weight, None
-        )
-        counted = jnp.array(True) if count_skipped_steps else accepted
-        micro_step = (jnp.int32(0) if bare else state.micro_step) + counted.astype(jnp.int32)
-        closes = counted & (micro_step >= (jnp.int32(1) if bare else state.window_length))
-        if bare:
-            # The window is this micro-step: its sum is read from the gradient
-            # inside the apply branch, and nothing is held.
-            def window_of(grads):
-                blank = (trees.zeros(route.zeros_like(grads, params), accumulator_dtype), None)
-                return route.read(route.add(blank, grads, accepted, scale))
-
-            held, total, empty = grads, window_of, None
-        else:
-            # Add: the window's sums including this micro-step, before the gate reads them.
-            held = route.add(route.held(state), grads, accepted, scale)
-            total = route.read
-
-            def empty(held, reset):
-                return route.emptied(held, reset, accepted)
-
-        stats, inner_operand = None, state.inner_state
-        if probe is not None:
-            stats = probe.stats(state.noise_scale, accepted, term_weight, unit)  # type: ignore[arg-type]
-            inner_operand = (state.inner_state, state.noise_scale)
-
-        # Apply (reduce once, run the inner optimizer once) or skip.
-        def apply(
-            window: engine.Window, inner_operand: Any, params: Any = params
-        ) -> tuple[Any, Any]:
-            if use_grad_mean:
-                # A product, not a quotient: XLA recomputes it inside each reader
-                # (adam's two moments) instead of writing the mean to a buffer.
-                # In at least float32, so that 1 / w keeps its precision.
-                reciprocal = 1 / window.weight
-
-                def mean(t):
-                    wide = jnp.promote_types(t.dtype, reciprocal.dtype)
-                    return t.astype(wide) * reciprocal.astype(wide)
-
-                reduced = jax.tree.map(mean, window.total)
-            else:
-                reduced = jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
-            inner_state = inner_operand if probe is None else inner_operand[0]
-            new_updates, new_inner = engine.inner_update(
-                inner, reduced, inner_state, grads, route.inner_params(params), extra_args
-            )
-            new_updates = route.back(new_updates, like)
-            if receipt is not None:
-                # The fused path: the params are updated here, once per window.
-                new_updates = optax.apply_updates(params, new_updates)
-            if probe is None:
-                return new_updates, new_inner
-            big_sq = probe.big_sq_norm(window)
-            return new_updates, (new_inner, probe.fold(inner_operand[1], window, big_sq))
-
-        new_updates, new_inner, new_held, reset, applied = engine.close(
-            route.gate(),
-            closes,
-            held,
-            inner_operand,
-            window_weight,
-            unit,
-            total=total,
-            step=apply,
-            like=route.zeros_like(grads, params),
-            stats=stats,
-            params=None if receipt is None else params,
-            empty=empty,
-        )
-        new_noise = None
-        if probe is not None:
-            new_inner, new_noise = new_inner
-            new_noise = probe.after(new_noise, reset)
-
-        new_acc, new_comp = (None, None) if bare else new_held
-        acc_weight, _ = route.count(
-            state.acc_weight, state.num_skipped, accepted, term_weight, reset
-        )
-        gradient_step = trees.increment_if(state.gradient_step, applied)
-        next_length, short = length(gradient_step)
-        if isinstance(every_k_schedule, noise_scale.CriticalBatchSchedule):
-            next_length = every_k_schedule.next_k(
-                gradient_step,
-                state.window_length,
-                noise_scale.estimate(new_noise),  # type: ignore[arg-type]
-            )
-        new_state = AccumulateState(
-            micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
-            gradient_step=gradient_step,
-            window_length=jnp.where(reset, next_length, state.window_length).astype(jnp.int32),
-            updated=applied,
-            acc_grads=new_acc,
-            acc_weight=acc_weight,
-            weight_unit=jnp.where(reset, 1.0, unit).astype(dtype),
-            num_skipped=num_skipped,
-            inner_state=new_inner,
-            num_short_windows=trees.increment_if(state.num_short_windows, reset & short),
-            acc_compensation=new_comp,
-            skip_state=skip_state,
-            noise_scale=new_noise,
-        )
-        if receipt is not None:
-            receipt.returned(new_updates)
-        return new_updates, new_state
+        return stages.update(plan, updates, state, params, weight, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
