@@ -14,6 +14,7 @@ from gradaccum_jax import (
     _global_view,
     _mixed_precision,
     _noise_scale,
+    _placement,
     _routes,
     _validation,
     _window,
@@ -112,6 +113,27 @@ def _refuse(route: str, options: _Options, where: str) -> None:
     for name, option, is_set, why in _REFUSED:
         if name == route and is_set(options):
             raise ValueError(f"{option} is not supported with {where}: {why}")
+
+
+def _refuse_injected(**static: Any) -> None:
+    """Raises one `TypeError` naming every static argument if any of them came as an array.
+
+    `optax.inject_hyperparams(accumulate)` passes every numeric argument (and a
+    schedule's value) as a JAX array; these arguments shape the compiled step.
+    """
+    injected = [name for name, value in static.items() if isinstance(value, jax.Array)]
+    if injected:
+        shown = ", ".join(f"{name}={static[name]!r}" for name in injected)
+        raise TypeError(
+            f"accumulate got {shown}: a JAX array where a Python value fixed when accumulate "
+            "is built is needed (the window length and the noise scale's settings shape the "
+            "compiled step; a schedule of K must be called by accumulate, once per window). "
+            "optax.inject_hyperparams passes every numeric argument, and the value of every "
+            "callable, as an array: keep all of accumulate's static arguments static, "
+            f"optax.inject_hyperparams(ga.accumulate, static_args={tuple(static)!r})"
+            "(inner, every_k_schedule=4), or inject the inner optimizer's hyperparameters "
+            "instead: ga.accumulate(optax.inject_hyperparams(optax.adam)(learning_rate=...), 4)."
+        )
 
 
 def _check_weight(weight: Any) -> jax.Array:
@@ -333,6 +355,11 @@ def accumulate(
       https://arxiv.org/abs/1706.02677
     """
     _validation.check_gradient_transformation("inner", inner)
+    _refuse_injected(
+        every_k_schedule=every_k_schedule,
+        noise_scale_decay=noise_scale_decay,
+        micro_batch_size=micro_batch_size,
+    )
     if not callable(every_k_schedule):
         _validation.check_int("every_k_schedule", every_k_schedule, schedule=True)
     _validation.check_accumulator_dtype(accumulator_dtype, compensated=compensated)
@@ -453,6 +480,7 @@ def accumulate(
         weight: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, AccumulateState]:
+        _placement.refuse_window_output(updates, "gradaccum_jax.accumulate")
         receipt = extra_args.pop(FUSE_KEY, None)
         vouched = None
         if receipt is not None:
@@ -479,11 +507,11 @@ def accumulate(
         w = None if weight is None else _check_weight(weight).astype(dtype)
         valid = jnp.array(True)
         if w is not None:
-            ok = jnp.isfinite(w) & (w >= 0)
+            # An unusable weight drops its micro-gradient whatever skip_nonfinite says:
+            # held, a negative weight would cancel the next micro-gradient's.
+            valid = jnp.isfinite(w) & (w >= 0)
             if check_values:
-                checkify.check(ok, "weight must be finite and >= 0; got weight={}", w)
-            if skip_nonfinite:
-                valid = ok
+                checkify.check(valid, "weight must be finite and >= 0; got weight={}", w)
         if probe is not None and skip_nonfinite:
             accepted = valid & probe.finite(grads)
         elif vouched is not None and skip_nonfinite and not route.per_device:
@@ -611,7 +639,9 @@ def accumulate(
             skip_state=skip_state,
             noise_scale=new_noise,
         )
-        if receipt is not None:
+        if receipt is None:
+            _placement.mark_window_output(new_updates)
+        else:
             receipt.returned(new_updates)
         return new_updates, new_state
 
@@ -643,6 +673,7 @@ def _check_noise_scale_args(
 
 
 def _find_accumulate_state(opt_state: Any) -> AccumulateState:
+    _placement.check_state(opt_state)
     return _validation.find_unique_state(opt_state, AccumulateState, "gradaccum_jax.accumulate")
 
 
