@@ -148,13 +148,18 @@ _window_outputs: dict[int, weakref.ref] = {}
 def mark_window_output(updates: Any) -> None:
     """Remembers the leaves `accumulate` returns, weakly (no buffer is kept alive)."""
     for leaf in jax.tree.leaves(updates):
-        key = id(leaf)
         try:
-            _window_outputs[key] = weakref.ref(
-                leaf, lambda _, key=key: _window_outputs.pop(key, None)
-            )
-        except TypeError:
+            _window_outputs[id(leaf)] = weakref.ref(leaf, _forget(id(leaf)))
+        except TypeError:  # not weakly referenceable: not marked
             continue
+
+
+def _forget(key: int) -> Any:
+    def callback(ref: weakref.ref) -> None:
+        if _window_outputs.get(key) is ref:
+            del _window_outputs[key]
+
+    return callback
 
 
 def _is_window_output(updates: Any) -> bool:

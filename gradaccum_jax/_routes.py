@@ -58,9 +58,13 @@ class LocalRoute:
     def held(self, state: Any) -> Any:
         return (state.acc_grads, state.acc_compensation)
 
-    def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any) -> Any:
-        """The window's sums including this micro-step's term: one fused in-place pass."""
-        return _window.write(held[0], held[1], grads, accepted, scale, None)
+    def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any, keep: Any = None) -> Any:
+        """The window's sums including this micro-step's term: one fused in-place pass.
+
+        `keep` (`None` for 1) rescales the held sums in the same pass (see
+        `_window.window_total`).
+        """
+        return _window.write(held[0], held[1], grads, accepted, scale, None, keep)
 
     def read(self, held: Any) -> Any:
         return _window.window_sum(held[0], held[1])
@@ -77,9 +81,14 @@ class LocalRoute:
         accepted: jax.Array,
         term: jax.Array,
         reset: jax.Array | None,
+        keep: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """The window's weight including this term (zero where `reset`), and the drop count."""
-        weight = weight + jnp.where(accepted, term, 0.0)
+        """The window's weight including this term (zero where `reset`), and the drop count.
+
+        `keep` (`None` for 1) rescales the held weight with the held sums.
+        """
+        held = weight if keep is None else weight * keep.astype(weight.dtype)
+        weight = held + jnp.where(accepted, term, 0.0)
         if reset is not None:
             weight = jnp.where(reset, 0.0, weight).astype(weight.dtype)
         return weight, _window.increment_if(skipped, ~accepted)
@@ -146,7 +155,9 @@ class UnreducedRoute:
     def held(self, state: Any) -> Any:
         return (state.acc_grads, None)
 
-    def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any) -> Any:
+    def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any, keep: Any = None) -> Any:
+        # keep is always None here: the unit is the first micro-step's weight on every device.
+        del keep
         return _global_view.local_add(held[0], grads, accepted, scale, None, self.axes), None
 
     def read(self, held: Any) -> Any:
@@ -163,7 +174,9 @@ class UnreducedRoute:
         accepted: jax.Array,
         term: jax.Array,
         reset: jax.Array | None,
+        keep: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
+        del keep
         return _global_view.local_count(weight, skipped, accepted, term, reset, self.axes)
 
     def inner_params(self, params: Any) -> Any:

@@ -91,3 +91,15 @@ class AccumulateState(NamedTuple):
     acc_compensation: optax.Updates | None = None
     skip_state: Any = ()
     noise_scale: _noise_scale.NoiseScaleState | None = None
+
+
+class UncountedAccumulateState(AccumulateState):
+    """The `AccumulateState` of `accumulate(..., count_skipped_steps=False)`.
+
+    The same fields; the type records that a dropped micro-step does not count
+    toward the window, so that the window closes only on an accepted one and
+    whether the next call closes it is not known before the call
+    (`closes_window` refuses the question and names what to read instead).
+    """
+
+    __slots__ = ()
