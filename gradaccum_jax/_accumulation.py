@@ -534,16 +534,25 @@ def accumulate(
         keep = None
         if w is None:
             scale, unit, term_weight = None, state.weight_unit, jnp.ones([], dtype)
-        elif not bare and route.name != "unreduced" and _holds_float16(state.acc_grads):
-            # float16 sums are held as the window's running weighted mean, in units of
-            # the weight so far: a later, larger weight (4096 tokens after 1) then
-            # shrinks the held sum instead of overflowing float16's 65504. The held
-            # sum is rescaled in the add's own pass.
-            so_far = state.acc_weight * state.weight_unit
-            grows = accepted & (w > 0)
-            unit = jnp.where(grows, so_far + w, state.weight_unit)
-            keep = jnp.where(grows, so_far / unit, 1.0).astype(dtype)
-            scale = term_weight = w / unit
+        elif not bare and _holds_float16(state.acc_grads):
+            # float16 sums are held in units of the window's weight so far: a later,
+            # larger weight (4096 tokens after 1) then shrinks the held sum instead of
+            # overflowing float16's 65504. The held sum is rescaled in the add's pass.
+            if route.per_device:
+                # One unit on every device: the usable weight so far (the same
+                # everywhere), of which each device's accepted weights are a part.
+                so_far = jnp.where(state.micro_step == 0, 0.0, state.weight_unit)
+                unit = so_far + jnp.where(valid, w, 0.0)
+                safe = jnp.where(unit > 0, unit, 1.0)
+                keep = jnp.where(unit > 0, so_far / safe, 1.0).astype(dtype)
+                scale = term_weight = jnp.where(unit > 0, w / safe, 0.0)
+            else:
+                # The running weighted mean of this device's window.
+                so_far = state.acc_weight * state.weight_unit
+                grows = accepted & (w > 0)
+                unit = jnp.where(grows, so_far + w, state.weight_unit)
+                keep = jnp.where(grows, so_far / unit, 1.0).astype(dtype)
+                scale = term_weight = w / unit
         else:
             # Sums are held in units of the window's first usable weight (see weight_unit).
             first = route.starts_unit(accepted, valid, state) & (w > 0)

@@ -156,9 +156,7 @@ class UnreducedRoute:
         return (state.acc_grads, None)
 
     def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any, keep: Any = None) -> Any:
-        # keep is always None here: the unit is the first micro-step's weight on every device.
-        del keep
-        return _global_view.local_add(held[0], grads, accepted, scale, None, self.axes), None
+        return _global_view.local_add(held[0], grads, accepted, scale, None, self.axes, keep), None
 
     def read(self, held: Any) -> Any:
         return held[0]
@@ -176,8 +174,7 @@ class UnreducedRoute:
         reset: jax.Array | None,
         keep: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        del keep
-        return _global_view.local_count(weight, skipped, accepted, term, reset, self.axes)
+        return _global_view.local_count(weight, skipped, accepted, term, reset, self.axes, keep)
 
     def inner_params(self, params: Any) -> Any:
         if params is None:

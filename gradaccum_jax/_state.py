@@ -50,9 +50,12 @@ class AccumulateState(NamedTuple):
         is passed): the window's mean is `acc_grads / acc_weight`. Local to
         the replica when `axis_name` is set.
       weight_unit: Scalar of `acc_weight`'s dtype. The first positive accepted `weight` of the
-        current window (`1` without `weight=`). Holding the sum in this unit
-        keeps it at the gradients' magnitude, so large weights (token counts)
-        cannot overflow a float16 accumulator. Local to the replica when
+        current window (`1` without `weight=`); for a float16 accumulator the
+        window's accepted weight so far (in a global-view window, its usable
+        weight so far, the same on every device), so that `acc_grads` is the
+        running weighted mean. Holding the sum in this unit keeps it at the
+        gradients' magnitude, so large weights (token counts) cannot overflow
+        a float16 accumulator, in any order. Local to the replica when
         `axis_name` is set.
       num_skipped: `int32[]`. Micro-gradients dropped so far because a leaf
         or the weight was not finite (or the weight was negative). Saturates
@@ -91,6 +94,8 @@ class AccumulateState(NamedTuple):
     acc_compensation: optax.Updates | None = None
     skip_state: Any = ()
     noise_scale: _noise_scale.NoiseScaleState | None = None
+    # An accumulate built with count_skipped_steps=False returns its subclass,
+    # UncountedAccumulateState (same fields), so that closes_window can tell.
 
 
 class UncountedAccumulateState(AccumulateState):

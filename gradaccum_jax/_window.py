@@ -357,8 +357,9 @@ def replica_gate(axis_names: tuple[Any, ...], typed: bool) -> Gate:
     """The gate of a window held per replica and reduced across `axis_names` at its close.
 
     The only collective of the whole step is one `psum` of the window sums
-    and weights, on the close only. The product `total * unit` is formed in
-    float32 for float16 sums, whose range would overflow with large weights.
+    and weights, on the close only. The product `total * unit` is formed, and
+    the reduced sum kept, in float32 for float16 sums, whose range would
+    overflow with large weights or many replicas.
     """
 
     def reduce(window: Window) -> Window:
@@ -371,7 +372,13 @@ def replica_gate(axis_names: tuple[Any, ...], typed: bool) -> Gate:
             axis_names,
             typed,
         )
-        total = jax.tree.map(lambda t, old: t.astype(old.dtype), total, window.total)
+        # float16 sums stay in float32: the replicas' sum in absolute units may
+        # exceed 65504 (the window's mean is formed in float32 in any case).
+        total = jax.tree.map(
+            lambda t, old: t if old.dtype == jnp.float16 else t.astype(old.dtype),
+            total,
+            window.total,
+        )
         # Fresh ones, not ones_like: they must not vary between replicas.
         return Window(total=total, weight=weight, unit=jnp.ones([], jnp.float32), stats=stats)
 

@@ -734,9 +734,17 @@ def test_bad_weight(weight, error, pattern):
 def test_optimizer_step_errors():
     with pytest.raises(ValueError, match=r"exactly one AccumulateState.*found 0"):
         ga.optimizer_step(optax.adam(0.1).init({"w": jnp.zeros(2)}))
-    two = optax.chain(ga.accumulate(optax.sgd(0.1), 2), ga.accumulate(optax.sgd(0.1), 2))
+    # Two windows side by side (each part of the params its own) have no one step count.
+    two = optax.multi_transform(
+        {"a": ga.accumulate(optax.sgd(0.1), 2), "b": ga.accumulate(optax.sgd(0.1), 2)},
+        {"u": "a", "v": "b"},
+    )
     with pytest.raises(ValueError, match=r"exactly one AccumulateState.*found 2"):
-        ga.optimizer_step(two.init({"w": jnp.zeros(2)}))
+        ga.optimizer_step(two.init({"u": jnp.zeros(2), "v": jnp.zeros(2)}))
+    # Two in a row are refused as such (tests/test_placement.py).
+    in_a_row = optax.chain(ga.accumulate(optax.sgd(0.1), 2), ga.accumulate(optax.sgd(0.1), 2))
+    with pytest.raises(ValueError, match=r"Two windows in a row"):
+        ga.optimizer_step(in_a_row.init({"w": jnp.zeros(2)}))
 
 
 # ---------------------------------------------------------------------------
