@@ -23,7 +23,10 @@ class AccumulateState(NamedTuple):
 
     Every field keeps its shape and dtype from `init` on, so the state can be
     carried through `jax.lax.scan`, donated, sharded and checkpointed
-    mid-window like any other pytree.
+    mid-window like any other pytree. An `accumulate` built with
+    `count_skipped_steps=False` returns a subclass with the same fields,
+    `UncountedAccumulateState`, whose type records that option (see
+    `closes_window`).
 
     Attributes:
       micro_step: `int32[]`. Micro-steps already taken in the current window,
@@ -94,8 +97,6 @@ class AccumulateState(NamedTuple):
     acc_compensation: optax.Updates | None = None
     skip_state: Any = ()
     noise_scale: _noise_scale.NoiseScaleState | None = None
-    # An accumulate built with count_skipped_steps=False returns its subclass,
-    # UncountedAccumulateState (same fields), so that closes_window can tell.
 
 
 class UncountedAccumulateState(AccumulateState):
