@@ -14,12 +14,13 @@ from gradaccum_jax import (
     _global_view,
     _mixed_precision,
     _noise_scale,
+    _placement,
     _routes,
     _validation,
     _window,
 )
 from gradaccum_jax._fused import FUSE_KEY
-from gradaccum_jax._state import AccumulateState, AxisName
+from gradaccum_jax._state import AccumulateState, AxisName, UncountedAccumulateState
 
 ShouldSkipUpdateFn = Callable[[optax.Updates, jax.Array, optax.Params], tuple[jax.Array, Any]]
 
@@ -112,6 +113,31 @@ def _refuse(route: str, options: _Options, where: str) -> None:
     for name, option, is_set, why in _REFUSED:
         if name == route and is_set(options):
             raise ValueError(f"{option} is not supported with {where}: {why}")
+
+
+def _refuse_injected(**static: Any) -> None:
+    """Raises one `TypeError` naming every static argument if any of them came as an array.
+
+    `optax.inject_hyperparams(accumulate)` passes every numeric argument (and a
+    schedule's value) as a JAX array; these arguments shape the compiled step.
+    """
+    injected = [name for name, value in static.items() if isinstance(value, jax.Array)]
+    if injected:
+        shown = ", ".join(f"{name}={static[name]!r}" for name in injected)
+        raise TypeError(
+            f"accumulate got {shown}: a JAX array where a Python value fixed when accumulate "
+            "is built is needed (the window length and the noise scale's settings shape the "
+            "compiled step; a schedule of K must be called by accumulate, once per window). "
+            "optax.inject_hyperparams passes every numeric argument, and the value of every "
+            "callable, as an array: keep all of accumulate's static arguments static, "
+            f"optax.inject_hyperparams(ga.accumulate, static_args={tuple(static)!r})"
+            "(inner, every_k_schedule=4), or inject the inner optimizer's hyperparameters "
+            "instead: ga.accumulate(optax.inject_hyperparams(optax.adam)(learning_rate=...), 4)."
+        )
+
+
+def _holds_float16(acc: Any) -> bool:
+    return any(leaf.dtype == jnp.float16 for leaf in jax.tree.leaves(acc))
 
 
 def _check_weight(weight: Any) -> jax.Array:
@@ -333,6 +359,11 @@ def accumulate(
       https://arxiv.org/abs/1706.02677
     """
     _validation.check_gradient_transformation("inner", inner)
+    _refuse_injected(
+        every_k_schedule=every_k_schedule,
+        noise_scale_decay=noise_scale_decay,
+        micro_batch_size=micro_batch_size,
+    )
     if not callable(every_k_schedule):
         _validation.check_int("every_k_schedule", every_k_schedule, schedule=True)
     _validation.check_accumulator_dtype(accumulator_dtype, compensated=compensated)
@@ -364,6 +395,8 @@ def accumulate(
         and shard_inner_state is None
         and not track_noise_scale
     )
+    # The state's type says whether dropped micro-steps count (see closes_window).
+    state_type = AccumulateState if count_skipped_steps else UncountedAccumulateState
 
     def length(step: jax.Array) -> tuple[jax.Array, jax.Array]:
         k, short = _window.window_length(every_k_schedule, step)
@@ -429,7 +462,7 @@ def accumulate(
         if should_skip_update_fn is not None:
             zeros = jax.tree.map(jnp.zeros_like, params)
             _, skip_state = skip_decision(zeros, _window.counter(), params)
-        return AccumulateState(
+        return state_type(
             micro_step=_window.counter(),
             gradient_step=_window.counter(),
             window_length=length(_window.counter())[0],
@@ -453,6 +486,7 @@ def accumulate(
         weight: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, AccumulateState]:
+        _placement.refuse_window_output(updates, "gradaccum_jax.accumulate")
         receipt = extra_args.pop(FUSE_KEY, None)
         vouched = None
         if receipt is not None:
@@ -479,11 +513,11 @@ def accumulate(
         w = None if weight is None else _check_weight(weight).astype(dtype)
         valid = jnp.array(True)
         if w is not None:
-            ok = jnp.isfinite(w) & (w >= 0)
+            # An unusable weight drops its micro-gradient whatever skip_nonfinite says:
+            # held, a negative weight would cancel the next micro-gradient's.
+            valid = jnp.isfinite(w) & (w >= 0)
             if check_values:
-                checkify.check(ok, "weight must be finite and >= 0; got weight={}", w)
-            if skip_nonfinite:
-                valid = ok
+                checkify.check(valid, "weight must be finite and >= 0; got weight={}", w)
         if probe is not None and skip_nonfinite:
             accepted = valid & probe.finite(grads)
         elif vouched is not None and skip_nonfinite and not route.per_device:
@@ -497,8 +531,28 @@ def accumulate(
             should_skip, skip_state = skip_decision(grads, state.gradient_step, params)
             skip_state = _window.keep_state_types(skip_state, state.skip_state, "skip")
             accepted = accepted & ~should_skip
+        keep = None
         if w is None:
             scale, unit, term_weight = None, state.weight_unit, jnp.ones([], dtype)
+        elif not bare and _holds_float16(state.acc_grads):
+            # float16 sums are held in units of the window's weight so far: a later,
+            # larger weight (4096 tokens after 1) then shrinks the held sum instead of
+            # overflowing float16's 65504. The held sum is rescaled in the add's pass.
+            if route.per_device:
+                # One unit on every device: the usable weight so far (the same
+                # everywhere), of which each device's accepted weights are a part.
+                so_far = jnp.where(state.micro_step == 0, 0.0, state.weight_unit)
+                unit = so_far + jnp.where(valid, w, 0.0)
+                safe = jnp.where(unit > 0, unit, 1.0)
+                keep = jnp.where(unit > 0, so_far / safe, 1.0).astype(dtype)
+                scale = term_weight = jnp.where(unit > 0, w / safe, 0.0)
+            else:
+                # The running weighted mean of this device's window.
+                so_far = state.acc_weight * state.weight_unit
+                grows = accepted & (w > 0)
+                unit = jnp.where(grows, so_far + w, state.weight_unit)
+                keep = jnp.where(grows, so_far / unit, 1.0).astype(dtype)
+                scale = term_weight = w / unit
         else:
             # Sums are held in units of the window's first usable weight (see weight_unit).
             first = route.starts_unit(accepted, valid, state) & (w > 0)
@@ -509,7 +563,7 @@ def accumulate(
         # time and no conditional is built.
         held_weight = jnp.zeros([], dtype) if bare else state.acc_weight
         window_weight, num_skipped = route.count(
-            held_weight, state.num_skipped, accepted, term_weight, None
+            held_weight, state.num_skipped, accepted, term_weight, None, keep
         )
         counted = jnp.array(True) if count_skipped_steps else accepted
         micro_step = (jnp.int32(0) if bare else state.micro_step) + counted.astype(jnp.int32)
@@ -524,7 +578,7 @@ def accumulate(
             held, total, empty = grads, window_of, None
         else:
             # Add: the window's sums including this micro-step, before the gate reads them.
-            held = route.add(route.held(state), grads, accepted, scale)
+            held = route.add(route.held(state), grads, accepted, scale, keep)
             total = route.read
 
             def empty(held, reset):
@@ -532,7 +586,10 @@ def accumulate(
 
         stats, inner_operand = None, state.inner_state
         if probe is not None:
-            stats = probe.stats(state.noise_scale, accepted, term_weight, unit)  # type: ignore[arg-type]
+            noise = state.noise_scale
+            if keep is not None:
+                noise = noise._replace(acc_sq_norm=noise.acc_sq_norm * keep)  # type: ignore[union-attr]
+            stats = probe.stats(noise, accepted, term_weight, unit)  # type: ignore[arg-type]
             inner_operand = (state.inner_state, state.noise_scale)
 
         # Apply (reduce once, run the inner optimizer once) or skip.
@@ -551,7 +608,12 @@ def accumulate(
 
                 reduced = jax.tree.map(mean, window.total)
             else:
-                reduced = jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
+                # float16 sums times their unit in float32: the sum may exceed 65504.
+                def in_units(t):
+                    wide = jnp.float32 if t.dtype == jnp.float16 else t.dtype
+                    return t.astype(wide) * window.unit.astype(wide)
+
+                reduced = jax.tree.map(in_units, window.total)
             inner_state = inner_operand if probe is None else inner_operand[0]
             new_updates, new_inner = _window.inner_update(
                 inner, reduced, inner_state, grads, route.inner_params(params), extra_args
@@ -586,7 +648,7 @@ def accumulate(
 
         new_acc, new_comp = (None, None) if bare else new_held
         acc_weight, _ = route.count(
-            state.acc_weight, state.num_skipped, accepted, term_weight, reset
+            state.acc_weight, state.num_skipped, accepted, term_weight, reset, keep
         )
         gradient_step = _window.increment_if(state.gradient_step, applied)
         next_length, short = length(gradient_step)
@@ -596,7 +658,7 @@ def accumulate(
                 state.window_length,
                 _noise_scale.estimate(new_noise),  # type: ignore[arg-type]
             )
-        new_state = AccumulateState(
+        new_state = state_type(
             micro_step=jnp.where(reset, 0, micro_step).astype(jnp.int32),
             gradient_step=gradient_step,
             window_length=jnp.where(reset, next_length, state.window_length).astype(jnp.int32),
@@ -611,7 +673,9 @@ def accumulate(
             skip_state=skip_state,
             noise_scale=new_noise,
         )
-        if receipt is not None:
+        if receipt is None:
+            _placement.mark_window_output(new_updates)
+        else:
             receipt.returned(new_updates)
         return new_updates, new_state
 
@@ -643,6 +707,7 @@ def _check_noise_scale_args(
 
 
 def _find_accumulate_state(opt_state: Any) -> AccumulateState:
+    _placement.check_state(opt_state)
     return _validation.find_unique_state(opt_state, AccumulateState, "gradaccum_jax.accumulate")
 
 
@@ -685,6 +750,15 @@ def closes_window(opt_state: optax.OptState, *removed: Any) -> jax.Array:
     window's length is read from the state (`AccumulateState.window_length`),
     so a schedule is followed without repeating it here.
 
+    The answer is exact when dropped micro-steps count toward the window
+    (`count_skipped_steps=True`, the default): the window closes on schedule
+    whatever the next micro-gradient is. With `count_skipped_steps=False` it
+    closes only if the next micro-gradient is accepted, which the call
+    decides, so the question has no answer before it and this raises: read
+    `has_updated(opt_state)` after the `update` instead (it is `True` exactly
+    after the calls that closed a window, except one whose accepted weights
+    were all zero, which applies nothing).
+
     Args:
       opt_state: An optimizer state that contains exactly one
         `AccumulateState`.
@@ -695,7 +769,8 @@ def closes_window(opt_state: optax.OptState, *removed: Any) -> jax.Array:
       A boolean scalar.
 
     Raises:
-      ValueError: If `opt_state` contains no or several `AccumulateState`.
+      ValueError: If `opt_state` contains no or several `AccumulateState`, or
+        it belongs to an `accumulate` built with `count_skipped_steps=False`.
       TypeError: If a window length is passed as well.
 
     Examples:
@@ -717,6 +792,17 @@ def closes_window(opt_state: optax.OptState, *removed: Any) -> jax.Array:
             "closes_window(opt_state)."
         )
     state = _find_accumulate_state(opt_state)
+    if isinstance(state, UncountedAccumulateState):
+        raise ValueError(
+            "closes_window cannot answer for an accumulate built with "
+            "count_skipped_steps=False: there the next update closes the window only if its "
+            "micro-gradient is accepted (finite, with a usable weight, not rejected by "
+            "should_skip_update_fn), which that call decides. Read has_updated(opt_state) "
+            "after the update instead, e.g. batch_stats = commit_batch_stats(batch_stats, "
+            "ga.has_updated(opt_state)); it is True exactly after the calls that closed a "
+            "window and applied its update. (state.micro_step + 1 >= state.window_length "
+            "is whether an accepted micro-gradient would close it.)"
+        )
     return state.micro_step + 1 >= state.window_length
 
 

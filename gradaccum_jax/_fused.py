@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import optax
 
+from gradaccum_jax import _placement
 from gradaccum_jax._state import AccumulateState
 
 # The private extra argument that asks `accumulate` for new params instead of updates.
@@ -145,6 +146,7 @@ def apply_gradients(
       >>> params["w"]  # 1 - 0.1 * mean([1, 3])
       Array([0.8, 1.8], dtype=float32)
     """
+    _placement.check_state(opt_state)
     if _ends_in_accumulate(opt_state):
         receipt = Receipt()
         try:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _validation, _window
+from gradaccum_jax import _placement, _validation, _window
 from gradaccum_jax._state import AccumulateState, AxisName
 
 _F32 = np.finfo(np.float32)
@@ -62,6 +62,7 @@ def refuse_inside_accumulate(inner_state: Any) -> None:
 
 
 def _find_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
+    _placement.check_state(opt_state)
     for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AccumulateState)):
         if isinstance(node, AccumulateState):
             refuse_inside_accumulate(node.inner_state)
@@ -111,6 +112,7 @@ def _loss_scaling(
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScaleState]:
         del params, extra_args
+        _placement.refuse_window_output(updates, "the loss scale")
         _validation.check_float_tree("updates", updates)
         _validation.refuse_unreduced("updates", updates, "the loss scale")
         # Unscaled into float32 at least: back in float16, the small gradients

@@ -147,6 +147,28 @@ def test_nonfinite_on_one_replica_does_not_poison_the_others(mode):
     assert int(np.asarray(state.gradient_step).reshape(-1)[0]) == 2
 
 
+def test_float16_replica_windows_with_unequal_weights_do_not_overflow():
+    # Each replica holds its float16 window in units of its weight so far (issue 29): 1 then
+    # 4096 on a gradient of 20 keeps 20, where units of the first weight overflowed.
+    n = jax.device_count()
+    tx = ga.accumulate(optax.sgd(1.0), 2, axis_name="data", accumulator_dtype=jnp.float16)
+    params = {"w": jnp.zeros((n, 2))}
+    state = jax.pmap(tx.init, axis_name="data")(params)
+    step = jax.pmap(
+        lambda g, s, p, w: tx.update(g, s, p, weight=w), axis_name="data", in_axes=(0, 0, 0, 0)
+    )
+    grads = {"w": jnp.stack([jnp.full(2, 20.0 + r) for r in range(n)])}
+    firsts = jnp.asarray([1.0, 4096.0] * (n // 2), jnp.float32)
+    seconds = jnp.asarray([4096.0, 1.0] * (n // 2), jnp.float32)
+    _, state = step(grads, state, params, firsts)
+    assert np.isfinite(np.asarray(state.acc_grads["w"], np.float32)).all()
+    updates, state = step(grads, state, params, seconds)
+    assert np.isfinite(np.asarray(state.acc_grads["w"], np.float32)).all()
+    totals = np.asarray(firsts) + np.asarray(seconds)
+    want = -(totals * (20.0 + np.arange(n))).sum() / totals.sum()
+    np.testing.assert_allclose(np.asarray(updates["w"]), np.full((n, 2), want), rtol=1e-3)
+
+
 @pytest.mark.slow
 def test_weighted_mean_sums_weights_across_replicas():
     """Token-count weights: the mean is over every replica's tokens, not a mean of means."""
