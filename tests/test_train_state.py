@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from flax.training import train_state
 
@@ -77,3 +78,79 @@ def test_nnx_optimizer_equals_flax_optimizer():
     ):
         np.testing.assert_array_equal(a, b)
     assert int(ours_opt.step[...]) == 7
+
+
+def _nnx_optimizer_after_three_micro_steps():
+    """An NNX `Optimizer` over a loss scale and a noise-tracking accumulate, stepped thrice
+    through `scale_loss(loss, current_loss_scale(optimizer.opt_state))`, as the docs show."""
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    tx = optax.chain(
+        ga.dynamic_loss_scale(initial_scale=2.0**10),
+        ga.accumulate(optax.sgd(0.1), 2, track_noise_scale=True),
+    )
+    optimizer = Optimizer(model, tx, wrt=nnx.Param)
+
+    def loss(model, x, y):
+        return jnp.mean((model(x) - y) ** 2)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        scaled = ga.scale_loss(loss, ga.current_loss_scale(optimizer.opt_state))
+        optimizer.update(model, nnx.grad(scaled)(model, x, y))
+
+    for i in range(3):
+        x, y = data(i + 2)  # finite batches
+        step(model, optimizer, x, y)
+    return model, optimizer, loss
+
+
+NNX_STATE_READERS = {
+    "optimizer_step": ga.optimizer_step,
+    "has_updated": ga.has_updated,
+    "closes_window": ga.closes_window,
+    "current_loss_scale": ga.current_loss_scale,
+    "gradient_noise_scale": ga.gradient_noise_scale,
+}
+
+
+@pytest.mark.parametrize("name", sorted(NNX_STATE_READERS))
+def test_state_readers_take_an_nnx_optimizer_state(name):
+    # nnx.Optimizer.opt_state wraps every array in an OptArray: each reader gives the
+    # plain jax.Array it gives for the optax state, eagerly and under jit.
+    _, optimizer, _ = _nnx_optimizer_after_three_micro_steps()
+    read = NNX_STATE_READERS[name]
+    expected = read(nnx.as_pure(optimizer.opt_state))
+    for got in (read(optimizer.opt_state), jax.jit(read)(optimizer.opt_state)):
+        assert jax.tree.structure(got) == jax.tree.structure(expected)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            assert type(a) is type(b) and isinstance(a, jax.Array), (name, type(a))
+            np.testing.assert_allclose(a, b, rtol=1e-6)  # jit may fuse the noise ratio
+    assert int(ga.optimizer_step(optimizer.opt_state)) == 1
+
+
+def test_scale_loss_takes_the_nnx_loss_scale():
+    model, optimizer, loss = _nnx_optimizer_after_three_micro_steps()
+    x, y = data(9)
+    plain_scale = ga.current_loss_scale(nnx.as_pure(optimizer.opt_state))
+    expected = nnx.grad(ga.scale_loss(loss, plain_scale))(model, x, y)
+    # The scale as the state holds it (an OptArray) and as current_loss_scale reads it.
+    for scale in (optimizer.opt_state[0].loss_scale, ga.current_loss_scale(optimizer.opt_state)):
+        got = nnx.grad(ga.scale_loss(loss, scale))(model, x, y)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_scaled_value_and_grad_takes_an_nnx_optimizer_state():
+    model, optimizer, loss = _nnx_optimizer_after_three_micro_steps()
+    x, y = data(9)
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+
+    def params_loss(params, x, y):
+        return loss(nnx.merge(nnx.graphdef(model), params), x, y)
+
+    grad_fn = ga.scaled_value_and_grad(params_loss)
+    value, grads = grad_fn(optimizer.opt_state, params, x, y)
+    expected_value, expected = grad_fn(nnx.as_pure(optimizer.opt_state), params, x, y)
+    assert float(value) == float(expected_value)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -14,6 +14,7 @@ from typing import Any
 from flax import nnx
 from flax.training import train_state
 
+from gradaccum_jax import _compat
 from gradaccum_jax._fused import apply_gradients
 
 
@@ -101,9 +102,8 @@ class Optimizer(nnx.Optimizer):
           grads: The gradients from `nnx.grad`.
           **kwargs: Extra arguments for `tx.update` (`weight=`, `value=`, ...).
         """
-        # Newer flax names nnx.pure nnx.as_pure and takes a graph option; flax 0.12.1
-        # (the oldest supported) has neither.
-        pure = getattr(nnx, "as_pure", None) or nnx.pure
+        # Newer flax takes a graph option; flax 0.12.1 (the oldest supported) has none.
+        pure = _compat.plain_values
         graph = {"graph": self.graph} if hasattr(self, "graph") else {}
         params = pure(nnx.state(model, self.wrt, **graph))
         grads = pure(nnx.state(grads, self.wrt, **graph))
