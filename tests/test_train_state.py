@@ -154,3 +154,58 @@ def test_scaled_value_and_grad_takes_an_nnx_optimizer_state():
     assert float(value) == float(expected_value)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+class _StateWithStats(TrainState):
+    batch_stats: dict
+
+
+def test_train_state_apply_gradients_passes_extra_arguments_to_update():
+    # weight= names no field: it reaches tx.update. batch_stats= names a field: replaced.
+    params = {"w": jnp.ones((3, 2)) / 3, "b": jnp.zeros(2)}
+    weights = [3.0, 5.0, 1.0, 2.0, 7.0, 4.0]
+
+    def loss(p, x, y):
+        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+    @jax.jit
+    def step(state, x, y, w):
+        return state.apply_gradients(
+            grads=jax.grad(loss)(state.params, x, y), weight=w, batch_stats={"n": w}
+        )
+
+    state = _StateWithStats.create(apply_fn=None, params=params, tx=tx(), batch_stats={"n": 0.0})
+    reference, ref_state = params, tx().init(params)
+    for i, w in enumerate(weights):
+        x, y = data(i + 2)
+        state = step(state, x, y, jnp.float32(w))
+        updates, ref_state = tx().update(
+            jax.grad(loss)(reference, x, y), ref_state, reference, weight=jnp.float32(w)
+        )
+        reference = optax.apply_updates(reference, updates)
+        assert float(state.batch_stats["n"]) == w
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-7)
+    assert int(state.step) == 6 and int(state.optimizer_step) == 2
+    # The weights matter: the unweighted windows end elsewhere.
+    unweighted = TrainState.create(apply_fn=None, params=params, tx=tx())
+    for i in range(6):
+        unweighted = unweighted.apply_gradients(
+            grads=jax.grad(loss)(unweighted.params, *data(i + 2))
+        )
+    assert not np.allclose(unweighted.params["w"], state.params["w"])
+
+
+@pytest.mark.parametrize("typo", ["param", "batch_stat", "opt_states"])
+def test_train_state_apply_gradients_refuses_a_misspelt_field(typo):
+    state = _StateWithStats.create(
+        apply_fn=None, params={"w": jnp.ones(2)}, tx=tx(), batch_stats={"n": 0.0}
+    )
+    with pytest.raises(TypeError, match=rf"got {typo}=.*Did you mean"):
+        state.apply_gradients(grads={"w": jnp.ones(2)}, **{typo: 1.0})
+
+
+def test_nnx_optimizer_optimizer_step_counts_windows():
+    _, optimizer, _ = _nnx_optimizer_after_three_micro_steps()
+    assert int(optimizer.step[...]) == 3
+    assert isinstance(optimizer.optimizer_step, jax.Array) and int(optimizer.optimizer_step) == 1
