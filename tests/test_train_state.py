@@ -209,3 +209,14 @@ def test_nnx_optimizer_optimizer_step_counts_windows():
     _, optimizer, _ = _nnx_optimizer_after_three_micro_steps()
     assert int(optimizer.step[...]) == 3
     assert isinstance(optimizer.optimizer_step, jax.Array) and int(optimizer.optimizer_step) == 1
+
+
+def test_state_readers_take_flax_own_nnx_optimizer_state():
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, ga.accumulate(optax.sgd(0.1), 2), wrt=nnx.Param)
+    for i in range(2):
+        optimizer.update(model, nnx.grad(lambda m, x: m(x).sum())(model, data(i + 2)[0]))
+    for read, expected in ((ga.optimizer_step, 1), (ga.has_updated, True)):
+        value = read(optimizer.opt_state)
+        assert isinstance(value, jax.Array) and value == expected
+    assert not bool(ga.closes_window(optimizer.opt_state))
