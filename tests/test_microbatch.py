@@ -565,6 +565,15 @@ def test_docs_page_code_runs():
     assert [int(c) for c in counts] == [12]
     assert not np.allclose(ns["nnx_model"].norm.mean[...], 0.0)
     assert int(ns["nnx_optimizer"].step) == 3
+    # The module passed straight in: the same steps, the same state as the split pattern.
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(ns["direct_model"])),
+        jax.tree.leaves(nnx.state(ns["nnx_model"])),
+        strict=True,
+    ):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert int(ga.optimizer_step(ns["w_state"])) == 1
 
 
