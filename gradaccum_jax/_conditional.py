@@ -130,6 +130,7 @@ def _judge(
 def _reduce(total: optax.Updates, count: jax.Array, reduction: str) -> optax.Updates:
     if reduction == "sum":
         return total
+
     # accumulate's mean, to the bit: the product with the reciprocal, formed in at least
     # float32 (a quotient is one ulp off it in some elements; tested).
     def mean(t: jax.Array) -> jax.Array:
