@@ -14,6 +14,7 @@ import functools
 import inspect
 import math
 import numbers
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -775,6 +776,13 @@ def microbatch_value_and_grad(
       (`jax.random.PRNGKey`) cannot be told apart from integer data, so one
       passed outside `key_argnums` is refused with a `TypeError`: pass a
       typed key, or list its position in `key_argnums`.
+    * A `flax.nnx` module at a differentiated position is taken as
+      `nnx.value_and_grad` takes it: its `nnx.Param` state is differentiated
+      (the gradient is an `nnx.State` of the params), and its other state
+      (BatchNorm statistics, the RNG streams' counters) is threaded through
+      the micro-batches as a carry and written back into the module, so each
+      micro-batch draws its own dropout mask. `weight_fn` then receives the
+      params' state in the module's place. Not with `carry_argnums`.
 
     Args:
       fun: The function to differentiate, `fun(*args, **kwargs)`, returning a
@@ -886,6 +894,21 @@ def microbatch_value_and_grad(
         accumulator_dtype=accumulator_dtype,
     )
     k = _check_num_microbatches(num_microbatches, memory_budget)
+    plain = _built(fun, k, memory_budget, options)
+
+    def value_and_grad(*args: Any, **kwargs: Any) -> Any:
+        modules = _nnx_module_positions(args, options)
+        if not modules:
+            return plain(*args, **kwargs)
+        return _nnx_value_and_grad(fun, k, memory_budget, options, modules, args, kwargs)
+
+    return value_and_grad
+
+
+def _built(
+    fun: Callable[..., Any], k: int | str, memory_budget: Any, options: _Options
+) -> Callable[..., Any]:
+    """The micro-batched value and gradient of `fun` on plain pytrees."""
     if not isinstance(k, str):
         return _microbatched(fun, k, options)
 
@@ -894,6 +917,78 @@ def microbatch_value_and_grad(
         return _microbatched(fun, plan.num_microbatches, options)(*args, **kwargs)
 
     return planned
+
+
+# --- flax.nnx modules -----------------------------------------------------------
+
+
+def _nnx_module_positions(args: tuple[Any, ...], options: _Options) -> tuple[int, ...]:
+    """The differentiated positions that hold a `flax.nnx.Module`."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return ()
+    return tuple(i for i in options.grad_nums if i < len(args) and isinstance(args[i], nnx.Module))
+
+
+def _nnx_value_and_grad(
+    fun: Callable[..., Any],
+    k: int | str,
+    memory_budget: Any,
+    options: _Options,
+    modules: tuple[int, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """`nnx.value_and_grad` over micro-batches for the `flax.nnx` modules at `modules`.
+
+    As `nnx.value_and_grad` does, each module is split into its `nnx.Param`
+    state, which is differentiated (its gradient is an `nnx.State` of the
+    params), and the rest (BatchNorm statistics, the RNG streams' counters),
+    which here is threaded through the micro-batches as a carry, so that every
+    micro-batch draws its own dropout mask, and written back into the module.
+    """
+    nnx = sys.modules["flax.nnx"]
+    if options.carry_nums:
+        raise TypeError(
+            f"microbatch_value_and_grad got a flax.nnx module at argnums position(s) "
+            f"{modules} together with carry_argnums={_carry_argnums(options)!r}. A module's "
+            "non-parameter state (BatchNorm statistics, RNG counters) is carried through the "
+            "micro-batches already; carry other state inside the module, or split the "
+            "model yourself: graphdef, params, rest = nnx.split(model, nnx.Param, ...), "
+            "differentiate params and carry rest (see the Flax NNX section of the "
+            "micro-batching guide)."
+        )
+    splits = {i: nnx.split(args[i], nnx.Param, ...) for i in modules}
+    rest_at = len(args)  # the modules' other state, appended as one carried argument
+
+    def pure_fun(*pure_args: Any, **kw: Any) -> Any:
+        *call_args, rests = pure_args
+        merged = {}
+        for i, (graphdef, _, _) in splits.items():
+            merged[i] = nnx.merge(graphdef, call_args[i], rests[i], copy=True)
+            call_args[i] = merged[i]
+        out = fun(*call_args, **kw)
+        loss, aux = out if options.has_aux else (out, None)
+        new_rests = {i: nnx.state(model, nnx.Not(nnx.Param)) for i, model in merged.items()}
+        return loss, (new_rests, aux)
+
+    weight_fn = options.weight_fn
+    pure_options = options._replace(
+        has_aux=True,
+        carry_nums=(rest_at,),
+        carry_is_tuple=False,
+        weight_fn=None if weight_fn is None else (lambda *a, **kw: weight_fn(*a[:-1], **kw)),
+    )
+    pure_args = list(args)
+    for i, (_, params, _) in splits.items():
+        pure_args[i] = params
+    rests = {i: rest for i, (_, _, rest) in splits.items()}
+    (value, (new_rests, aux)), grads = _built(pure_fun, k, memory_budget, pure_options)(
+        *pure_args, rests, **kwargs
+    )
+    for i, rest in new_rests.items():
+        nnx.update(args[i], rest)
+    return ((value, aux) if options.has_aux else value), grads
 
 
 # --- planning K ----------------------------------------------------------------

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _placement, _validation, _window
+from gradaccum_jax import _compat, _placement, _validation, _window
 from gradaccum_jax._state import AccumulateState, AxisName
 
 _F32 = np.finfo(np.float32)
@@ -374,7 +374,9 @@ def scale_loss(
     """
     if not callable(fun):
         raise TypeError(f"fun must be a callable loss function; got {fun!r}.")
-    scale = _validation.check_scalar("loss_scale", loss_scale, minimum=0.0, exclusive=True)
+    scale = _validation.check_scalar(
+        "loss_scale", _compat.plain_values(loss_scale), minimum=0.0, exclusive=True
+    )
 
     @functools.wraps(fun)
     def scaled(*args: Any, **kwargs: Any) -> Any:

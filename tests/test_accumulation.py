@@ -643,6 +643,25 @@ def test_temp_memory_no_more_than_adam_alone():
     assert multisteps > param_bytes  # for contrast: MultiSteps keeps a parameter-sized temp
 
 
+def test_k1_without_the_check_compiles_to_the_inner_optimizer_alone():
+    # docs/accumulate.md: with K = 1, skip_nonfinite=False and no weight= the gate's
+    # predicate is a constant, which XLA folds: the compiled program has no conditional.
+    def compiled(tx):
+        def step(state, grads):
+            return tx.update(grads, state, BIG)
+
+        grads = jax.tree.map(jnp.ones_like, BIG)
+        return jax.jit(step).lower(tx.init(BIG), grads).compile()
+
+    k1 = ga.accumulate(optax.adam(1e-3), 1, skip_nonfinite=False)
+    assert harness.Hlo(compiled(k1)).ops("conditional") == []
+    traced = jax.make_jaxpr(k1.update)(BIG, k1.init(BIG), BIG)
+    assert [e.primitive.name for e in traced.eqns].count("cond") == 1  # folded by XLA
+    # The check (or a longer window) keeps a conditional in the compiled program.
+    checked = harness.Hlo(compiled(ga.accumulate(optax.adam(1e-3), 1)))
+    assert checked.ops("conditional")
+
+
 # ---------------------------------------------------------------------------
 # Bad input.
 
