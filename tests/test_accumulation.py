@@ -238,6 +238,22 @@ def test_traced_negative_weight_is_dropped():
     chex.assert_trees_all_close(u, {"w": jnp.full(2, -3.0)})
 
 
+@pytest.mark.parametrize("weight", [-1.0, np.nan, np.inf])
+def test_traced_unusable_weight_is_dropped_without_the_finite_check(weight):
+    # skip_nonfinite=False skips the gradient's check, not the weight's: held, a weight of
+    # -1 would cancel the next micro-batch's weight and lose it (issue 29).
+    params = {"w": jnp.zeros(2)}
+    tx = ga.accumulate(optax.sgd(1.0), 3, skip_nonfinite=False)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    _, state = update({"w": jnp.ones(2)}, state, params, weight=jnp.float32(weight))
+    assert int(state.num_skipped) == 1 and float(state.acc_weight) == 0.0
+    _, state = update({"w": jnp.full(2, 3.0)}, state, params, weight=jnp.float32(1.0))
+    u, state = update({"w": jnp.full(2, 5.0)}, state, params, weight=jnp.float32(3.0))
+    np.testing.assert_array_equal(u["w"], [-4.5, -4.5])
+    assert int(state.num_skipped) == 1 and bool(ga.has_updated(state))
+
+
 # ---------------------------------------------------------------------------
 # State: checkpointing, scan, donation, abstract init, dtypes.
 
@@ -410,6 +426,44 @@ def test_closes_window_follows_a_schedule_from_the_state():
         state = step({"w": jnp.ones(2)}, state)
     assert closes == [True, False, False, True, False, False, True]
     assert state.window_length.dtype == jnp.int32 and int(state.window_length) == 3
+
+
+def test_closes_window_is_exact_when_a_dropped_closing_micro_step_counts():
+    # count_skipped_steps=True (the default): the window closes on schedule, dropped or not.
+    params = {"w": jnp.zeros(2)}
+    tx = ga.accumulate(optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    _, state = update({"w": jnp.ones(2)}, state, params)
+    assert bool(ga.closes_window(state))
+    u, state = update({"w": jnp.array([jnp.nan, 1.0])}, state, params)
+    assert int(state.micro_step) == 0 and bool(ga.has_updated(state))
+    np.testing.assert_array_equal(u["w"], [-1.0, -1.0])
+
+
+def test_closes_window_refuses_uncounted_windows_and_has_updated_tells_the_close():
+    # count_skipped_steps=False: a dropped micro-step where the window would close leaves it
+    # open, so closes_window cannot answer before the call; has_updated after it can.
+    params = {"w": jnp.zeros(2)}
+    tx = ga.accumulate(
+        optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite, count_skipped_steps=False
+    )
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"count_skipped_steps=False.*has_updated\(opt_state\)"):
+        ga.closes_window(state)
+    closed = []
+    for g in (1.0, jnp.nan, 3.0, jnp.nan, 5.0, 7.0):
+        before = int(state.gradient_step)
+        u, state = update({"w": jnp.array([g, 1.0])}, state, params)
+        with pytest.raises(ValueError, match="count_skipped_steps=False"):
+            ga.closes_window(state)
+        assert bool(ga.has_updated(state)) == (int(state.gradient_step) == before + 1)
+        closed.append(bool(ga.has_updated(state)))
+    assert closed == [False, False, True, False, False, True]
+    np.testing.assert_array_equal(u["w"], [-6.0, -1.0])
+    # The state's type records the option; its fields are AccumulateState's.
+    assert isinstance(state, ga.AccumulateState) and state._fields == ga.AccumulateState._fields
 
 
 def test_has_updated_is_false_after_a_window_with_everything_dropped():
@@ -589,6 +643,25 @@ def test_temp_memory_no_more_than_adam_alone():
     assert multisteps > param_bytes  # for contrast: MultiSteps keeps a parameter-sized temp
 
 
+def test_k1_without_the_check_compiles_to_the_inner_optimizer_alone():
+    # docs/accumulate.md: with K = 1, skip_nonfinite=False and no weight= the gate's
+    # predicate is a constant, which XLA folds: the compiled program has no conditional.
+    def compiled(tx):
+        def step(state, grads):
+            return tx.update(grads, state, BIG)
+
+        grads = jax.tree.map(jnp.ones_like, BIG)
+        return jax.jit(step).lower(tx.init(BIG), grads).compile()
+
+    k1 = ga.accumulate(optax.adam(1e-3), 1, skip_nonfinite=False)
+    assert harness.Hlo(compiled(k1)).ops("conditional") == []
+    traced = jax.make_jaxpr(k1.update)(BIG, k1.init(BIG), BIG)
+    assert [e.primitive.name for e in traced.eqns].count("cond") == 1  # folded by XLA
+    # The check (or a longer window) keeps a conditional in the compiled program.
+    checked = harness.Hlo(compiled(ga.accumulate(optax.adam(1e-3), 1)))
+    assert checked.ops("conditional")
+
+
 # ---------------------------------------------------------------------------
 # Bad input.
 
@@ -680,9 +753,17 @@ def test_bad_weight(weight, error, pattern):
 def test_optimizer_step_errors():
     with pytest.raises(ValueError, match=r"exactly one AccumulateState.*found 0"):
         ga.optimizer_step(optax.adam(0.1).init({"w": jnp.zeros(2)}))
-    two = optax.chain(ga.accumulate(optax.sgd(0.1), 2), ga.accumulate(optax.sgd(0.1), 2))
+    # Two windows side by side (each part of the params its own) have no one step count.
+    two = optax.multi_transform(
+        {"a": ga.accumulate(optax.sgd(0.1), 2), "b": ga.accumulate(optax.sgd(0.1), 2)},
+        {"u": "a", "v": "b"},
+    )
     with pytest.raises(ValueError, match=r"exactly one AccumulateState.*found 2"):
-        ga.optimizer_step(two.init({"w": jnp.zeros(2)}))
+        ga.optimizer_step(two.init({"u": jnp.zeros(2), "v": jnp.zeros(2)}))
+    # Two in a row are refused as such (tests/test_placement.py).
+    in_a_row = optax.chain(ga.accumulate(optax.sgd(0.1), 2), ga.accumulate(optax.sgd(0.1), 2))
+    with pytest.raises(ValueError, match=r"Two windows in a row"):
+        ga.optimizer_step(in_a_row.init({"w": jnp.zeros(2)}))
 
 
 # ---------------------------------------------------------------------------
@@ -805,6 +886,48 @@ def test_float16_accumulator_with_large_weights_does_not_overflow(weight, compen
     u, state = jax.jit(tx.update)({"w": jnp.full(2, 20.0)}, state, params, weight=weight)
     np.testing.assert_array_equal(u["w"], [-20.0, -20.0])
     assert int(state.num_skipped) == 0
+
+
+@pytest.mark.parametrize("compensated", [False, True])
+@pytest.mark.parametrize("use_grad_mean", [True, False])
+def test_float16_accumulator_with_unequal_weights_does_not_overflow(compensated, use_grad_mean):
+    # Held in units of the first weight, 4096 * 20 = 81920 overflowed float16 (issue 29).
+    params = {"w": jnp.zeros(2)}
+    tx = ga.accumulate(
+        optax.sgd(1.0),
+        3,
+        accumulator_dtype=jnp.float16,
+        compensated=compensated,
+        use_grad_mean=use_grad_mean,
+    )
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    for w in (1.0, 4096.0):
+        _, state = update({"w": jnp.full(2, 20.0)}, state, params, weight=jnp.float32(w))
+        assert np.isfinite(np.asarray(state.acc_grads["w"], np.float32)).all()
+        assert float(jnp.max(jnp.abs(state.acc_grads["w"]))) <= 20.0
+    u, state = update({"w": jnp.full(2, 20.0)}, state, params, weight=jnp.float32(3.0))
+    want = -20.0 if use_grad_mean else -20.0 * 4100
+    np.testing.assert_allclose(u["w"], [want, want], rtol=1e-3)
+
+
+def test_float16_running_mean_matches_a_float32_window():
+    # Random weights spanning 1 to 1e4 and signed gradients: the float16 window's mean is
+    # the float32 window's within float16 rounding over K additions.
+    params = {"w": jnp.zeros(64)}
+    rng = np.random.default_rng(0)
+    grads = rng.normal(size=(4, 64)).astype(np.float32) * 30
+    weights = [1.0, 9000.0, 0.0, 37.0]
+    results = []
+    for dtype in (jnp.float16, None):
+        tx = ga.accumulate(optax.sgd(1.0), 4, accumulator_dtype=dtype)
+        state = tx.init(params)
+        for g, w in zip(grads, weights, strict=True):
+            u, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, state, params, weight=w)
+        results.append(np.asarray(u["w"]))
+    expected = -(np.asarray(weights)[:, None] * grads).sum(0) / sum(weights)
+    np.testing.assert_allclose(results[1], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(results[0], results[1], rtol=0, atol=4 * 2**-11 * 30 * 4)
 
 
 def test_huge_weights_times_large_gradients_do_not_overflow_float32():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import pathlib
 import re
 
 import flax
@@ -1273,3 +1274,120 @@ def test_fully_masked_feature_keeps_statistics_where_flax_records_nan():
     np.testing.assert_array_equal(ours.mean[...][~mask], 0.0)
     np.testing.assert_array_equal(ours.var[...][~mask], 1.0)
     np.testing.assert_allclose(ours.mean[...][mask], ref.mean[...][mask], rtol=2.5e-7)
+
+
+# --- Issue 29: serving and export ---
+
+
+class _ConvNetForExport(nn.Module):
+    norm: type = AccumBatchNorm
+
+    @nn.compact
+    def __call__(self, x, train):
+        x = nn.Dense(6)(x)
+        x = self.norm(momentum=MOMENTUM, use_running_average=not train)(x)
+        x = nn.relu(x)
+        return self.norm(momentum=MOMENTUM, use_running_average=not train, axis=(-2, -1))(x)
+
+
+def _trained_model_for_export():
+    model = _ConvNetForExport()
+    xs, _ = _data(0, (4, 2, 3))
+    variables = model.init(jax.random.key(0), xs[0], True)
+    params, stats = variables["params"], variables["batch_stats"]
+    for x in xs:
+        _, new = model.apply(
+            {"params": params, "batch_stats": stats}, x, True, mutable=["batch_stats"]
+        )
+        stats = new["batch_stats"]
+    return model, params, stats
+
+
+def test_eval_after_commit_exports_with_flax_statistics_and_gives_the_same_output():
+    model, params, stats = _trained_model_for_export()
+    stats = ga.flax.commit_batch_stats(stats)
+    x = _data(7, (5,))[0][0]
+    expected = model.apply({"params": params, "batch_stats": stats}, x, False)  # checked
+    serving = {"params": params, "batch_stats": ga.flax.batch_stats_to_flax(stats)}
+
+    def serve(variables, x):
+        return model.apply(variables, x, False)
+
+    # jax.export refuses host callbacks when it exports (serializing needs flatbuffers,
+    # not a dependency here): that it exports at all shows there is none.
+    exported = jax.export.export(jax.jit(serve))(serving, x)
+    # The same program but for the check: equal up to how XLA fuses it (equal on CPU).
+    np.testing.assert_allclose(exported.call(serving, x), expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(jax.jit(serve)(serving, x), expected, rtol=1e-6, atol=1e-7)
+    # The same statistics serve the model built with nn.BatchNorm.
+    flax_model = _ConvNetForExport(norm=nn.BatchNorm)
+    np.testing.assert_allclose(flax_model.apply(serving, x, False), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_eval_with_the_window_still_checks_and_does_not_export():
+    # The statistics as training holds them keep the stale-window check (a host
+    # callback): export refuses them, the flax statistics above are the serving path.
+    model, params, stats = _trained_model_for_export()
+    variables = {"params": params, "batch_stats": ga.flax.commit_batch_stats(stats)}
+    x = _data(7, (5,))[0][0]
+    with pytest.raises(NotImplementedError, match="host_callbacks"):
+        jax.export.export(jax.jit(lambda v, x: model.apply(v, x, False)))(variables, x)
+
+
+def test_batch_stats_to_flax_refuses_an_uncommitted_window():
+    _, _, stats = _trained_model_for_export()
+    with pytest.raises(ValueError, match=r"batch_stats_to_flax.*commit_batch_stats"):
+        ga.flax.batch_stats_to_flax(stats)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="commit_batch_stats"):
+        jax.block_until_ready(jax.jit(ga.flax.batch_stats_to_flax)(stats))
+    # Seen by a commit that did not close the window: the running statistics are current.
+    open_window = ga.flax.commit_batch_stats(stats, closes=False)
+    assert sorted(ga.flax.batch_stats_to_flax(open_window)["BatchNorm_0"]) == ["mean", "var"]
+
+
+def test_nnx_to_batchnorm_exports_after_commit_and_refuses_an_uncommitted_window():
+    layer = NNXAccumBatchNorm(FEATURES, momentum=MOMENTUM, rngs=nnx.Rngs(0))
+    xs, _ = _data(0, (4, 2))
+    for x in xs:
+        layer(x, use_running_average=False)
+    with pytest.raises(ValueError, match=r"to_batchnorm.*commit_nnx_batch_stats"):
+        layer.to_batchnorm()
+    layer.commit()
+    x = _data(7, (5,))[0][0]
+    expected = layer(x, use_running_average=True)
+    bn = layer.to_batchnorm()
+    graphdef, state = nnx.split(bn)
+
+    def serve(state, x):
+        return nnx.merge(graphdef, state)(x, use_running_average=True)
+
+    exported = jax.export.export(jax.jit(serve))(state, x)
+    np.testing.assert_allclose(exported.call(state, x), expected, rtol=1e-6, atol=1e-6)
+
+
+def _faq_quote(heading: str) -> str:
+    """The first ```text block below `heading` in docs/faq.md."""
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "faq.md").read_text()
+    section = page[page.index(heading) :]
+    start = section.index("```text\n") + len("```text\n")
+    return section[start : section.index("```", start)]
+
+
+def test_faq_quotes_the_uncommitted_window_error_as_it_is_raised():
+    # docs/faq.md quotes the message (abridged with [...]) and says what triggers it: an
+    # evaluation call after a training call that no commit has seen, in a model whose
+    # auto-named layer is BatchNorm_0.
+    quote = _faq_quote("### I swapped `nn.BatchNorm` for `AccumBatchNorm`")
+    model, params, stats = _trained_model_for_export()
+    x = _data(7, (5,))[0][0]
+    with pytest.raises(ValueError) as error:
+        model.apply({"params": params, "batch_stats": stats}, x, False)
+    raised = " ".join(f"{type(error.value).__name__}: {error.value}".split())
+    position = 0
+    for piece in quote.split("[...]"):
+        piece = " ".join(piece.split())
+        if not piece:
+            continue
+        found = raised.find(piece, position)
+        assert found >= 0, f"faq.md quotes {piece!r}, not in the raised message {raised!r}"
+        position = found + len(piece)

@@ -1,6 +1,7 @@
 """Tests for conditional_accumulate and the conditional accumulator's pure functions."""
 
 import doctest
+import os
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,21 @@ def make_plain_step(tx):
     return step
 
 
+# Under the suite's compiler settings (conftest.py) conditional_accumulate and accumulate give
+# the same params bit for bit. With XLA's defaults (GRADACCUM_XLA_DEFAULTS=1) the two programs
+# are fused differently: SGD still agrees to the bit, Adam's moments end up to 2 ulp apart
+# in a few elements in a hundred (measured on jax 0.10.2), relative 3e-7.
+EXACT = os.environ.get("GRADACCUM_XLA_DEFAULTS", "") in ("", "0")
+
+
+def assert_as_accumulate(got, expected, inner_name):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        if EXACT or inner_name == "sgd":
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
 @pytest.mark.parametrize(("reduction", "use_grad_mean"), [("mean", True), ("sum", False)])
 def test_equals_accumulate_bit_for_bit_when_nothing_is_stale(reduction, use_grad_mean):
     k = 3
@@ -55,8 +71,7 @@ def test_equals_accumulate_bit_for_bit_when_nothing_is_stale(reduction, use_grad
     for g in grads_like(0, 4 * k):
         p_cond, s_cond = cond_step(p_cond, s_cond, g, s_cond.accumulator.global_step)
         p_acc, s_acc = acc_step(p_acc, s_acc, g)
-    for a, b in zip(jax.tree.leaves(p_cond), jax.tree.leaves(p_acc), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_as_accumulate(p_cond, p_acc, "adam")
     assert int(s_cond.accumulator.global_step) == int(s_acc.gradient_step) == 4
     assert int(s_cond.accumulator.num_stale) == 0
 
@@ -303,3 +318,28 @@ def test_conditional_accumulator_is_the_renamed_pure_state():
     acc = ga.conditional_accumulator_init({"w": jnp.zeros(2)})
     assert isinstance(acc, ga.ConditionalAccumulator)
     assert not hasattr(ga, "ConditionalAccumulatorState")
+
+
+@pytest.mark.parametrize("inner_name", ["sgd", "adam"])
+@pytest.mark.parametrize("k", [3, 7])
+def test_equals_accumulate_bit_for_bit_on_a_larger_tree(k, inner_name):
+    # 99 elements and a count whose reciprocal is inexact: a quotient against accumulate's
+    # product with the reciprocal was one ulp off in 11 to 28 of them.
+    inner = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}[inner_name]
+    params = {"w": jnp.linspace(-1.0, 1.0, 90).reshape(9, 10), "b": jnp.linspace(0.0, 1.0, 9)}
+    cond_tx = ga.conditional_accumulate(inner(), k)
+    acc_tx = ga.accumulate(inner(), k)
+    cond_step, acc_step = make_step(cond_tx), make_plain_step(acc_tx)
+    p_cond, s_cond = params, cond_tx.init(params)
+    p_acc, s_acc = params, acc_tx.init(params)
+    key = jax.random.key(5)
+    for _ in range(3 * k):
+        key, sub = jax.random.split(key)
+        g = {
+            name: jax.random.normal(jax.random.fold_in(sub, p.size), p.shape)
+            for name, p in params.items()
+        }
+        p_cond, s_cond = cond_step(p_cond, s_cond, g, s_cond.accumulator.global_step)
+        p_acc, s_acc = acc_step(p_acc, s_acc, g)
+        assert_as_accumulate(p_cond, p_acc, inner_name)
+    assert int(s_cond.accumulator.global_step) == int(s_acc.gradient_step) == 3

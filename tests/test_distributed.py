@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -145,6 +146,28 @@ def test_nonfinite_on_one_replica_does_not_poison_the_others(mode):
     skipped = np.asarray(state.num_skipped).reshape(R)
     np.testing.assert_array_equal(skipped, [3, 3, 3, 3, 3, 4, 3, 3])  # per replica
     assert int(np.asarray(state.gradient_step).reshape(-1)[0]) == 2
+
+
+def test_float16_replica_windows_with_unequal_weights_do_not_overflow():
+    # Each replica holds its float16 window in units of its weight so far (issue 29): 1 then
+    # 4096 on a gradient of 20 keeps 20, where units of the first weight overflowed.
+    n = jax.device_count()
+    tx = ga.accumulate(optax.sgd(1.0), 2, axis_name="data", accumulator_dtype=jnp.float16)
+    params = {"w": jnp.zeros((n, 2))}
+    state = jax.pmap(tx.init, axis_name="data")(params)
+    step = jax.pmap(
+        lambda g, s, p, w: tx.update(g, s, p, weight=w), axis_name="data", in_axes=(0, 0, 0, 0)
+    )
+    grads = {"w": jnp.stack([jnp.full(2, 20.0 + r) for r in range(n)])}
+    firsts = jnp.asarray([1.0, 4096.0] * (n // 2), jnp.float32)
+    seconds = jnp.asarray([4096.0, 1.0] * (n // 2), jnp.float32)
+    _, state = step(grads, state, params, firsts)
+    assert np.isfinite(np.asarray(state.acc_grads["w"], np.float32)).all()
+    updates, state = step(grads, state, params, seconds)
+    assert np.isfinite(np.asarray(state.acc_grads["w"], np.float32)).all()
+    totals = np.asarray(firsts) + np.asarray(seconds)
+    want = -(totals * (20.0 + np.arange(n))).sum() / totals.sum()
+    np.testing.assert_allclose(np.asarray(updates["w"]), np.full((n, 2), want), rtol=1e-3)
 
 
 @pytest.mark.slow
@@ -622,3 +645,52 @@ def test_forgetting_the_replica_state_specs_names_them():
         )
     )
     assert float(unchecked(init(params))) == 0.0
+
+
+def _listed_fields(text):
+    """The backticked names in the parenthesis that lists the per-replica fields of `text`."""
+    match = re.search(r"\((`acc_grads`[^)]*)\)", " ".join(text.split()))
+    assert match, text
+    return set(re.findall(r"`(\w+)`", match.group(1)))
+
+
+def test_documented_per_replica_fields_are_those_add_replica_axis_expands():
+    # docs/distributed.md lists the per-replica fields for users who write the specs by
+    # hand; the list must be every field that add_replica_axis and replica_state_specs
+    # treat per replica, with every optional field switched on.
+    tx = ga.accumulate(
+        optax.adam(1e-3),
+        4,
+        axis_name="data",
+        compensated=True,
+        track_noise_scale=True,
+        accumulator_dtype=jnp.bfloat16,
+    )
+    state = jax.eval_shape(tx.init, {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)})
+    expanded = jax.eval_shape(ga.add_replica_axis, state)
+    specs = ga.replica_state_specs(state, "data")
+    per_replica = set()
+    for field in state._fields:
+        if field == "inner_state":
+            continue
+        before = jax.tree.leaves(getattr(state, field))
+        after = jax.tree.leaves(getattr(expanded, field))
+        shapes = [(a.shape, b.shape) for a, b in zip(before, after, strict=True)]
+        if shapes and all(b == (1, *a) for a, b in shapes):
+            per_replica.add(field)
+            assert all(s == P("data") for s in jax.tree.leaves(getattr(specs, field))), field
+        else:
+            assert all(a == b for a, b in shapes), field
+    assert per_replica == {
+        "acc_grads",
+        "acc_weight",
+        "weight_unit",
+        "num_skipped",
+        "acc_compensation",
+        "noise_scale",
+    }
+    page = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    section = page[page.index("**Hold the per-replica accumulators on a replica axis.**") :]
+    assert _listed_fields(section) == per_replica
+    assert _listed_fields(ga.add_replica_axis.__doc__) == per_replica
+    assert _listed_fields(ga.replica_state_specs.__doc__) == per_replica

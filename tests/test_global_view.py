@@ -624,6 +624,32 @@ def test_weighted_windows_and_sum(mesh):
 
 
 @pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
+def test_float16_window_with_unequal_weights_does_not_overflow(mesh):
+    # Held in units of the first weight, 1 then 4096 on a gradient of 20 per device overflowed
+    # float16 (issue 29); in units of the usable weight so far the sums stay at 20.
+    params0 = [{"w": jnp.ones((6, 3)) * 0.1, "b": jnp.zeros(3)}]
+    batches = [make_batch(40 + i) for i in range(3)]
+    weights = [1.0, 4096.0, 3.0]
+    results = []
+    for dtype in (jnp.float16, None):
+        tx = ga.accumulate(optax.sgd(1.0), 3, accumulator_dtype=dtype)
+        step = global_view_step(tx)
+        params = replicated(params0)
+        opt_state = jax.jit(tx.init)(params)
+        for batch, w in zip(batches, weights, strict=True):
+            batch = {"x": batch["x"] * 400.0, "y": batch["y"]}
+            params, opt_state = step(params, opt_state, sharded(batch), weight=jnp.float32(w))
+            if dtype is not None and int(opt_state.micro_step):
+                held = reduce(opt_state.acc_grads)
+                assert all(
+                    np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(held)
+                )
+        results.append(params)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(results[0]))
+    assert_trees_close(results[0], results[1], rtol=2e-3, atol=1e-2)
+
+
+@pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 def test_a_non_finite_partial_is_dropped_on_its_device_only(mesh):
     k, params0 = 2, init_params()

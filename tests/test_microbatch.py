@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -564,6 +565,15 @@ def test_docs_page_code_runs():
     assert [int(c) for c in counts] == [12]
     assert not np.allclose(ns["nnx_model"].norm.mean[...], 0.0)
     assert int(ns["nnx_optimizer"].step) == 3
+    # The module passed straight in: the same steps, the same state as the split pattern.
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(ns["direct_model"])),
+        jax.tree.leaves(nnx.state(ns["nnx_model"])),
+        strict=True,
+    ):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert int(ga.optimizer_step(ns["w_state"])) == 1
 
 
@@ -650,3 +660,141 @@ def test_fsdp_bfloat16_params_sum_in_float32(axis_type):
         assert jax.typeof(grads["w2"]).sharding.spec == P("fsdp", None)
     # One bfloat16 rounding of a float32 sum: within bfloat16's precision of the full batch.
     chex.assert_trees_all_close((value, grads), want, rtol=2**-7, atol=1e-3)
+
+
+# --- Issue 29: a flax.nnx module passed as the differentiated argument ---
+
+
+class _NnxNet(nnx.Module):
+    def __init__(self, rngs):
+        self.dense1 = nnx.Linear(5, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+        self.dropout = nnx.Dropout(0.3, rngs=rngs)
+        self.dense2 = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense2(self.dropout(nnx.relu(self.norm(self.dense1(x)))))
+
+
+def _nnx_batch(seed=0, size=16):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.normal(size=(size, 5)), jnp.float32), jnp.asarray(
+        rng.integers(0, 3, size), jnp.int32
+    )
+
+
+def _nnx_loss(model, x, y):
+    logits = model(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
+
+
+def _leaves_equal(a, b, **tolerance):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        if tolerance:
+            np.testing.assert_allclose(x, y, **tolerance)
+        else:
+            np.testing.assert_array_equal(
+                jax.random.key_data(x) if _is_key(x) else x,
+                jax.random.key_data(y) if _is_key(y) else y,
+            )
+
+
+def _is_key(x):
+    return jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
+
+
+def test_nnx_module_with_dropout_equals_the_split_merge_pattern():
+    # Training mode: dropout draws a mask per micro-batch and BatchNorm's statistics move.
+    # Passing the module straight in gives what the docs' split/merge pattern gives.
+    x, y = _nnx_batch()
+
+    @nnx.jit
+    def direct(model, x, y):
+        grad_fn = ga.microbatch_value_and_grad(_nnx_loss, 4, has_aux=True, batch_argnums=(1, 2))
+        return grad_fn(model, x, y)
+
+    @nnx.jit
+    def split_merge(model, x, y):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss_fn(params, rest, x, y):
+            model = nnx.merge(graphdef, params, rest, copy=True)
+            loss, logits = _nnx_loss(model, x, y)
+            return loss, (nnx.state(model, nnx.Not(nnx.Param)), logits)
+
+        grad_fn = ga.microbatch_value_and_grad(
+            loss_fn, 4, has_aux=True, batch_argnums=(2, 3), carry_argnums=1
+        )
+        (loss, (rest, logits)), grads = grad_fn(params, rest, x, y)
+        nnx.update(model, rest)
+        return (loss, logits), grads
+
+    ours, theirs = _NnxNet(nnx.Rngs(0)), _NnxNet(nnx.Rngs(0))
+    (loss, logits), grads = direct(ours, x, y)
+    (ref_loss, ref_logits), ref_grads = split_merge(theirs, x, y)
+    assert float(loss) == float(ref_loss)
+    np.testing.assert_array_equal(logits, ref_logits)
+    _leaves_equal(grads, ref_grads)
+    _leaves_equal(nnx.state(ours), nnx.state(theirs))  # statistics and RNG counters moved
+    before = nnx.state(_NnxNet(nnx.Rngs(0)), nnx.Not(nnx.Param))
+    assert not np.array_equal(
+        nnx.state(ours, nnx.BatchStat)["norm"]["mean"][...], before["norm"]["mean"][...]
+    )
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_nnx_module_gradients_equal_the_full_batch(k, has_aux):
+    # Evaluation mode (dropout off, running statistics): the micro-batched value and
+    # gradient are nnx.value_and_grad's on the full batch, an nnx.State of the params.
+    x, y = _nnx_batch(1)
+    model = _NnxNet(nnx.Rngs(1))
+    model.eval()
+
+    def loss(model, x, y):
+        value, logits = _nnx_loss(model, x, y)
+        return (value, logits) if has_aux else value
+
+    full, full_grads = nnx.value_and_grad(loss, has_aux=has_aux)(model, x, y)
+    grad_fn = ga.microbatch_value_and_grad(loss, k, has_aux=has_aux, batch_argnums=(1, 2))
+    got, grads = nnx.jit(grad_fn)(model, x, y)
+    _leaves_equal(got, full, rtol=1e-6, atol=1e-7)
+    assert type(grads) is type(full_grads)
+    _leaves_equal(grads, full_grads, rtol=1e-5, atol=1e-7)
+
+
+def test_nnx_module_each_micro_batch_draws_its_own_dropout_mask():
+    # Dropout only, on a constant input: K micro-batches advance the RNG stream K times,
+    # as K calls of the model would, and their masks differ.
+    class Drop(nnx.Module):
+        def __init__(self):
+            self.scale = nnx.Param(jnp.ones(64))
+            self.dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=3))
+
+        def __call__(self, x):
+            return self.dropout(x * self.scale[...])
+
+    model, reference = Drop(), Drop()
+    x = jnp.ones((4, 64))
+    grad_fn = ga.microbatch_value_and_grad(lambda m, x: m(x).sum(), 4)
+    _, grads = grad_fn(model, x)
+    masks = [reference(x[:1]) for _ in range(4)]  # four calls, one micro-batch each
+    # The mean over micro-batches of each one's gradient, its mask (0 or 2).
+    np.testing.assert_array_equal(grads["scale"][...], sum(m[0] for m in masks) / 4)
+    assert len({tuple(np.asarray(m[0])) for m in masks}) == 4
+    _leaves_equal(nnx.state(model, nnx.RngState), nnx.state(reference, nnx.RngState))
+
+
+def test_nnx_module_with_carry_argnums_names_the_split_merge_pattern():
+    model = _NnxNet(nnx.Rngs(0))
+    x, y = _nnx_batch()
+    grad_fn = ga.microbatch_value_and_grad(
+        lambda m, c, x, y: (_nnx_loss(m, x, y)[0], (c, None)),
+        4,
+        has_aux=True,
+        batch_argnums=(2, 3),
+        carry_argnums=1,
+    )
+    with pytest.raises(TypeError, match=r"carry_argnums=1.*nnx.split\(model, nnx.Param"):
+        grad_fn(model, jnp.zeros(()), x, y)

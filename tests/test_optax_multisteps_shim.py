@@ -9,8 +9,13 @@ imported and its `MultiSteps` replaced by the shim for the duration of a test.
 
 from __future__ import annotations
 
+import pathlib
+import re
 import unittest
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from optax.transforms import _accumulation_test as accumulation_test
@@ -108,3 +113,63 @@ def test_every_multisteps_case_is_run_or_excluded():
     names = {n for n in dir(accumulation_test.AccumulationTest) if n.startswith("test_multi")}
     covered = set(CASES) | set(EXCLUDED)
     assert names == covered, names ^ covered
+
+
+NAN = float("nan")
+
+
+def _trajectory(tx, grads):
+    """Params and the skip metrics after each call of `tx` on the scalar gradients `grads`."""
+    params = jnp.zeros(())
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    params_seen, skip_states = [], []
+    for g in grads:
+        updates, state = step(jnp.float32(g), state, params)
+        params = optax.apply_updates(params, updates)
+        params_seen.append(float(params))
+        skip_states.append(state.skip_state)
+    return params_seen, skip_states
+
+
+@pytest.mark.parametrize(
+    "grads, k",
+    [
+        ([1.0, NAN, 3.0, 5.0], 2),  # the example of docs/migration.md
+        ([NAN, 2.0, 4.0, NAN, NAN, 1.0, 3.0, 7.0, 6.0], 3),
+        ([2.0, NAN, NAN, 5.0, 1.0, NAN, 8.0], 2),
+    ],
+)
+def test_migration_recipe_for_multisteps_skip_rule_matches_multisteps(grads, k):
+    # docs/migration.md: MultiSteps' should_skip_update_fn rule is
+    # should_skip_update_fn= together with count_skipped_steps=False, and
+    # MultiStepsState.skip_state is AccumulateState.skip_state.
+    inner = optax.adam(0.5)
+    multisteps = optax.MultiSteps(inner, k, should_skip_update_fn=optax.skip_not_finite)
+    expected, expected_skip = _trajectory(multisteps.gradient_transformation(), grads)
+    recipe = ga.accumulate(
+        inner, k, should_skip_update_fn=optax.skip_not_finite, count_skipped_steps=False
+    )
+    got, got_skip = _trajectory(recipe, grads)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    for a, b in zip(got_skip, expected_skip, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    # should_skip_update_fn= alone counts the skipped call toward the window: other windows.
+    alone, _ = _trajectory(
+        ga.accumulate(inner, k, should_skip_update_fn=optax.skip_not_finite), grads
+    )
+    assert not np.allclose(alone, expected)
+
+
+def test_accumulate_page_names_every_excluded_case():
+    # docs/accumulate.md says which of optax's cases the shim does not run, and why.
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "accumulate.md").read_text()
+    text = " ".join(page.split())
+    start = text.index("optax's own `MultiSteps` tests")
+    paragraph = text[start : text.index("##", start)]
+    named = set(re.findall(r"`(test_multi\w+)`", paragraph))
+    assert named == set(EXCLUDED)
+    assert "all but one" in paragraph and len(EXCLUDED) == 1
+    assert "MultiStepsState.mini_step" in paragraph  # the reason EXCLUDED gives

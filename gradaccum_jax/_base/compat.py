@@ -12,10 +12,12 @@ version-specific API, so one module knows which release spells what:
 - `jax.reshard` is new in JAX 0.8.2; `jax.sharding.reshard` is the same
   function.
 - Unreduced arrays in `jax.shard_map` (`UNREDUCED_IN_SHARD_MAP`).
+- flax's `nnx.as_pure` is `nnx.pure` in older flax releases (`plain_values`).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -71,3 +73,19 @@ def unreduced_axes_in_body(x: Any) -> frozenset:
     aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)
     return frozenset(getattr(manual, "unreduced", None) or ())
+
+
+def plain_values(tree: Any) -> Any:
+    """Returns `tree` with every `flax.nnx.Variable` in it replaced by its value.
+
+    `flax.nnx.Optimizer.opt_state` holds the optax state with each array wrapped
+    in an `OptArray` (an `nnx.Variable`); the helpers that read an optimizer
+    state (`optimizer_step`, `current_loss_scale`, ...) call this first, so
+    they take that state as well as optax's and return plain arrays. Without
+    flax imported no Variable can exist, and `tree` comes back as it is.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return tree
+    pure = getattr(nnx, "as_pure", None) or nnx.pure
+    return pure(tree)

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gradaccum_jax._base import compat
+
 
 def check_gradient_transformation(name: str, value: Any) -> None:
     """Raises `TypeError` unless `value` has callable `init` and `update`."""
@@ -120,8 +122,11 @@ def find_unique_state(opt_state: Any, state_type: type, made_by: str) -> Any:
 
     A checkpoint restored without a target (orbax with no abstract state) holds
     dicts and lists where the optimizer state had NamedTuples; the message says
-    so when it finds a dict with the fields of `state_type`.
+    so when it finds a dict with the fields of `state_type`. A `flax.nnx`
+    optimizer's state (its arrays wrapped in `nnx.Variable` s) is read through
+    its values, so the state found holds plain arrays.
     """
+    opt_state = compat.plain_values(opt_state)
     found = [
         leaf
         for leaf in jax.tree_util.tree_leaves(

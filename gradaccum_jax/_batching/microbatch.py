@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from gradaccum_jax._base import compat, trees, validation
 from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
-from gradaccum_jax._batching import planning
+from gradaccum_jax._batching import nnx_modules, planning
 from gradaccum_jax._batching.splitting import (
     _batch_size,
     _carried,
@@ -465,6 +465,13 @@ def microbatch_value_and_grad(
       (`jax.random.PRNGKey`) cannot be told apart from integer data, so one
       passed outside `key_argnums` is refused with a `TypeError`: pass a
       typed key, or list its position in `key_argnums`.
+    * A `flax.nnx` module at a differentiated position is taken as
+      `nnx.value_and_grad` takes it: its `nnx.Param` state is differentiated
+      (the gradient is an `nnx.State` of the params), and its other state
+      (BatchNorm statistics, the RNG streams' counters) is threaded through
+      the micro-batches as a carry and written back into the module, so each
+      micro-batch draws its own dropout mask. `weight_fn` then receives the
+      params' state in the module's place. Not with `carry_argnums`.
 
     Args:
       fun: The function to differentiate, `fun(*args, **kwargs)`, returning a
@@ -576,6 +583,25 @@ def microbatch_value_and_grad(
         accumulator_dtype=accumulator_dtype,
     )
     k = _check_num_microbatches(num_microbatches, memory_budget)
+    plain = _built(fun, k, memory_budget, options)
+
+    def value_and_grad(*args: Any, **kwargs: Any) -> Any:
+        modules = nnx_modules.module_positions(args, options)
+        if not modules:
+            return plain(*args, **kwargs)
+
+        def build(pure_fun: Callable[..., Any], pure_options: _Options) -> Callable[..., Any]:
+            return _built(pure_fun, k, memory_budget, pure_options)
+
+        return nnx_modules.value_and_grad(fun, options, modules, args, kwargs, build)
+
+    return value_and_grad
+
+
+def _built(
+    fun: Callable[..., Any], k: int | str, memory_budget: Any, options: _Options
+) -> Callable[..., Any]:
+    """The micro-batched value and gradient of `fun` on plain pytrees."""
     if not isinstance(k, str):
         return _microbatched(fun, k, options)
 

@@ -349,27 +349,38 @@ def local_add(
     scale: jax.Array | None,
     reset: jax.Array | None,
     axes: tuple[Any, ...],
+    keep: jax.Array | None = None,
 ) -> Any:
     """Each device's `acc + scale * g` where it accepted (fresh zeros where `reset`), unreduced.
 
     With `reset=None` it is the read-only window total the close reduces; with
     the conditional's `reset` flag it is the write after the conditional.
+    `keep` (a scalar, the same on every device; `None` for 1) rescales the held
+    sum first, in float32: a float16 window held in units of its weight so far.
     """
     scale = jnp.float32(1.0) if scale is None else scale
     reset = jnp.array(False) if reset is None else reset
+    kept = keep is not None
+    keep = jnp.float32(1.0) if keep is None else keep
 
     def body(plain, acc, grads):
-        accepted, scale, reset = plain
+        accepted, scale, reset, keep = plain
         ok = accepted[0]
 
         def leaf(a, g):
-            added = jnp.where(ok, a + g.astype(a.dtype) * scale.astype(a.dtype), a)
+            if kept:
+                wide = jnp.promote_types(a.dtype, jnp.float32)
+                total = a.astype(wide) * keep.astype(wide) + g.astype(wide) * scale.astype(wide)
+                added = jnp.where(ok, total.astype(a.dtype), a)
+            else:
+                added = jnp.where(ok, a + g.astype(a.dtype) * scale.astype(a.dtype), a)
             return jnp.where(reset, jnp.zeros_like(a), added)
 
         return jax.tree.map(leaf, acc, grads)
 
-    plain_specs = (jax.P(axes), jax.P(), jax.P())
-    return _per_device(body, axes, (accepted, scale, reset), plain_specs, (acc, grads), None)
+    plain_specs = (jax.P(axes), jax.P(), jax.P(), jax.P())
+    plain = (accepted, scale, reset, keep)
+    return _per_device(body, axes, plain, plain_specs, (acc, grads), None)
 
 
 def local_count(
@@ -379,30 +390,35 @@ def local_count(
     term_weight: jax.Array,
     reset: jax.Array | None,
     axes: tuple[Any, ...],
+    keep: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Each device's window weight and drop count, unreduced.
 
     A device that accepts adds `term_weight / n`, its share of the micro-step's
     weight, so the reduced weight is the accepted fraction of the window's
-    weight; a device that drops adds one to its count.
+    weight; a device that drops adds one to its count. `keep` rescales the held
+    weight with the held sums (see `local_add`).
     """
     reset = jnp.array(False) if reset is None else reset
     devices = _device_count(axes)
+    kept = keep is not None
+    keep = jnp.ones([], acc_weight.dtype) if keep is None else keep.astype(acc_weight.dtype)
 
     def body(plain, acc_weight, num_skipped):
-        accepted, term_weight, reset = plain
+        accepted, term_weight, reset, keep = plain
         ok = accepted[0]
-        weight = acc_weight + jnp.where(ok, term_weight / devices, 0.0).astype(acc_weight.dtype)
+        held = acc_weight * keep if kept else acc_weight
+        weight = held + jnp.where(ok, term_weight / devices, 0.0).astype(acc_weight.dtype)
         weight = jnp.where(reset, jnp.zeros_like(weight), weight)
         skipped = jnp.where(ok, num_skipped, optax.safe_increment(num_skipped))
         return weight, skipped
 
-    plain_specs = (jax.P(axes), jax.P(), jax.P())
+    plain_specs = (jax.P(axes), jax.P(), jax.P(), jax.P())
     unreduced = jax.P(unreduced=frozenset(axes))
     return _per_device(
         body,
         axes,
-        (accepted, term_weight, reset),
+        (accepted, term_weight, reset, keep),
         plain_specs,
         (acc_weight, num_skipped),
         (unreduced, unreduced),

@@ -10,8 +10,12 @@ import optax
 
 from gradaccum_jax._base import validation
 from gradaccum_jax._sharding import partials
-from gradaccum_jax._window import noise_scale, stages
-from gradaccum_jax._window.state import AccumulateState, AxisName
+from gradaccum_jax._window import noise_scale, placement, stages
+from gradaccum_jax._window.state import (
+    AccumulateState,
+    AxisName,
+    UncountedAccumulateState,
+)
 
 ShouldSkipUpdateFn = Callable[[optax.Updates, jax.Array, optax.Params], tuple[jax.Array, Any]]
 
@@ -104,6 +108,27 @@ def _refuse(route: str, options: _Options, where: str) -> None:
     for name, option, is_set, why in _REFUSED:
         if name == route and is_set(options):
             raise ValueError(f"{option} is not supported with {where}: {why}")
+
+
+def _refuse_injected(**static: Any) -> None:
+    """Raises one `TypeError` naming every static argument if any of them came as an array.
+
+    `optax.inject_hyperparams(accumulate)` passes every numeric argument (and a
+    schedule's value) as a JAX array; these arguments shape the compiled step.
+    """
+    injected = [name for name, value in static.items() if isinstance(value, jax.Array)]
+    if injected:
+        shown = ", ".join(f"{name}={static[name]!r}" for name in injected)
+        raise TypeError(
+            f"accumulate got {shown}: a JAX array where a Python value fixed when accumulate "
+            "is built is needed (the window length and the noise scale's settings shape the "
+            "compiled step; a schedule of K must be called by accumulate, once per window). "
+            "optax.inject_hyperparams passes every numeric argument, and the value of every "
+            "callable, as an array: keep all of accumulate's static arguments static, "
+            f"optax.inject_hyperparams(ga.accumulate, static_args={tuple(static)!r})"
+            "(inner, every_k_schedule=4), or inject the inner optimizer's hyperparameters "
+            "instead: ga.accumulate(optax.inject_hyperparams(optax.adam)(learning_rate=...), 4)."
+        )
 
 
 def accumulate(
@@ -314,6 +339,11 @@ def accumulate(
       https://arxiv.org/abs/1706.02677
     """
     validation.check_gradient_transformation("inner", inner)
+    _refuse_injected(
+        every_k_schedule=every_k_schedule,
+        noise_scale_decay=noise_scale_decay,
+        micro_batch_size=micro_batch_size,
+    )
     if not callable(every_k_schedule):
         validation.check_int("every_k_schedule", every_k_schedule, schedule=True)
     validation.check_accumulator_dtype(accumulator_dtype, compensated=compensated)
@@ -353,6 +383,8 @@ def accumulate(
         noise_scale_decay=noise_scale_decay,
         micro_batch_size=micro_batch_size,
         refuse=lambda route, where: _refuse(route, options, where),
+        # The state's type says whether dropped micro-steps count (see closes_window).
+        state_type=AccumulateState if count_skipped_steps else UncountedAccumulateState,
     )
 
     def init_fn(params: optax.Params) -> AccumulateState:
@@ -396,6 +428,7 @@ def _check_noise_scale_args(
 
 
 def _find_accumulate_state(opt_state: Any) -> AccumulateState:
+    placement.check_state(opt_state)
     return validation.find_unique_state(opt_state, AccumulateState, "gradaccum_jax.accumulate")
 
 
@@ -438,6 +471,15 @@ def closes_window(opt_state: optax.OptState, *removed: Any) -> jax.Array:
     window's length is read from the state (`AccumulateState.window_length`),
     so a schedule is followed without repeating it here.
 
+    The answer is exact when dropped micro-steps count toward the window
+    (`count_skipped_steps=True`, the default): the window closes on schedule
+    whatever the next micro-gradient is. With `count_skipped_steps=False` it
+    closes only if the next micro-gradient is accepted, which the call
+    decides, so the question has no answer before it and this raises: read
+    `has_updated(opt_state)` after the `update` instead (it is `True` exactly
+    after the calls that closed a window, except one whose accepted weights
+    were all zero, which applies nothing).
+
     Args:
       opt_state: An optimizer state that contains exactly one
         `AccumulateState`.
@@ -448,7 +490,8 @@ def closes_window(opt_state: optax.OptState, *removed: Any) -> jax.Array:
       A boolean scalar.
 
     Raises:
-      ValueError: If `opt_state` contains no or several `AccumulateState`.
+      ValueError: If `opt_state` contains no or several `AccumulateState`, or
+        it belongs to an `accumulate` built with `count_skipped_steps=False`.
       TypeError: If a window length is passed as well.
 
     Examples:
@@ -470,6 +513,17 @@ def closes_window(opt_state: optax.OptState, *removed: Any) -> jax.Array:
             "closes_window(opt_state)."
         )
     state = _find_accumulate_state(opt_state)
+    if isinstance(state, UncountedAccumulateState):
+        raise ValueError(
+            "closes_window cannot answer for an accumulate built with "
+            "count_skipped_steps=False: there the next update closes the window only if its "
+            "micro-gradient is accepted (finite, with a usable weight, not rejected by "
+            "should_skip_update_fn), which that call decides. Read has_updated(opt_state) "
+            "after the update instead, e.g. batch_stats = commit_batch_stats(batch_stats, "
+            "ga.has_updated(opt_state)); it is True exactly after the calls that closed a "
+            "window and applied its update. (state.micro_step + 1 >= state.window_length "
+            "is whether an accepted micro-gradient would close it.)"
+        )
     return state.micro_step + 1 >= state.window_length
 
 

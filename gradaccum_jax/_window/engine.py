@@ -52,26 +52,44 @@ def _term(grad: jax.Array, dtype: jnp.dtype, scale: jax.Array | None) -> jax.Arr
     return term if scale is None else term * scale.astype(dtype)
 
 
-def _compensated_total(acc, comp, grad, accepted, scale):
+def _compensated_total(acc, comp, grad, accepted, scale, keep=None):
     wide = jnp.promote_types(acc.dtype, jnp.float32)
     held = acc.astype(wide) + comp.astype(wide)
-    return jnp.where(accepted, held + _term(grad, wide, scale), held)
+    kept = held if keep is None else held * keep.astype(wide)
+    return jnp.where(accepted, kept + _term(grad, wide, scale), held)
+
+
+def _kept_total(a, grad, accepted, scale, keep):
+    """`keep * a + scale * g` formed in float32 (at least), rounded once to `a`'s dtype."""
+    wide = jnp.promote_types(a.dtype, jnp.float32)
+    total = a.astype(wide) * keep.astype(wide) + _term(grad, wide, scale)
+    return jnp.where(accepted, total.astype(a.dtype), a)
 
 
 def window_total(
-    acc: Any, comp: Any, grads: Any, accepted: jax.Array, scale: jax.Array | None
+    acc: Any,
+    comp: Any,
+    grads: Any,
+    accepted: jax.Array,
+    scale: jax.Array | None,
+    keep: jax.Array | None = None,
 ) -> Any:
     """The window's sum including this micro-step's term `scale * g` (if accepted).
 
     Read-only: the apply branch calls it, the accumulator is written by `write`.
     With a compensation tree `comp` the sum `acc + comp` is formed in float32.
+    `keep` (a scalar, `None` for 1) rescales the held sum first, in the same pass:
+    a window held as a running mean (float16 sums with weights) shrinks its
+    sum as its total weight grows.
     """
-    if comp is None:
+    if comp is None and keep is None:
         return jax.tree.map(
             lambda a, g: jnp.where(accepted, a + _term(g, a.dtype, scale), a), acc, grads
         )
+    if comp is None:
+        return jax.tree.map(lambda a, g: _kept_total(a, g, accepted, scale, keep), acc, grads)
     return jax.tree.map(
-        lambda a, c, g: _compensated_total(a, c, g, accepted, scale), acc, comp, grads
+        lambda a, c, g: _compensated_total(a, c, g, accepted, scale, keep), acc, comp, grads
     )
 
 
@@ -82,6 +100,7 @@ def write(
     accepted: jax.Array,
     scale: jax.Array | None,
     reset: jax.Array | None,
+    keep: jax.Array | None = None,
 ) -> tuple[Any, Any]:
     """Adds this micro-step's term, or resets to zero where `reset`: one fused in-place pass.
 
@@ -90,16 +109,16 @@ def write(
     (with the predicate instead, XLA may run it first and must copy the
     accumulator). The reset writes fresh zeros, never a product with zero
     (NaN * 0 = NaN). With `reset=None` it is the add alone, which
-    `accumulate` runs before its conditional.
+    `accumulate` runs before its conditional. `keep` as in `window_total`.
     """
     if comp is None:
-        total = window_total(acc, None, grads, accepted, scale)
+        total = window_total(acc, None, grads, accepted, scale, keep)
         if reset is None:
             return total, None
         return jax.tree.map(lambda a, t: jnp.where(reset, jnp.zeros_like(a), t), acc, total), None
 
     def split(a, c, g):
-        total = _compensated_total(a, c, g, accepted, scale)
+        total = _compensated_total(a, c, g, accepted, scale, keep)
         finfo = jnp.finfo(a.dtype)
         # Rounded with reduce_precision, not with a cast: the high part is then
         # exactly representable, and XLA's licence to drop a float32 -> 16-bit
@@ -239,8 +258,9 @@ def replica_gate(axis_names: tuple[Any, ...], typed: bool) -> Gate:
     """The gate of a window held per replica and reduced across `axis_names` at its close.
 
     The only collective of the whole step is one `psum` of the window sums
-    and weights, on the close only. The product `total * unit` is formed in
-    float32 for float16 sums, whose range would overflow with large weights.
+    and weights, on the close only. The product `total * unit` is formed, and
+    the reduced sum kept, in float32 for float16 sums, whose range would
+    overflow with large weights or many replicas.
     """
 
     def reduce(window: Window) -> Window:
@@ -253,7 +273,13 @@ def replica_gate(axis_names: tuple[Any, ...], typed: bool) -> Gate:
             axis_names,
             typed,
         )
-        total = jax.tree.map(lambda t, old: t.astype(old.dtype), total, window.total)
+        # float16 sums stay in float32: the replicas' sum in absolute units may
+        # exceed 65504 (the window's mean is formed in float32 in any case).
+        total = jax.tree.map(
+            lambda t, old: t if old.dtype == jnp.float16 else t.astype(old.dtype),
+            total,
+            window.total,
+        )
         # Fresh ones, not ones_like: they must not vary between replicas.
         return Window(total=total, weight=weight, unit=jnp.ones([], jnp.float32), stats=stats)
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax._base import trees, validation
-from gradaccum_jax._window.state import AccumulateState, AxisName
+from gradaccum_jax._base import compat, trees, validation
+from gradaccum_jax._window import placement
+from gradaccum_jax._window.state import AccumulateState, AxisName, LossScaleState
 
 _F32 = np.finfo(np.float32)
 _RIGHT_ORDER = (
@@ -62,30 +63,13 @@ def refuse_inside_accumulate(inner_state: Any) -> None:
 
 
 def _find_loss_scale_state(opt_state: optax.OptState) -> LossScaleState:
+    placement.check_state(opt_state)
     for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AccumulateState)):
         if isinstance(node, AccumulateState):
             refuse_inside_accumulate(node.inner_state)
     return validation.find_unique_state(
         opt_state, LossScaleState, "gradaccum_jax.dynamic_loss_scale or static_loss_scale"
     )
-
-
-class LossScaleState(NamedTuple):
-    """State of `dynamic_loss_scale` and `static_loss_scale`.
-
-    Attributes:
-      loss_scale: `float32[]`. The factor to multiply the next loss by
-        (read it with `current_loss_scale`); `update` divides the
-        gradients it receives by this value.
-      growth_count: `int32[]`. Finite `update` calls since the scale last
-        changed, in `[0, growth_interval)`; always `0` for a static scale.
-      num_overflows: `int32[]`. `update` calls whose gradients had a
-        non-finite value. Saturates at the int32 maximum.
-    """
-
-    loss_scale: jax.Array
-    growth_count: jax.Array
-    num_overflows: jax.Array
 
 
 _Adjust = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
@@ -111,6 +95,7 @@ def _loss_scaling(
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScaleState]:
         del params, extra_args
+        placement.refuse_window_output(updates, "the loss scale")
         validation.check_float_tree("updates", updates)
         validation.refuse_unreduced("updates", updates, "the loss scale")
         # Unscaled into float32 at least: back in float16, the small gradients
@@ -372,7 +357,9 @@ def scale_loss(
     """
     if not callable(fun):
         raise TypeError(f"fun must be a callable loss function; got {fun!r}.")
-    scale = validation.check_scalar("loss_scale", loss_scale, minimum=0.0, exclusive=True)
+    scale = validation.check_scalar(
+        "loss_scale", compat.plain_values(loss_scale), minimum=0.0, exclusive=True
+    )
 
     @functools.wraps(fun)
     def scaled(*args: Any, **kwargs: Any) -> Any:

@@ -62,9 +62,13 @@ class LocalRoute:
     def held(self, state: Any) -> Any:
         return (state.acc_grads, state.acc_compensation)
 
-    def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any) -> Any:
-        """The window's sums including this micro-step's term: one fused in-place pass."""
-        return engine.write(held[0], held[1], grads, accepted, scale, None)
+    def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any, keep: Any = None) -> Any:
+        """The window's sums including this micro-step's term: one fused in-place pass.
+
+        `keep` (`None` for 1) rescales the held sums in the same pass (see
+        `engine.window_total`).
+        """
+        return engine.write(held[0], held[1], grads, accepted, scale, None, keep)
 
     def read(self, held: Any) -> Any:
         return engine.window_sum(held[0], held[1])
@@ -81,9 +85,14 @@ class LocalRoute:
         accepted: jax.Array,
         term: jax.Array,
         reset: jax.Array | None,
+        keep: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """The window's weight including this term (zero where `reset`), and the drop count."""
-        weight = weight + jnp.where(accepted, term, 0.0)
+        """The window's weight including this term (zero where `reset`), and the drop count.
+
+        `keep` (`None` for 1) rescales the held weight with the held sums.
+        """
+        held = weight if keep is None else weight * keep.astype(weight.dtype)
+        weight = held + jnp.where(accepted, term, 0.0)
         if reset is not None:
             weight = jnp.where(reset, 0.0, weight).astype(weight.dtype)
         return weight, trees.increment_if(skipped, ~accepted)
@@ -150,8 +159,8 @@ class UnreducedRoute:
     def held(self, state: Any) -> Any:
         return (state.acc_grads, None)
 
-    def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any) -> Any:
-        return partials.local_add(held[0], grads, accepted, scale, None, self.axes), None
+    def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any, keep: Any = None) -> Any:
+        return partials.local_add(held[0], grads, accepted, scale, None, self.axes, keep), None
 
     def read(self, held: Any) -> Any:
         return held[0]
@@ -167,8 +176,9 @@ class UnreducedRoute:
         accepted: jax.Array,
         term: jax.Array,
         reset: jax.Array | None,
+        keep: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        return partials.local_count(weight, skipped, accepted, term, reset, self.axes)
+        return partials.local_count(weight, skipped, accepted, term, reset, self.axes, keep)
 
     def inner_params(self, params: Any) -> Any:
         if params is None:

@@ -92,8 +92,8 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
     """Returns `PartitionSpec` s for an accumulate state held across `shard_map` calls.
 
     The per-replica fields of every `AccumulateState` in `opt_state`
-    (`acc_grads`, `acc_weight`, `weight_unit`, `num_skipped` and
-    `acc_compensation`) get `P(axis_name)`: they
+    (`acc_grads`, `acc_weight`, `weight_unit`, `num_skipped`,
+    `acc_compensation` and `noise_scale`) get `P(axis_name)`: they
     carry a leading replica axis (see `add_replica_axis`), one slot per
     replica. Every other leaf gets `P()`, replicated, like the params of
     data-parallel training. Use the result as the state's entry in both
@@ -160,7 +160,7 @@ def add_replica_axis(opt_state: optax.OptState) -> optax.OptState:
 
     Returns:
       `opt_state` with its per-replica fields (`acc_grads`, `acc_weight`,
-      `weight_unit`, `num_skipped`, `acc_compensation`)
+      `weight_unit`, `num_skipped`, `acc_compensation`, `noise_scale`)
       expanded to shape `(1, *shape)`.
 
     Raises:

@@ -27,7 +27,7 @@ from jax.experimental import checkify
 
 from gradaccum_jax._base import trees, validation
 from gradaccum_jax._sharding import partials
-from gradaccum_jax._window import engine, loss_scale, noise_scale, routes
+from gradaccum_jax._window import engine, loss_scale, noise_scale, placement, routes
 from gradaccum_jax._window.fused import FUSE_KEY
 from gradaccum_jax._window.state import AccumulateState
 
@@ -51,6 +51,7 @@ class Plan(NamedTuple):
     noise_scale_decay: float
     micro_batch_size: int | None
     refuse: Any  # (route name, where) -> None: raises for a refused option
+    state_type: type  # AccumulateState, or UncountedAccumulateState (count_skipped_steps=False)
 
     @property
     def bare(self) -> bool:
@@ -92,6 +93,7 @@ class Weighed(NamedTuple):
     scale: jax.Array | None  # the term's factor w / unit (None: 1)
     unit: jax.Array  # the window's weight unit after this micro-step
     term: jax.Array  # the weight this term adds to the window, in units
+    keep: jax.Array | None = None  # rescales the held sums and weight first (None: 1)
 
 
 class Added(NamedTuple):
@@ -187,7 +189,7 @@ def init(plan: Plan, params: optax.Params) -> AccumulateState:
     if plan.should_skip_update_fn is not None:
         zeros = jax.tree.map(jnp.zeros_like, params)
         _, skip_state = skip_decision(plan, zeros, trees.counter(), params)
-    return AccumulateState(
+    return plan.state_type(
         micro_step=trees.counter(),
         gradient_step=trees.counter(),
         window_length=window_length(plan, trees.counter())[0],
@@ -252,11 +254,11 @@ def accept(plan: Plan, micro: Micro, state: AccumulateState, weight: Any) -> Acc
     w = None if weight is None else check_weight(weight).astype(state.acc_weight.dtype)
     valid = jnp.array(True)
     if w is not None:
-        ok = jnp.isfinite(w) & (w >= 0)
+        # An unusable weight drops its micro-gradient whatever skip_nonfinite says:
+        # held, a negative weight would cancel the next micro-gradient's.
+        valid = jnp.isfinite(w) & (w >= 0)
         if plan.check_values:
-            checkify.check(ok, "weight must be finite and >= 0; got weight={}", w)
-        if plan.skip_nonfinite:
-            valid = ok
+            checkify.check(valid, "weight must be finite and >= 0; got weight={}", w)
     if micro.probe is not None and plan.skip_nonfinite:
         accepted = valid & micro.probe.finite(micro.grads)
     elif micro.vouched is not None and plan.skip_nonfinite and not micro.route.per_device:
@@ -275,14 +277,48 @@ def accept(plan: Plan, micro: Micro, state: AccumulateState, weight: Any) -> Acc
     return Accepted(accepted, valid, w, skip_state)
 
 
-def weigh(micro: Micro, state: AccumulateState, acc: Accepted) -> Weighed:
+def weigh(plan: Plan, micro: Micro, state: AccumulateState, acc: Accepted) -> Weighed:
     """The term's factor, in units of the window's first usable weight (see `weight_unit`)."""
     if acc.weight is None:
         return Weighed(None, state.weight_unit, jnp.ones([], state.acc_weight.dtype))
+    if not plan.bare and _holds_float16(state.acc_grads):
+        return _running_mean_units(micro, state, acc, acc.weight)
     first = micro.route.starts_unit(acc.accepted, acc.valid, state) & (acc.weight > 0)
     unit = jnp.where(first, acc.weight, state.weight_unit)
     scale = acc.weight / unit
     return Weighed(scale, unit, scale)
+
+
+def _holds_float16(acc: Any) -> bool:
+    return any(leaf.dtype == jnp.float16 for leaf in jax.tree.leaves(acc))
+
+
+def _running_mean_units(
+    micro: Micro, state: AccumulateState, acc: Accepted, w: jax.Array
+) -> Weighed:
+    """float16 sums held in units of the window's weight so far: its running weighted mean.
+
+    A later, larger weight (4096 tokens after 1) then shrinks the held sum
+    instead of overflowing float16's 65504; `keep` rescales the held sum in
+    the add's own pass.
+    """
+    dtype = state.acc_weight.dtype
+    if micro.route.per_device:
+        # One unit on every device: the usable weight so far (the same
+        # everywhere), of which each device's accepted weights are a part.
+        so_far = jnp.where(state.micro_step == 0, 0.0, state.weight_unit)
+        unit = so_far + jnp.where(acc.valid, w, 0.0)
+        safe = jnp.where(unit > 0, unit, 1.0)
+        keep = jnp.where(unit > 0, so_far / safe, 1.0).astype(dtype)
+        scale = jnp.where(unit > 0, w / safe, 0.0)
+        return Weighed(scale, unit, scale, keep)
+    # The running weighted mean of this device's window.
+    so_far = state.acc_weight * state.weight_unit
+    grows = acc.accepted & (w > 0)
+    unit = jnp.where(grows, so_far + w, state.weight_unit)
+    keep = jnp.where(grows, so_far / unit, 1.0).astype(dtype)
+    scale = w / unit
+    return Weighed(scale, unit, scale, keep)
 
 
 def add(plan: Plan, micro: Micro, state: AccumulateState, acc: Accepted, w: Weighed) -> Added:
@@ -295,7 +331,9 @@ def add(plan: Plan, micro: Micro, state: AccumulateState, acc: Accepted, w: Weig
     """
     route = micro.route
     held_weight = jnp.zeros([], state.acc_weight.dtype) if plan.bare else state.acc_weight
-    weight, num_skipped = route.count(held_weight, state.num_skipped, acc.accepted, w.term, None)
+    weight, num_skipped = route.count(
+        held_weight, state.num_skipped, acc.accepted, w.term, None, w.keep
+    )
     counted = jnp.array(True) if plan.count_skipped_steps else acc.accepted
     step = (jnp.int32(0) if plan.bare else state.micro_step) + counted.astype(jnp.int32)
     closes = counted & (step >= (jnp.int32(1) if plan.bare else state.window_length))
@@ -306,7 +344,7 @@ def add(plan: Plan, micro: Micro, state: AccumulateState, acc: Accepted, w: Weig
             return route.read(route.add((zeros, None), grads, acc.accepted, w.scale))
 
         return Added(micro.grads, window_of, None, weight, num_skipped, step, closes)
-    held = route.add(route.held(state), micro.grads, acc.accepted, w.scale)
+    held = route.add(route.held(state), micro.grads, acc.accepted, w.scale, w.keep)
 
     def empty(held, reset):
         return route.emptied(held, reset, acc.accepted)
@@ -327,7 +365,13 @@ def reduce_window(plan: Plan, window: engine.Window) -> Any:
             return t.astype(wide) * reciprocal.astype(wide)
 
         return jax.tree.map(mean, window.total)
-    return jax.tree.map(lambda t: t * window.unit.astype(t.dtype), window.total)
+
+    # float16 sums times their unit in float32: the sum may exceed 65504.
+    def in_units(t):
+        wide = jnp.float32 if t.dtype == jnp.float16 else t.dtype
+        return t.astype(wide) * window.unit.astype(wide)
+
+    return jax.tree.map(in_units, window.total)
 
 
 def close(
@@ -337,7 +381,10 @@ def close(
     route, probe, params = micro.route, micro.probe, micro.params
     stats, inner_operand = None, state.inner_state
     if probe is not None:
-        stats = probe.stats(state.noise_scale, acc.accepted, w.term, w.unit)  # type: ignore[arg-type]
+        noise = state.noise_scale
+        if w.keep is not None:
+            noise = noise._replace(acc_sq_norm=noise.acc_sq_norm * w.keep)  # type: ignore[union-attr]
+        stats = probe.stats(noise, acc.accepted, w.term, w.unit)  # type: ignore[arg-type]
         inner_operand = (state.inner_state, state.noise_scale)
 
     def apply(window: engine.Window, inner_operand: Any, params: Any = params):
@@ -394,7 +441,7 @@ def write(
     reset = closed.reset
     new_acc, new_comp = (None, None) if plan.bare else closed.held
     acc_weight, _ = micro.route.count(
-        state.acc_weight, state.num_skipped, acc.accepted, w.term, reset
+        state.acc_weight, state.num_skipped, acc.accepted, w.term, reset, w.keep
     )
     gradient_step = trees.increment_if(state.gradient_step, closed.applied)
     next_length, short = window_length(plan, gradient_step)
@@ -402,7 +449,7 @@ def write(
         next_length = plan.every_k_schedule.next_k(
             gradient_step, state.window_length, noise_scale.estimate(closed.noise)
         )
-    return AccumulateState(
+    return plan.state_type(
         micro_step=jnp.where(reset, 0, added.micro_step).astype(jnp.int32),
         gradient_step=gradient_step,
         window_length=jnp.where(reset, next_length, state.window_length).astype(jnp.int32),
@@ -428,11 +475,14 @@ def update(
     extra_args: dict[str, Any],
 ) -> tuple[optax.Updates, AccumulateState]:
     """One micro-step: accept, weigh, add, close (the gate), write."""
+    placement.refuse_window_output(updates, "gradaccum_jax.accumulate")
     micro = receive(plan, updates, state, params, weight, extra_args)
     acc = accept(plan, micro, state, weight)
-    w = weigh(micro, state, acc)
+    w = weigh(plan, micro, state, acc)
     added = add(plan, micro, state, acc, w)
     closed = close(plan, micro, state, acc, w, added)
-    if micro.receipt is not None:
+    if micro.receipt is None:
+        placement.mark_window_output(closed.updates)
+    else:
         micro.receipt.returned(closed.updates)
     return closed.updates, write(plan, micro, state, acc, w, added, closed)

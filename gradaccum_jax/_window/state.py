@@ -23,7 +23,10 @@ class AccumulateState(NamedTuple):
 
     Every field keeps its shape and dtype from `init` on, so the state can be
     carried through `jax.lax.scan`, donated, sharded and checkpointed
-    mid-window like any other pytree.
+    mid-window like any other pytree. An `accumulate` built with
+    `count_skipped_steps=False` returns a subclass with the same fields,
+    `UncountedAccumulateState`, whose type records that option (see
+    `closes_window`).
 
     Attributes:
       micro_step: `int32[]`. Micro-steps already taken in the current window,
@@ -50,9 +53,12 @@ class AccumulateState(NamedTuple):
         is passed): the window's mean is `acc_grads / acc_weight`. Local to
         the replica when `axis_name` is set.
       weight_unit: Scalar of `acc_weight`'s dtype. The first positive accepted `weight` of the
-        current window (`1` without `weight=`). Holding the sum in this unit
-        keeps it at the gradients' magnitude, so large weights (token counts)
-        cannot overflow a float16 accumulator. Local to the replica when
+        current window (`1` without `weight=`); for a float16 accumulator the
+        window's accepted weight so far (in a global-view window, its usable
+        weight so far, the same on every device), so that `acc_grads` is the
+        running weighted mean. Holding the sum in this unit keeps it at the
+        gradients' magnitude, so large weights (token counts) cannot overflow
+        a float16 accumulator, in any order. Local to the replica when
         `axis_name` is set.
       num_skipped: `int32[]`. Micro-gradients dropped so far because a leaf
         or the weight was not finite (or the weight was negative). Saturates
@@ -91,3 +97,33 @@ class AccumulateState(NamedTuple):
     acc_compensation: optax.Updates | None = None
     skip_state: Any = ()
     noise_scale: NoiseScaleState | None = None
+
+
+class UncountedAccumulateState(AccumulateState):
+    """The `AccumulateState` of `accumulate(..., count_skipped_steps=False)`.
+
+    The same fields; the type records that a dropped micro-step does not count
+    toward the window, so that the window closes only on an accepted one and
+    whether the next call closes it is not known before the call
+    (`closes_window` refuses the question and names what to read instead).
+    """
+
+    __slots__ = ()
+
+
+class LossScaleState(NamedTuple):
+    """State of `dynamic_loss_scale` and `static_loss_scale`.
+
+    Attributes:
+      loss_scale: `float32[]`. The factor to multiply the next loss by
+        (read it with `current_loss_scale`); `update` divides the
+        gradients it receives by this value.
+      growth_count: `int32[]`. Finite `update` calls since the scale last
+        changed, in `[0, growth_interval)`; always `0` for a static scale.
+      num_overflows: `int32[]`. `update` calls whose gradients had a
+        non-finite value. Saturates at the int32 maximum.
+    """
+
+    loss_scale: jax.Array
+    growth_count: jax.Array
+    num_overflows: jax.Array

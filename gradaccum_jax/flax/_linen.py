@@ -100,6 +100,11 @@ class AccumBatchNorm(nn.Module):
     `closes=False` has seen the training calls, as the train step below
     does on every micro-step.
 
+    To serve or export (`jax.export` refuses the check's host callback),
+    evaluate with the statistics `batch_stats_to_flax` returns: with `mean`
+    and `var` alone the layer normalises without the check, which
+    `batch_stats_to_flax` ran once, refusing an uncommitted window.
+
     Extra variables in `batch_stats` (all `float32`; `F` is the feature
     shape): `window_count[F]` (entries seen in the window),
     `window_sum[F]` and `window_sum_sq[F]` (`S` and `Q`),
@@ -233,14 +238,32 @@ class AccumBatchNorm(nn.Module):
             )
 
         ra_mean, ra_var = stat("mean", 0.0), stat("var", 1.0)
-        window_vars = _Window(*(stat(name, 0.0) for name in _WINDOW_KEYS))
-        momentum = self.variable("batch_stats", "momentum", lambda: _momentum_pair(self.momentum))
-        pending = self.variable("batch_stats", "window_pending", lambda: jnp.zeros((), jnp.float32))
         scale = bias = None
         if self.use_scale:
             scale = self.param("scale", self.scale_init, feature_shape, self.param_dtype)
         if self.use_bias:
             bias = self.param("bias", self.bias_init, feature_shape, self.param_dtype)
+        if (
+            use_running_average
+            and not self.is_initializing()
+            and not self.has_variable("batch_stats", "window_count")
+        ):
+            # Serving statistics (batch_stats_to_flax, which refused an uncommitted
+            # window): no window to check, so no host callback, and jax.export works.
+            return _normalize(
+                x,
+                ra_mean.value,
+                ra_var.value,
+                scale,
+                bias,
+                feature_axes,
+                reduction_axes,
+                self.epsilon,
+                self.dtype,
+            )
+        window_vars = _Window(*(stat(name, 0.0) for name in _WINDOW_KEYS))
+        momentum = self.variable("batch_stats", "momentum", lambda: _momentum_pair(self.momentum))
+        pending = self.variable("batch_stats", "window_pending", lambda: jnp.zeros((), jnp.float32))
 
         where = "AccumBatchNorm " + ("/".join(self.path) or "(top level)")
         if use_running_average:
@@ -426,14 +449,25 @@ def batch_stats_to_flax(batch_stats: Any) -> Any:
     """Converts `AccumBatchNorm` statistics back to `nn.BatchNorm`'s.
 
     Keeps `mean` and `var` of every `AccumBatchNorm` state and drops the
-    window; statistics of a window that was not committed are discarded, so
-    call `commit_batch_stats` first if the window is not empty.
+    window. These are also the statistics to serve and export a model with
+    `AccumBatchNorm` layers: evaluated with them (`use_running_average=True`)
+    the layer normalises with `mean` and `var` alone, without the
+    stale-window check and its host callback, so the function goes through
+    `jax.export`. The check runs here instead, once: a window that holds
+    training calls no `commit_batch_stats` call has seen is refused (call it
+    on the host, outside the function to export; under `jit` the check
+    is a host callback, as in an evaluation call).
 
     Args:
       batch_stats: A `batch_stats` collection with `AccumBatchNorm` states.
 
     Returns:
-      The collection for the same model with `nn.BatchNorm` layers.
+      The collection for the same model with `nn.BatchNorm` layers, or
+      for serving it with `AccumBatchNorm` layers.
+
+    Raises:
+      ValueError: If a layer's window holds statistics of training calls that
+        no commit call has seen (they would be lost); commit first.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -444,9 +478,14 @@ def batch_stats_to_flax(batch_stats: Any) -> Any:
     """
     is_state = _is_mapping_with(_ACCUM_KEYS)
 
-    def convert(node):
+    def convert(path, node):
         if not is_state(node):
             return node
+        where = "AccumBatchNorm " + (jax.tree_util.keystr(path) or "(top level)")
+        reading = "converted by batch_stats_to_flax (which keeps only mean and var)"
+        _check_committed(
+            jnp.asarray(node["window_count"]), jnp.asarray(node["window_pending"]), where, reading
+        )
         return type(node)({key: value for key, value in node.items() if key in _FLAX_KEYS})
 
-    return jax.tree.map(convert, batch_stats, is_leaf=is_state)
+    return jax.tree_util.tree_map_with_path(convert, batch_stats, is_leaf=is_state)

@@ -276,12 +276,24 @@ class NNXAccumBatchNorm(nnx.Module):
     def to_batchnorm(self) -> nnx.BatchNorm:
         """Returns an `nnx.BatchNorm` with this layer's configuration and variables.
 
-        The window is dropped; call `commit` first if it is not empty.
+        The window is dropped. The returned layer is the one to serve and
+        export: it has no stale-window check and so no host callback, and
+        `jax.export` takes it.
 
         Returns:
           A new `nnx.BatchNorm` with copies of `mean`, `var`, `scale` and
           `bias`.
+
+        Raises:
+          ValueError: If the window holds statistics of training calls that no
+            commit call has seen (they would be lost); commit first.
         """
+        _check_committed(
+            self.window_count[...],
+            self.window_pending[...],
+            "NNXAccumBatchNorm",
+            "converted by to_batchnorm (which keeps only mean and var)",
+        )
         bn = nnx.BatchNorm(**_shared_config(self), rngs=nnx.Rngs(0))
         _copy_variables(self, bn)
         return bn

@@ -9,11 +9,16 @@ that the params are updated inside the window's close (see `apply_gradients`).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from typing import Any
 
+import jax
 from flax import nnx
 from flax.training import train_state
 
+from gradaccum_jax._base import compat
+from gradaccum_jax._window import accumulate as _accumulation
 from gradaccum_jax._window.fused import apply_gradients
 
 
@@ -25,8 +30,9 @@ class TrainState(train_state.TrainState):
     (alone, last in an `optax.chain`, or under `optax.inject_hyperparams`) the
     params are updated inside the window's close, and a micro-step moves only
     the gradient and the accumulator. The params come out as with Flax's class.
-    `step` still counts calls (micro-steps); read `gradaccum_jax.optimizer_step`
-    for optimizer steps.
+    `step` still counts calls (micro-steps); read the `optimizer_step` property
+    for optimizer steps. Keywords of `apply_gradients` that name no field of
+    the state (`weight=`, `value=`) go to `tx.update`.
 
     The same in one line on Flax's own class, for a subclass of your own:
     `params, opt_state = gradaccum_jax.apply_gradients(state.tx, grads,
@@ -47,27 +53,73 @@ class TrainState(train_state.TrainState):
     """
 
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
-        """Updates `step`, `params` and `opt_state` (and `.replace`s `kwargs`), as Flax's.
+        """Updates `step`, `params` and `opt_state`, as Flax's; other keywords: fields or `tx`'s.
+
+        A keyword that names a field of the state (`step`, `params`, `opt_state`,
+        `apply_fn`, `tx`, or a field of your subclass, such as `batch_stats`) is
+        replaced, as in Flax. Any other keyword is an extra argument of
+        `tx.update`: `weight=` for a weighted window, `value=` for
+        `optax.contrib.reduce_on_plateau`. A keyword one letter or so from a
+        field's name (`param=`, `batch_stat=`) is refused rather than passed on,
+        since optax drops extra arguments that no transformation takes.
 
         Args:
           grads: Gradients with the structure of `params` (a top-level
             `overwrite_with_gradient` collection replaces its params, as in Flax).
-          **kwargs: Other fields to replace.
+          **kwargs: Fields to replace, and extra arguments for `tx.update`.
 
         Returns:
           The new state, `step` incremented by one.
+
+        Raises:
+          TypeError: If a keyword is not a field but close to a field's name.
+
+        Examples:
+          >>> import jax.numpy as jnp, optax
+          >>> import gradaccum_jax as ga
+          >>> from gradaccum_jax.flax import TrainState
+          >>> state = TrainState.create(
+          ...     apply_fn=None, params={"w": jnp.ones(1)}, tx=ga.accumulate(optax.sgd(1.0), 2)
+          ... )
+          >>> state = state.apply_gradients(grads={"w": jnp.ones(1)}, weight=3.0)
+          >>> state = state.apply_gradients(grads={"w": jnp.full(1, 5.0)}, weight=1.0)
+          >>> state.params["w"], state.optimizer_step  # 1 - (3 * 1 + 1 * 5) / 4
+          (Array([-1.], dtype=float32), Array(1, dtype=int32))
         """
+        fields = [field.name for field in dataclasses.fields(self)]
+        to_replace = {name: value for name, value in kwargs.items() if name in fields}
+        extra_args = {name: value for name, value in kwargs.items() if name not in fields}
+        for name in extra_args:
+            close = difflib.get_close_matches(name, fields, n=1, cutoff=0.8)
+            if close:
+                raise TypeError(
+                    f"apply_gradients got {name}=, which is not a field of "
+                    f"{type(self).__name__} ({', '.join(fields)}) but is close to "
+                    f"{close[0]!r}. Keywords that name a field are replaced; any other goes "
+                    f"to tx.update as an extra argument, where a misspelt field would be "
+                    f"dropped without a word. Did you mean {close[0]}=?"
+                )
         overwrite = train_state.OVERWRITE_WITH_GRADIENT
         if overwrite in grads:
             new_params, new_opt_state = apply_gradients(
-                self.tx, grads["params"], self.opt_state, self.params["params"]
+                self.tx, grads["params"], self.opt_state, self.params["params"], **extra_args
             )
             new_params = {"params": new_params, overwrite: grads[overwrite]}
         else:
-            new_params, new_opt_state = apply_gradients(self.tx, grads, self.opt_state, self.params)
+            new_params, new_opt_state = apply_gradients(
+                self.tx, grads, self.opt_state, self.params, **extra_args
+            )
         return self.replace(
-            step=self.step + 1, params=new_params, opt_state=new_opt_state, **kwargs
+            step=self.step + 1, params=new_params, opt_state=new_opt_state, **to_replace
         )
+
+    @property
+    def optimizer_step(self) -> jax.Array:
+        """Optimizer steps (windows that applied an update) so far; `step` counts calls.
+
+        `gradaccum_jax.optimizer_step(self.opt_state)`: an `int32` scalar.
+        """
+        return _accumulation.optimizer_step(self.opt_state)
 
 
 class Optimizer(nnx.Optimizer):
@@ -78,7 +130,8 @@ class Optimizer(nnx.Optimizer):
     gradaccum_jax.accumulate(...)` the model's params are updated inside the
     window's close, and a micro-step moves only the gradient and the
     accumulator. `update` returns `None`: the updates that Flax's returns are
-    what the fused step avoids writing. `step` counts calls (micro-steps).
+    what the fused step avoids writing. `step` counts calls (micro-steps),
+    `optimizer_step` the windows that applied an update.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -101,9 +154,8 @@ class Optimizer(nnx.Optimizer):
           grads: The gradients from `nnx.grad`.
           **kwargs: Extra arguments for `tx.update` (`weight=`, `value=`, ...).
         """
-        # Newer flax names nnx.pure nnx.as_pure and takes a graph option; flax 0.12.1
-        # (the oldest supported) has neither.
-        pure = getattr(nnx, "as_pure", None) or nnx.pure
+        # Newer flax takes a graph option; flax 0.12.1 (the oldest supported) has none.
+        pure = compat.plain_values
         graph = {"graph": self.graph} if hasattr(self, "graph") else {}
         params = pure(nnx.state(model, self.wrt, **graph))
         grads = pure(nnx.state(grads, self.wrt, **graph))
@@ -114,3 +166,11 @@ class Optimizer(nnx.Optimizer):
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, **graph))
         self.step[...] += 1
+
+    @property
+    def optimizer_step(self) -> jax.Array:
+        """Optimizer steps (windows that applied an update) so far; `step` counts calls.
+
+        `gradaccum_jax.optimizer_step(self.opt_state)`: an `int32` scalar.
+        """
+        return _accumulation.optimizer_step(self.opt_state)

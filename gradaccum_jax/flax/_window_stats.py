@@ -97,9 +97,9 @@ def _momentum_pair(momentum: Any) -> jax.Array:
     return jnp.asarray([momentum, 1 - momentum], jnp.float32)
 
 
-def _uncommitted_message(where: str) -> str:
+def _uncommitted_message(where: str, reading: str) -> str:
     return (
-        f"{where} is read with use_running_average=True while its window holds the "
+        f"{where} is {reading} while its window holds the "
         "statistics of training calls that no commit has seen: the running mean and var "
         "are still what they were at the previous commit (their initial values if there "
         "was none), whatever the optimizer did to the parameters. Commit in the train "
@@ -113,7 +113,12 @@ def _uncommitted_message(where: str) -> str:
     )
 
 
-def _check_committed(window_count: jax.Array, pending: jax.Array, where: str) -> None:
+def _check_committed(
+    window_count: jax.Array,
+    pending: jax.Array,
+    where: str,
+    reading: str = "read with use_running_average=True",
+) -> None:
     """Raises if the window holds statistics that no commit call has seen.
 
     Runs on every evaluation call: directly for concrete values, through a
@@ -123,7 +128,7 @@ def _check_committed(window_count: jax.Array, pending: jax.Array, where: str) ->
     # Per-device windows (global view) are summed first: an evaluation call, not the hot path.
     window_count = partials.reduced(window_count)
     stale = jnp.any(window_count > 0) & jnp.any(pending > 0)
-    message = _uncommitted_message(where)
+    message = _uncommitted_message(where, reading)
 
     def raise_if_stale(flag):
         # Re-checked on the host: under vmap the conditional runs both branches.
