@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from gradaccum_jax._compat import pcast_to_varying, varying_axes
+from gradaccum_jax._compat import partitions, pcast_to_varying, reshard, varying_axes
 
 __all__ = ["clip_loss", "info_nce", "siglip_loss"]
 
@@ -408,10 +408,10 @@ def _setup(n, mask, labels, axis_name):
     valid = jnp.ones(n, jnp.bool_) if mask is None else mask
     if axis_name is None:
         lab = jnp.arange(n, dtype=jnp.int32) if labels is None else labels
-        return valid, lab, 1
+        return valid, lab.astype(jnp.int32), 1
     index, count = _device_index_and_count(axis_name)
     lab = index * n + jnp.arange(n, dtype=jnp.int32) if labels is None else labels
-    return valid, lab, count
+    return valid, lab.astype(jnp.int32), count
 
 
 def _normalise(total, valid, count, axis_name):
@@ -419,6 +419,114 @@ def _normalise(total, valid, count, axis_name):
     if axis_name is not None:
         n_valid = jax.lax.psum(n_valid, axis_name)
     return count * total / jnp.maximum(n_valid, 1.0)
+
+
+def _clip(a, b, scale, bias, mask, labels, block_size, axis_name):
+    valid, lab, count = _setup(a.shape[0], mask, labels, axis_name)
+    pair = jnp.ones(a.shape[0], jnp.bool_)
+    if axis_name is None:
+        # One pass over the tiles gives both directions: per-row and per-column statistics.
+        row, col = _run(_SOFTMAX, True, block_size, a, b, scale, bias, lab, lab, valid, valid, pair)
+        return _normalise(0.5 * (row.sum() + col.sum()), valid, count, axis_name)
+    # Sharded: this device's rows of `a` against all of `b`, and its rows of `b` against all
+    # of `a`; the columns of the other devices' rows are theirs to compute.
+    g_lab, g_valid, g_pair = (_gather(x, axis_name) for x in (lab, valid, pair))
+
+    def one_way(rows, cols):
+        return _run(
+            _SOFTMAX, False, block_size, rows, _gather(cols, axis_name), scale, bias,
+            lab, g_lab, valid, g_valid, g_pair,
+        )[0]  # fmt: skip
+
+    a2b, b2a = one_way(a, b), one_way(b, a)
+    return _normalise(0.5 * (a2b.sum() + b2a.sum()), valid, count, axis_name)
+
+
+def _info_nce(q, k, scale, bias, mask, labels, block_size, axis_name):
+    n, m = q.shape[0], k.shape[0]
+    valid, lab, count = _setup(n, mask, labels, axis_name)
+    extra = m - n
+    clab = jnp.concatenate([lab, jnp.zeros(extra, jnp.int32)])
+    cvalid = jnp.concatenate([valid, jnp.ones(extra, jnp.bool_)])
+    cpair = jnp.arange(m) < n
+    if axis_name is not None:
+        k, clab, cvalid, cpair = (_gather(x, axis_name) for x in (k, clab, cvalid, cpair))
+    row, _ = _run(_SOFTMAX, False, block_size, q, k, scale, bias, lab, clab, valid, cvalid, cpair)
+    return _normalise(row.sum(), valid, count, axis_name)
+
+
+def _siglip(a, b, scale, bias, mask, labels, block_size, axis_name):
+    valid, lab, count = _setup(a.shape[0], mask, labels, axis_name)
+    clab, cvalid, cpair = lab, valid, jnp.ones(a.shape[0], jnp.bool_)
+    if axis_name is not None:
+        b, clab, cvalid, cpair = (_gather(x, axis_name) for x in (b, clab, cvalid, cpair))
+    row, _ = _run(_SIGMOID, False, block_size, a, b, scale, bias, lab, clab, valid, cvalid, cpair)
+    return _normalise(row.sum(), valid, count, axis_name)
+
+
+def _explicit_batch_axes(x: jax.Array) -> tuple[Any, ...] | None:
+    """The Explicit mesh axes the rows of `x` are sharded over under global-view jit."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None:
+        return None
+    entries = partitions(spec)
+    if not entries or entries[0] is None:
+        return None
+    axes = entries[0] if isinstance(entries[0], tuple) else (entries[0],)
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if not all(types.get(axis) == jax.sharding.AxisType.Explicit for axis in axes):
+        return None
+    return axes
+
+
+def _dispatch(impl, x, y, scale, bias, mask, labels, block_size, axis_name):
+    """Runs `impl`; under jit with rows sharded over Explicit mesh axes, one shard per device.
+
+    With Auto axes the compiler partitions the tiled loops itself. Explicit axes make
+    sharding part of the types, where the tiles' products of two row-sharded blocks have
+    no legal sharding; there each device runs `impl` on its own rows with `axis_name`
+    inside `jax.shard_map`, and the mean over devices is the loss.
+    """
+    if axis_name is None:
+        axes = _explicit_batch_axes(x) or _explicit_batch_axes(y)
+        if axes is not None:
+            return _global_view(impl, axes, x, y, scale, bias, mask, labels, block_size)
+    return impl(x, y, scale, bias, mask, labels, block_size, axis_name)
+
+
+def _global_view(impl, axes, x, y, scale, bias, mask, labels, block_size):
+    mesh = jax.typeof(x).sharding.mesh if _explicit_batch_axes(x) else jax.typeof(y).sharding.mesh
+    size = 1
+    for axis in axes:
+        size *= mesh.shape[axis]
+    n, m = x.shape[0], y.shape[0]
+    valid = jnp.ones(n, jnp.bool_) if mask is None else mask
+    lab = jnp.arange(n, dtype=jnp.int32) if labels is None else labels.astype(jnp.int32)
+    if n % size or (m - n) % size:
+        # Rows that do not split evenly: every device computes the whole loss (N x D each).
+        x, y, valid, lab = reshard((x, y, valid, lab), jax.P())
+        return impl(x, y, scale, bias, valid, lab, block_size, None)
+    rows, vec = jax.P(axes, None), jax.P(axes)
+    # Extra keys (info_nce with M > N) are split like the paired ones; each device appends
+    # its share after its paired keys, the layout `impl` expects under axis_name.
+    pairs, extra = y[:n], y[n:]
+    x, pairs, extra = reshard(x, rows), reshard(pairs, rows), reshard(extra, rows)
+    valid, lab = reshard(valid, vec), reshard(lab, vec)
+    scale, bias = reshard(scale, jax.P()), reshard(bias, jax.P())
+    name = axes if len(axes) > 1 else axes[0]
+
+    def local(x, pairs, extra, scale, bias, valid, lab):
+        y = jnp.concatenate([pairs, extra])
+        return jax.lax.pmean(impl(x, y, scale, bias, valid, lab, block_size, name), name)
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, jax.P(), jax.P(), vec, vec),
+        out_specs=jax.P(),
+        axis_names=set(axes),
+    )(x, pairs, extra, scale, bias, valid, lab)
 
 
 # ----------------------------------------------------------------------------- public
@@ -484,26 +592,8 @@ def clip_loss(
     labels = _check_rows("labels", labels, a.shape[0], "labels")
     block_size = _check_block_size(block_size)
     _check_axis_name(axis_name)
-    valid, lab, count = _setup(a.shape[0], mask, labels, axis_name)
-    lab = lab.astype(jnp.int32)
     zero = jnp.zeros((), jnp.float32)
-    pair = jnp.ones(a.shape[0], jnp.bool_)
-    if axis_name is None:
-        row, col = _run(_SOFTMAX, True, block_size, a, b, scale, zero, lab, lab, valid, valid, pair)
-        total = 0.5 * (row.sum() + col.sum())
-    else:
-        g_lab, g_valid = _gather(lab, axis_name), _gather(valid, axis_name)
-        g_pair = _gather(pair, axis_name)
-        a2b, _ = _run(
-            _SOFTMAX, False, block_size, a, _gather(b, axis_name), scale, zero,
-            lab, g_lab, valid, g_valid, g_pair,
-        )  # fmt: skip
-        b2a, _ = _run(
-            _SOFTMAX, False, block_size, b, _gather(a, axis_name), scale, zero,
-            lab, g_lab, valid, g_valid, g_pair,
-        )  # fmt: skip
-        total = 0.5 * (a2b.sum() + b2a.sum())
-    return _normalise(total, valid, count, axis_name)
+    return _dispatch(_clip, a, b, scale, zero, mask, labels, block_size, axis_name)
 
 
 def info_nce(
@@ -557,23 +647,12 @@ def info_nce(
     k = _check_embeddings("k", k)
     _check_pair("q", q, "k", k, square=False)
     scale = _check_scalar("scale", scale)
-    n, m = q.shape[0], k.shape[0]
-    mask = _check_rows("mask", mask, n, "mask")
-    labels = _check_rows("labels", labels, n, "labels")
+    mask = _check_rows("mask", mask, q.shape[0], "mask")
+    labels = _check_rows("labels", labels, q.shape[0], "labels")
     block_size = _check_block_size(block_size)
     _check_axis_name(axis_name)
-    valid, lab, count = _setup(n, mask, labels, axis_name)
-    lab = lab.astype(jnp.int32)
-    extra = m - n
-    clab = jnp.concatenate([lab, jnp.zeros(extra, jnp.int32)])
-    cvalid = jnp.concatenate([valid, jnp.ones(extra, jnp.bool_)])
-    cpair = jnp.arange(m) < n
-    if axis_name is not None:
-        k, clab = _gather(k, axis_name), _gather(clab, axis_name)
-        cvalid, cpair = _gather(cvalid, axis_name), _gather(cpair, axis_name)
     zero = jnp.zeros((), jnp.float32)
-    row, _ = _run(_SOFTMAX, False, block_size, q, k, scale, zero, lab, clab, valid, cvalid, cpair)
-    return _normalise(row.sum(), valid, count, axis_name)
+    return _dispatch(_info_nce, q, k, scale, zero, mask, labels, block_size, axis_name)
 
 
 def siglip_loss(
@@ -632,13 +711,4 @@ def siglip_loss(
     labels = _check_rows("labels", labels, a.shape[0], "labels")
     block_size = _check_block_size(block_size)
     _check_axis_name(axis_name)
-    valid, lab, count = _setup(a.shape[0], mask, labels, axis_name)
-    lab = lab.astype(jnp.int32)
-    clab, cvalid, cpair, cols = lab, valid, jnp.ones(a.shape[0], jnp.bool_), b
-    if axis_name is not None:
-        clab, cvalid = _gather(lab, axis_name), _gather(valid, axis_name)
-        cpair, cols = _gather(cpair, axis_name), _gather(b, axis_name)
-    row, _ = _run(
-        _SIGMOID, False, block_size, a, cols, scale, bias, lab, clab, valid, cvalid, cpair
-    )
-    return _normalise(row.sum(), valid, count, axis_name)
+    return _dispatch(_siglip, a, b, scale, bias, mask, labels, block_size, axis_name)
