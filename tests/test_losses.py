@@ -460,3 +460,15 @@ def _x(*shape, dtype=jnp.float32):
 def test_bad_input_names_the_argument_and_the_fix(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_global_view_extra_keys_that_do_not_split_evenly():
+    # 4 extra keys over 8 devices: every device computes the whole loss (replicated rows).
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    q, k = _embeddings(48, 12, 52, seed=8)
+    sq = jax.device_put(q, NamedSharding(mesh, P("d")))
+    sk = jax.device_put(k, NamedSharding(mesh, P()))
+    fn = jax.value_and_grad(lambda q, k: losses.info_nce(q, k, 3.0, block_size=16), (0, 1))
+    with jax.set_mesh(mesh):
+        got = jax.jit(fn)(sq, sk)
+    _assert_close(got, fn(q, k))
