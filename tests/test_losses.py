@@ -146,22 +146,23 @@ def test_the_result_does_not_depend_on_the_block_size(name):
         _assert_close(other, results[0])
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("name", sorted(LOSSES))
-def test_bfloat16_inputs_use_float32_statistics(name):
-    # Logits up to 30 with no dominant positive: bfloat16 running sums of a few hundred
-    # exponentials would be ~1e-3 off. The tiled loss equals the float32 loss of the same
-    # (bfloat16) values.
+def test_16_bit_inputs_use_float32_statistics(name, dtype):
+    # Logits up to 30 with no dominant positive: 16-bit logits or running sums of a few
+    # hundred exponentials would be ~1e-3 off. The tiled loss equals the float32 loss of
+    # the same (16-bit) values.
     tiled, dense = LOSSES[name]
     m = 230 if name == "info_nce" else None
-    x, y = _embeddings(200, 32, m, dtype=jnp.bfloat16, aligned=False)
+    x, y = _embeddings(200, 32, m, dtype=dtype, aligned=False)
     fn = jax.jit(jax.value_and_grad(functools.partial(tiled, block_size=64), ARGNUMS))
     value, grads = fn(x, y, jnp.float32(30.0), jnp.float32(-5.0))
     x32, y32 = x.astype(jnp.float32), y.astype(jnp.float32)
     want_value, want_grads = jax.value_and_grad(dense, ARGNUMS)(x32, y32, 30.0, -5.0)
     assert value.dtype == jnp.float32
     _assert_close(value, want_value)
-    assert grads[0].dtype == grads[1].dtype == jnp.bfloat16
-    # Gradients come back in the inputs' dtype: bfloat16 rounding (8 bits) of float32 sums.
+    assert grads[0].dtype == grads[1].dtype == dtype
+    # Gradients come back in the inputs' dtype: 16-bit rounding (8 or 11 bits) of float32 sums.
     _assert_close(grads[:2], want_grads[:2], rtol=1e-2)
     _assert_close(grads[2], want_grads[2])
 
