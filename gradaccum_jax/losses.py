@@ -369,6 +369,10 @@ def _run(mode, both, block_size, q, k, scale, bias, rlab, clab, rvalid, cvalid, 
     bs = min(block_size, max(n, m))
     bs = -(-bs // 8) * 8
     np_, mp = -(-n // bs) * bs, -(-m // bs) * bs
+    # Masked rows take no part: zeroed, so that padding holding inf or NaN cannot reach
+    # the sums through a zero weight (0 * NaN is NaN).
+    q = jnp.where(rvalid[:, None], q, jnp.zeros((), q.dtype))
+    k = jnp.where(cvalid[:, None], k, jnp.zeros((), k.dtype))
     row_term, col_term = _pairwise(
         mode,
         both,

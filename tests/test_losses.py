@@ -197,6 +197,17 @@ def test_masked_rows_are_as_if_absent(name):
     assert not np.asarray(grads[0])[~np.asarray(mask)].any()  # padding gets no gradient
 
 
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_masked_rows_holding_nan_do_not_spread(name):
+    tiled, _ = LOSSES[name]
+    x, y = _embeddings(40, 8, 45 if name == "info_nce" else None)
+    mask = jnp.arange(40) < 33
+    fn = jax.jit(jax.value_and_grad(functools.partial(tiled, block_size=16), ARGNUMS))
+    clean = fn(x, y, 3.0, -1.0, mask=mask)
+    nan_x, nan_y = x.at[35].set(jnp.nan), y.at[36].set(jnp.inf)
+    _assert_close(fn(nan_x, nan_y, 3.0, -1.0, mask=mask), clean)
+
+
 def test_an_all_masked_batch_has_zero_loss_and_gradient():
     x, y = _embeddings(20, 8)
     mask = jnp.zeros(20, bool)
@@ -367,6 +378,28 @@ def test_shard_map_accumulate_takes_the_global_batch_step():
     grads = [jax.grad(lambda q, x=x, y=y: _model_loss("clip", q, x, y))(params) for x, y in batches]
     want = jax.tree.map(lambda w, g0, g1: w - 0.5 * (g0 + g1) / 2, params, *grads)
     _assert_close(p, want)
+
+
+def test_shard_map_over_two_mesh_axes():
+    # axis_name=("x", "y"): rows are numbered in all_gather's order over both axes, so the
+    # default diagonal positives pair the right rows.
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto, AxisType.Auto))
+    x, y = _embeddings(8 * 5, 12, seed=11)
+    params = _towers()
+
+    def body(params, x, y):
+        params = pcast_to_varying(params, ("x", "y"))
+        value, grads = jax.value_and_grad(
+            lambda p: _model_loss("clip", p, x, y, axis_name=("x", "y"))
+        )(params)
+        return jax.lax.pmean(value, ("x", "y")), jax.lax.pmean(grads, ("x", "y"))
+
+    spec = P(("x", "y"))
+    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), spec, spec), out_specs=(P(), P())))(
+        params, x, y
+    )
+    want = jax.value_and_grad(lambda p: _model_loss("clip", p, x, y))(params)
+    _assert_close(got, want)
 
 
 def test_pmap_mean_over_devices_is_the_global_loss():
