@@ -8,7 +8,7 @@ used and dropped, and
 
 * the softmax losses keep an online log-sum-exp per row (and per column for
   `clip_loss`): a running maximum and a running sum of exponentials, both in
-  float32 whatever the input dtype;
+  float32 for 16- and 32-bit inputs (float64 for float64 inputs);
 * the backward pass (a `jax.custom_vjp`) recomputes each tile from the inputs
   and the saved per-row log-sum-exp, so what stays alive between the passes is
   the inputs and a few N-vectors.
@@ -194,14 +194,20 @@ def _vary(tree: Any, axes: frozenset) -> Any:
     return jax.tree.map(cast, tree)
 
 
+def _acc_dtype(q: jax.Array, k: jax.Array) -> Any:
+    # float32 for 16- and 32-bit inputs; float64 inputs (with jax_enable_x64) keep float64.
+    return jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), jnp.float32)
+
+
 def _tile(q, k, i, j, bs):
+    acc = _acc_dtype(q, k)
     qb = jax.lax.dynamic_slice_in_dim(q, i * bs, bs)
     kb = jax.lax.dynamic_slice_in_dim(k, j * bs, bs)
     raw = jax.lax.dot_general(
         qb,
         kb,
         (((1,), (1,)), ((), ())),
-        preferred_element_type=jnp.float32,
+        preferred_element_type=acc,
         precision=jax.lax.Precision.HIGHEST,
     )
     return qb, kb, raw
@@ -222,7 +228,8 @@ def _positives(rlab_b, clab_b, rv_b, cv_b, cp_b):
 
 def _pairwise_fwd(mode, both, bs, q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair):
     nr, nc = q.shape[0] // bs, k.shape[0] // bs
-    scale32, bias32 = scale.astype(jnp.float32), bias.astype(jnp.float32)
+    acc = _acc_dtype(q, k)
+    scale_acc, bias_acc = scale.astype(acc), bias.astype(acc)
     mc = k.shape[0]
     axes = _joint_axes(q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair)
 
@@ -232,11 +239,11 @@ def _pairwise_fwd(mode, both, bs, q, k, scale, bias, rlab, clab, rvalid, cvalid,
         def col_block(carry, j):
             (m, sumexp, psum_, pcnt), cols = carry
             _, _, raw = _tile(q, k, i, j, bs)
-            s = scale32 * raw
+            s = scale_acc * raw
             cl, cv, cp = _block(clab, j, bs), _block(cvalid, j, bs), _block(cpair, j, bs)
             pos = _positives(rl, cl, rv, cv, cp)
             if mode == _SIGMOID:
-                x = s + bias32
+                x = s + bias_acc
                 term = jax.nn.softplus(jnp.where(pos, -x, x))
                 term = jnp.where(rv[:, None] & cv[None, :], term, 0.0)
                 return ((m, sumexp + term.sum(1), psum_, pcnt), cols), None
@@ -262,24 +269,22 @@ def _pairwise_fwd(mode, both, bs, q, k, scale, bias, rlab, clab, rvalid, cvalid,
                 )
             return ((new_m, sumexp, psum_, pcnt), cols), None
 
-        zeros = jnp.zeros(bs, jnp.float32)
-        init = _vary(
-            ((jnp.full(bs, _FLOOR, jnp.float32), zeros, zeros, jnp.zeros(bs, jnp.int32)),), axes
-        )
+        zeros = jnp.zeros(bs, acc)
+        init = _vary(((jnp.full(bs, _FLOOR, acc), zeros, zeros, jnp.zeros(bs, jnp.int32)),), axes)
         ((m, sumexp, psum_, pcnt), col_carry), _ = jax.lax.scan(
             col_block, (*init, col_carry), jnp.arange(nc)
         )
         if mode == _SIGMOID:
-            return col_carry, (sumexp, jnp.zeros(bs, jnp.float32), pcnt)
+            return col_carry, (sumexp, jnp.zeros(bs, acc), pcnt)
         lse = m + jnp.log(sumexp)
         term = jnp.where(rv, lse - psum_ / jnp.maximum(pcnt, 1), 0.0)
         return col_carry, (term, lse, pcnt)
 
     cols0 = (
         (
-            jnp.full(mc, _FLOOR, jnp.float32),
-            jnp.zeros(mc, jnp.float32),
-            jnp.zeros(mc, jnp.float32),
+            jnp.full(mc, _FLOOR, acc),
+            jnp.zeros(mc, acc),
+            jnp.zeros(mc, acc),
             jnp.zeros(mc, jnp.int32),
         )
         if both
@@ -294,8 +299,8 @@ def _pairwise_fwd(mode, both, bs, q, k, scale, bias, rlab, clab, rvalid, cvalid,
         out = (term, cterm)
         saved_cols = (clse, ccnt)
     else:
-        out = (term, jnp.zeros(mc, jnp.float32))
-        saved_cols = (jnp.zeros(mc, jnp.float32), jnp.zeros(mc, jnp.int32))
+        out = (term, jnp.zeros(mc, acc))
+        saved_cols = (jnp.zeros(mc, acc), jnp.zeros(mc, jnp.int32))
     res = (q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, lse, pcnt, *saved_cols)
     return out, res
 
@@ -303,28 +308,29 @@ def _pairwise_fwd(mode, both, bs, q, k, scale, bias, rlab, clab, rvalid, cvalid,
 def _pairwise_bwd(mode, both, bs, res, cts):
     q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, lse, pcnt, clse, ccnt = res
     g_row, g_col = cts
-    g_row = jnp.where(rvalid, g_row.astype(jnp.float32), 0.0)
-    g_col = jnp.where(cvalid, g_col.astype(jnp.float32), 0.0)
+    acc = _acc_dtype(q, k)
+    g_row = jnp.where(rvalid, g_row.astype(acc), 0.0)
+    g_col = jnp.where(cvalid, g_col.astype(acc), 0.0)
     nr, nc = q.shape[0] // bs, k.shape[0] // bs
-    scale32, bias32 = scale.astype(jnp.float32), bias.astype(jnp.float32)
+    scale_acc, bias_acc = scale.astype(acc), bias.astype(acc)
     axes = _joint_axes(q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, g_row, g_col)
 
     def row_block(carry, i):
         dk, dscale, dbias = carry
         rl, rv = _block(rlab, i, bs), _block(rvalid, i, bs)
         gr, lr = _block(g_row, i, bs), _block(lse, i, bs)
-        inv_cnt = 1.0 / jnp.maximum(_block(pcnt, i, bs), 1).astype(jnp.float32)
+        inv_cnt = 1.0 / jnp.maximum(_block(pcnt, i, bs), 1).astype(acc)
 
         def col_block(carry, j):
             dq_b, dk, dscale, dbias = carry
             qb, kb, raw = _tile(q, k, i, j, bs)
-            s = scale32 * raw
+            s = scale_acc * raw
             cl, cv, cp = _block(clab, j, bs), _block(cvalid, j, bs), _block(cpair, j, bs)
             pos = _positives(rl, cl, rv, cv, cp)
             if mode == _SIGMOID:
-                x = s + bias32
+                x = s + bias_acc
                 # d softplus(-z x) / dx = sigmoid(x) - [z = +1]
-                ds = jax.nn.sigmoid(x) - pos.astype(jnp.float32)
+                ds = jax.nn.sigmoid(x) - pos.astype(acc)
                 ds = jnp.where(rv[:, None] & cv[None, :], gr[:, None] * ds, 0.0)
                 dbias = dbias + ds.sum()
             else:
@@ -332,26 +338,26 @@ def _pairwise_bwd(mode, both, bs, res, cts):
                 ds = gr[:, None] * (p - jnp.where(pos, inv_cnt[:, None], 0.0))
                 if both:
                     gc, lc = _block(g_col, j, bs), _block(clse, j, bs)
-                    inv_ccnt = 1.0 / jnp.maximum(_block(ccnt, j, bs), 1).astype(jnp.float32)
+                    inv_ccnt = 1.0 / jnp.maximum(_block(ccnt, j, bs), 1).astype(acc)
                     pc = jnp.where(rv[:, None], jnp.exp(s - lc[None, :]), 0.0)
                     ds = ds + gc[None, :] * (pc - jnp.where(pos, inv_ccnt[None, :], 0.0))
             dscale = dscale + (ds * raw).sum()
-            ds_in = (scale32 * ds).astype(q.dtype)
-            dq_b = dq_b + jnp.dot(ds_in, kb, preferred_element_type=jnp.float32)
+            ds_in = (scale_acc * ds).astype(q.dtype)
+            dq_b = dq_b + jnp.dot(ds_in, kb, preferred_element_type=acc)
             dk_b = jax.lax.dynamic_slice_in_dim(dk, j * bs, bs) + jax.lax.dot_general(
-                ds_in, qb, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                ds_in, qb, (((0,), (0,)), ((), ())), preferred_element_type=acc
             )
             dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_b, j * bs, 0)
             return (dq_b, dk, dscale, dbias), None
 
-        dq0 = _vary(jnp.zeros((bs, q.shape[1]), jnp.float32), axes)
+        dq0 = _vary(jnp.zeros((bs, q.shape[1]), acc), axes)
         (dq_b, dk, dscale, dbias), _ = jax.lax.scan(
             col_block, (dq0, dk, dscale, dbias), jnp.arange(nc)
         )
         return (dk, dscale, dbias), dq_b
 
-    zero = jnp.zeros((), jnp.float32)
-    init = _vary((jnp.zeros(k.shape, jnp.float32), zero, zero), axes)
+    zero = jnp.zeros((), acc)
+    init = _vary((jnp.zeros(k.shape, acc), zero, zero), axes)
     (dk, dscale, dbias), dq = jax.lax.scan(row_block, init, jnp.arange(nr))
     dq = _match_vma(dq.reshape(q.shape).astype(q.dtype), q)
     dk = _match_vma(dk.astype(k.dtype), k)
@@ -573,8 +579,9 @@ def clip_loss(
         each device returns.
 
     Returns:
-      A float32 scalar: the loss (under `axis_name`, this device's share times
-      the number of devices, whose mean over devices is the global loss).
+      A float32 scalar (float64 for float64 inputs): the loss (under
+      `axis_name`, this device's share times the number of devices, whose mean
+      over devices is the global loss).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -634,8 +641,9 @@ def info_nce(
         paired keys) and the keys of all devices are candidates.
 
     Returns:
-      A float32 scalar: the mean over valid queries (under `axis_name`, this
-      device's share times the number of devices).
+      A float32 scalar (float64 for float64 inputs): the mean over valid
+      queries (under `axis_name`, this device's share times the number of
+      devices).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -692,8 +700,8 @@ def siglip_loss(
         module docstring.
 
     Returns:
-      A float32 scalar (under `axis_name`, this device's share times the number
-      of devices).
+      A float32 scalar (float64 for float64 inputs; under `axis_name`, this
+      device's share times the number of devices).
 
     Examples:
       >>> import jax, jax.numpy as jnp

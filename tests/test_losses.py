@@ -27,7 +27,8 @@ HI = jax.lax.Precision.HIGHEST
 
 
 def _logits(x, y, scale):
-    return scale * jnp.dot(x.astype(jnp.float32), y.astype(jnp.float32).T, precision=HI)
+    dtype = jnp.promote_types(x.dtype, jnp.float32)  # 16-bit inputs: float32 logits
+    return scale * jnp.dot(x.astype(dtype), y.astype(dtype).T, precision=HI)
 
 
 def _soft_ce(s, pos, cvalid):
@@ -165,6 +166,30 @@ def test_16_bit_inputs_use_float32_statistics(name, dtype):
     # Gradients come back in the inputs' dtype: 16-bit rounding (8 or 11 bits) of float32 sums.
     _assert_close(grads[:2], want_grads[:2], rtol=1e-2)
     _assert_close(grads[2], want_grads[2])
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_float64_inputs_keep_float64(name):
+    # float32 statistics are a floor, not a cap: float64 embeddings are not rounded.
+    tiled, dense = LOSSES[name]
+    x64 = jax.enable_x64(True) if hasattr(jax, "enable_x64") else _experimental_x64()
+    with x64:
+        x, y = _embeddings(60, 8, 70 if name == "info_nce" else None)
+        x, y = x.astype(jnp.float64), y.astype(jnp.float64)
+        s, c = jnp.float64(7.0), jnp.float64(-3.0)
+        fn = jax.jit(jax.value_and_grad(functools.partial(tiled, block_size=16), ARGNUMS))
+        got = fn(x, y, s, c)
+        want = jax.value_and_grad(dense, ARGNUMS)(x, y, s, c)
+        assert got[0].dtype == got[1][0].dtype == jnp.float64
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            scale = max(float(np.abs(np.asarray(w)).max()), 1e-30)
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-12 * scale)
+
+
+def _experimental_x64():  # older jax releases of the supported range
+    from jax.experimental import enable_x64
+
+    return enable_x64()
 
 
 # ----------------------------------------------------------------------------- masks, labels
