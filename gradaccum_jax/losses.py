@@ -276,9 +276,7 @@ def _pairwise_fwd(mode, both, bs, q, k, scale, bias, rlab, clab, rvalid, cvalid,
         )
         if mode == _SIGMOID:
             return col_carry, (sumexp, jnp.zeros(bs, acc), pcnt)
-        lse = m + jnp.log(sumexp)
-        term = jnp.where(rv, lse - psum_ / jnp.maximum(pcnt, 1), 0.0)
-        return col_carry, (term, lse, pcnt)
+        return col_carry, (m + jnp.log(sumexp), psum_, pcnt)
 
     cols0 = (
         (
@@ -290,36 +288,32 @@ def _pairwise_fwd(mode, both, bs, q, k, scale, bias, rlab, clab, rvalid, cvalid,
         if both
         else ()
     )
-    cols, (term, lse, pcnt) = jax.lax.scan(row_block, _vary(cols0, axes), jnp.arange(nr))
-    term, lse, pcnt = term.reshape(-1), lse.reshape(-1), pcnt.reshape(-1)
+    cols, rows = jax.lax.scan(row_block, _vary(cols0, axes), jnp.arange(nr))
+    lse, psum_, pcnt = (x.reshape(-1) for x in rows)
     if both:
         cm, csum, cps, ccnt = cols
         clse = cm + jnp.log(csum)
-        cterm = jnp.where(cvalid, clse - cps / jnp.maximum(ccnt, 1), 0.0)
-        out = (term, cterm)
-        saved_cols = (clse, ccnt)
     else:
-        out = (term, jnp.zeros(mc, acc))
-        saved_cols = (jnp.zeros(mc, acc), jnp.zeros(mc, jnp.int32))
-    res = (q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, lse, pcnt, *saved_cols)
-    return out, res
+        clse, cps, ccnt = jnp.zeros(mc, acc), jnp.zeros(mc, acc), jnp.zeros(mc, jnp.int32)
+    res = (q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, lse, clse)
+    return (lse, psum_, clse, cps, pcnt, ccnt), res
 
 
 def _pairwise_bwd(mode, both, bs, res, cts):
-    q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, lse, pcnt, clse, ccnt = res
-    g_row, g_col = cts
+    q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, lse, clse = res
     acc = _acc_dtype(q, k)
-    g_row = jnp.where(rvalid, g_row.astype(acc), 0.0)
-    g_col = jnp.where(cvalid, g_col.astype(acc), 0.0)
+    g_lse, g_pos, g_clse, g_cpos = (
+        jnp.where(valid, ct.astype(acc), 0.0)
+        for ct, valid in zip(cts[:4], (rvalid, rvalid, cvalid, cvalid), strict=True)
+    )
     nr, nc = q.shape[0] // bs, k.shape[0] // bs
     scale_acc, bias_acc = scale.astype(acc), bias.astype(acc)
-    axes = _joint_axes(q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, g_row, g_col)
+    axes = _joint_axes(q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, *cts[:4])
 
     def row_block(carry, i):
         dk, dscale, dbias = carry
         rl, rv = _block(rlab, i, bs), _block(rvalid, i, bs)
-        gr, lr = _block(g_row, i, bs), _block(lse, i, bs)
-        inv_cnt = 1.0 / jnp.maximum(_block(pcnt, i, bs), 1).astype(acc)
+        gr, gp, lr = _block(g_lse, i, bs), _block(g_pos, i, bs), _block(lse, i, bs)
 
         def col_block(carry, j):
             dq_b, dk, dscale, dbias = carry
@@ -334,13 +328,13 @@ def _pairwise_bwd(mode, both, bs, res, cts):
                 ds = jnp.where(rv[:, None] & cv[None, :], gr[:, None] * ds, 0.0)
                 dbias = dbias + ds.sum()
             else:
+                # d lse_i / d s_ij is row i's softmax; d (sum of positives) / d s_ij is pos_ij.
                 p = jnp.where(cv[None, :], jnp.exp(s - lr[:, None]), 0.0)
-                ds = gr[:, None] * (p - jnp.where(pos, inv_cnt[:, None], 0.0))
+                ds = gr[:, None] * p + jnp.where(pos, gp[:, None], 0.0)
                 if both:
-                    gc, lc = _block(g_col, j, bs), _block(clse, j, bs)
-                    inv_ccnt = 1.0 / jnp.maximum(_block(ccnt, j, bs), 1).astype(acc)
-                    pc = jnp.where(rv[:, None], jnp.exp(s - lc[None, :]), 0.0)
-                    ds = ds + gc[None, :] * (pc - jnp.where(pos, inv_ccnt[None, :], 0.0))
+                    gc, gcp = _block(g_clse, j, bs), _block(g_cpos, j, bs)
+                    pc = jnp.where(rv[:, None], jnp.exp(s - _block(clse, j, bs)[None, :]), 0.0)
+                    ds = ds + gc[None, :] * pc + jnp.where(pos, gcp[None, :], 0.0)
             dscale = dscale + (ds * raw).sum()
             ds_in = (scale_acc * ds).astype(q.dtype)
             dq_b = dq_b + jnp.dot(ds_in, kb, preferred_element_type=acc)
@@ -370,7 +364,13 @@ _pairwise.defvjp(_pairwise_fwd, _pairwise_bwd)
 
 
 def _run(mode, both, block_size, q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair):
-    """Pads rows and columns to whole tiles and returns the unpadded per-row terms."""
+    """Pads rows and columns to whole tiles; returns the statistics of `_pairwise`, unpadded.
+
+    Softmax: `(row_lse, row_pos, col_lse, col_pos, row_count, col_count)`: the log-sum-exp
+    of each row's logits over the valid columns (and each column's over the valid rows,
+    when `both`), the sum of the logits over the positives and their number. Sigmoid:
+    `row_lse` holds each row's sum of `-log sigmoid(z s)` over the valid columns.
+    """
     n, m = q.shape[0], k.shape[0]
     bs = min(block_size, max(n, m))
     bs = -(-bs // 8) * 8
@@ -379,7 +379,7 @@ def _run(mode, both, block_size, q, k, scale, bias, rlab, clab, rvalid, cvalid, 
     # the sums through a zero weight (0 * NaN is NaN).
     q = jnp.where(rvalid[:, None], q, jnp.zeros((), q.dtype))
     k = jnp.where(cvalid[:, None], k, jnp.zeros((), k.dtype))
-    row_term, col_term = _pairwise(
+    stats = _pairwise(
         mode,
         both,
         bs,
@@ -393,7 +393,12 @@ def _run(mode, both, block_size, q, k, scale, bias, rlab, clab, rvalid, cvalid, 
         _pad_rows(cvalid, mp, False),
         _pad_rows(cpair, mp, False),
     )
-    return row_term[:n], col_term[:m]
+    return tuple(x[:size] for x, size in zip(stats, (n, n, m, m, n, m), strict=True))
+
+
+def _cross_entropy(lse, pos_sum, pos_count, valid):
+    """Each row's cross-entropy against the uniform distribution over its positives."""
+    return jnp.where(valid, lse - pos_sum / jnp.maximum(pos_count, 1), 0.0)
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -436,20 +441,30 @@ def _clip(a, b, scale, bias, mask, labels, block_size, axis_name):
     pair = jnp.ones(a.shape[0], jnp.bool_)
     if axis_name is None:
         # One pass over the tiles gives both directions: per-row and per-column statistics.
-        row, col = _run(_SOFTMAX, True, block_size, a, b, scale, bias, lab, lab, valid, valid, pair)
-        return _normalise(0.5 * (row.sum() + col.sum()), valid, count, axis_name)
-    # Sharded: this device's rows of `a` against all of `b`, and its rows of `b` against all
-    # of `a`; the columns of the other devices' rows are theirs to compute.
+        rl, rp, cl, cp, rc, cc = _run(
+            _SOFTMAX, True, block_size, a, b, scale, bias, lab, lab, valid, valid, pair
+        )
+        total = _cross_entropy(rl, rp, rc, valid).sum() + _cross_entropy(cl, cp, cc, valid).sum()
+        return _normalise(0.5 * total, valid, count, axis_name)
+    # Sharded: this device's rows of `a` against all of `b` give its rows' terms and, for
+    # every column, statistics over this device's rows. The columns' log-sum-exps are
+    # combined across devices (N-vectors) and each device keeps its own columns' terms.
     g_lab, g_valid, g_pair = (_gather(x, axis_name) for x in (lab, valid, pair))
-
-    def one_way(rows, cols):
-        return _run(
-            _SOFTMAX, False, block_size, rows, _gather(cols, axis_name), scale, bias,
-            lab, g_lab, valid, g_valid, g_pair,
-        )[0]  # fmt: skip
-
-    a2b, b2a = one_way(a, b), one_way(b, a)
-    return _normalise(0.5 * (a2b.sum() + b2a.sum()), valid, count, axis_name)
+    rl, rp, cl, cp, rc, cc = _run(
+        _SOFTMAX, True, block_size, a, _gather(b, axis_name), scale, bias,
+        lab, g_lab, valid, g_valid, g_pair,
+    )  # fmt: skip
+    top = jax.lax.pmax(jax.lax.stop_gradient(cl), axis_name)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    sumexp = jax.lax.psum(jnp.exp(cl - top), axis_name)
+    # A column with no valid row anywhere is masked itself: log(1) keeps its gradient finite.
+    cl = top + jnp.log(jnp.where(g_valid, sumexp, 1.0))
+    cp, cc = jax.lax.psum(cp, axis_name), jax.lax.psum(cc, axis_name)
+    index, _ = _device_index_and_count(axis_name)
+    n = a.shape[0]
+    own = [jax.lax.dynamic_slice_in_dim(x, index * n, n) for x in (cl, cp, cc)]
+    total = _cross_entropy(rl, rp, rc, valid).sum() + _cross_entropy(*own, valid).sum()
+    return _normalise(0.5 * total, valid, count, axis_name)
 
 
 def _info_nce(q, k, scale, bias, mask, labels, block_size, axis_name):
@@ -461,8 +476,10 @@ def _info_nce(q, k, scale, bias, mask, labels, block_size, axis_name):
     cpair = jnp.arange(m) < n
     if axis_name is not None:
         k, clab, cvalid, cpair = (_gather(x, axis_name) for x in (k, clab, cvalid, cpair))
-    row, _ = _run(_SOFTMAX, False, block_size, q, k, scale, bias, lab, clab, valid, cvalid, cpair)
-    return _normalise(row.sum(), valid, count, axis_name)
+    rl, rp, _, _, rc, _ = _run(
+        _SOFTMAX, False, block_size, q, k, scale, bias, lab, clab, valid, cvalid, cpair
+    )
+    return _normalise(_cross_entropy(rl, rp, rc, valid).sum(), valid, count, axis_name)
 
 
 def _siglip(a, b, scale, bias, mask, labels, block_size, axis_name):
@@ -470,7 +487,7 @@ def _siglip(a, b, scale, bias, mask, labels, block_size, axis_name):
     clab, cvalid, cpair = lab, valid, jnp.ones(a.shape[0], jnp.bool_)
     if axis_name is not None:
         b, clab, cvalid, cpair = (_gather(x, axis_name) for x in (b, clab, cvalid, cpair))
-    row, _ = _run(_SIGMOID, False, block_size, a, b, scale, bias, lab, clab, valid, cvalid, cpair)
+    row = _run(_SIGMOID, False, block_size, a, b, scale, bias, lab, clab, valid, cvalid, cpair)[0]
     return _normalise(row.sum(), valid, count, axis_name)
 
 

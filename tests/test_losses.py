@@ -333,12 +333,14 @@ def _sharded_value_and_grad(name, params, x, y, extra=None, **kw):
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
-@pytest.mark.parametrize("masked", [False, True], ids=["full", "masked"])
+@pytest.mark.parametrize("masked", ["full", "masked", "device_masked"])
 def test_shard_map_mean_over_devices_is_the_global_loss_and_gradient(name, masked):
     n, per, d = 8 * 12, 3, 12
     x, y = _embeddings(n, d, seed=4)
     params = _towers()
-    kw = {"mask": jnp.arange(n) % 5 != 2} if masked else {}
+    # "device_masked": every row of device 0 is padding (its column statistics are empty).
+    masks = {"masked": jnp.arange(n) % 5 != 2, "device_masked": jnp.arange(n) >= 12}
+    kw = {"mask": masks[masked]} if masked in masks else {}
     extra = None
     if name == "info_nce":  # three extra negatives per device, after its paired keys
         extra = jax.random.normal(jax.random.key(9), (8 * per, d))
