@@ -10,8 +10,8 @@ used and dropped, and
   `clip_loss`): a running maximum and a running sum of exponentials, both in
   float32 for 16- and 32-bit inputs (float64 for float64 inputs);
 * the backward pass (a `jax.custom_vjp`) recomputes each tile from the inputs
-  and the saved per-row log-sum-exp, so what stays alive between the passes is
-  the inputs and a few N-vectors.
+  and the saved per-row (and per-column) log-sum-exps, so what stays alive
+  between the passes is the inputs and a few N-vectors.
 
 The results equal the dense formulas to float32 rounding, for values and for
 gradients with respect to the embeddings, `scale` and `bias`.
@@ -31,7 +31,8 @@ Masks and extra positives:
 
 Sharded batches: with `axis_name=` (inside `jax.shard_map` or `jax.pmap`)
 each device passes its own rows; the columns are gathered with
-`jax.lax.all_gather` (N × D per device, no N × N anywhere). Each device
+`jax.lax.all_gather` (N × D per device, no N × N anywhere); `clip_loss`
+combines its columns' log-sum-exps across devices as N-vectors. Each device
 returns `R / n_valid · Σ_(its valid rows) term_i` with `R` devices and
 `n_valid` valid rows over all devices, so that the mean over devices
 (`jax.lax.pmean`) is the global loss, and likewise the mean over devices of
@@ -611,6 +612,12 @@ def clip_loss(
       ...                 + jnp.diag(jax.nn.log_softmax(logits, 0)).mean())
       >>> bool(jnp.allclose(loss, dense, rtol=1e-5))
       True
+
+    References:
+      Radford et al., *Learning Transferable Visual Models From Natural
+      Language Supervision*, 2021, https://arxiv.org/abs/2103.00020;
+      Khosla et al., *Supervised Contrastive Learning*, 2020,
+      https://arxiv.org/abs/2004.11362 (several positives per row)
     """
     a = _check_embeddings("a", a)
     b = _check_embeddings("b", b)
@@ -671,6 +678,10 @@ def info_nce(
       >>> dense = -jnp.diag(jax.nn.log_softmax(q @ k.T, axis=1)).mean()
       >>> bool(jnp.allclose(loss, dense, rtol=1e-5))
       True
+
+    References:
+      van den Oord et al., *Representation Learning with Contrastive
+      Predictive Coding*, 2018, https://arxiv.org/abs/1807.03748
     """
     q = _check_embeddings("q", q)
     k = _check_embeddings("k", k)
@@ -730,6 +741,10 @@ def siglip_loss(
       >>> dense = -jax.nn.log_sigmoid(z * (a @ b.T - 2.0)).sum() / 40
       >>> bool(jnp.allclose(loss, dense, rtol=1e-5))
       True
+
+    References:
+      Zhai et al., *Sigmoid Loss for Language Image Pre-Training*, 2023,
+      https://arxiv.org/abs/2303.15343
     """
     a = _check_embeddings("a", a)
     b = _check_embeddings("b", b)
