@@ -34,6 +34,7 @@ BENCHMARKS = [
     "clipping",
     "noise_scale",
     "fused",
+    "contrastive_losses",
 ]
 MARKER = "@@ROWS@@"
 CHILD = (

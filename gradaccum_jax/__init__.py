@@ -17,6 +17,8 @@ close, write), then `_window/accumulate.py`.
 
 from typing import TYPE_CHECKING, Any
 
+# The tiled contrastive losses: a public submodule, reached as gradaccum_jax.losses.<name>.
+from gradaccum_jax import losses as losses
 from gradaccum_jax._batching.microbatch import (
     microbatch_value_and_grad,
     plan_microbatches,
