@@ -44,6 +44,9 @@ from gradaccum_jax._conditional import (
     conditional_set_global_step,
     conditional_take_grad,
 )
+from gradaccum_jax._coupled import (
+    coupled_value_and_grad,
+)
 from gradaccum_jax._distributed import (
     add_replica_axis,
     remove_replica_axis,
@@ -124,6 +127,7 @@ __all__ = [
     "conditional_num_accumulated",
     "conditional_set_global_step",
     "conditional_take_grad",
+    "coupled_value_and_grad",
     "critical_batch_schedule",
     "current_loss_scale",
     "dynamic_loss_scale",
