@@ -2,6 +2,8 @@
 
 from typing import TYPE_CHECKING, Any
 
+# The tiled contrastive losses: a public submodule, reached as gradaccum_jax.losses.<name>.
+from gradaccum_jax import losses as losses
 from gradaccum_jax._accumulation import (
     AccumulateState,
     accumulate,

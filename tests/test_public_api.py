@@ -5,8 +5,13 @@ import re
 
 import gradaccum_jax
 import gradaccum_jax.flax
+import gradaccum_jax.losses
 
-NAMESPACES = {"gradaccum_jax": gradaccum_jax, "gradaccum_jax.flax": gradaccum_jax.flax}
+NAMESPACES = {
+    "gradaccum_jax": gradaccum_jax,
+    "gradaccum_jax.flax": gradaccum_jax.flax,
+    "gradaccum_jax.losses": gradaccum_jax.losses,
+}
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 
 
@@ -28,3 +33,9 @@ def test_every_public_name_has_a_docs_entry():
         if f"{prefix}.{name}" not in entries
     ]
     assert not missing, f"public names without a '::: <module>.<name>' docs entry: {missing}"
+
+
+def test_losses_is_reached_from_the_package():
+    # `import gradaccum_jax as ga; ga.losses.clip_loss(...)` works without a second import.
+    assert gradaccum_jax.losses is gradaccum_jax.__dict__["losses"]
+    assert "losses" in dir(gradaccum_jax)
