@@ -224,6 +224,7 @@ class _Spec:
     embed_fn: Callable[..., Any]
     options: _microbatch._Options
     axis_name: tuple[Any, ...] | None
+    gather: bool  # under axis_name: loss_fn sees the gathered batch (else its own rows)
 
 
 def _axis_size(axis_name: tuple[Any, ...]) -> int:
@@ -272,7 +273,7 @@ def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
             reps, final_carry = _embed_all(e, params, carry0)
             local.append(reps)
         local = [jax.tree.map(jax.lax.stop_gradient, r) for r in local]
-        if axis_name is None:
+        if axis_name is None or not spec.gather:
             gathered = local
         else:
             gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name, tiled=True), local)
@@ -287,7 +288,7 @@ def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
             loss_of, argnums=(0, 1), has_aux=options.has_aux
         )(params, floats)
 
-        if axis_name is not None:
+        if axis_name is not None and spec.gather:
             # Every device holds the whole cotangent (the loss is computed on each);
             # keep this device's rows, scaled so that the mean over devices, which
             # accumulate(axis_name=...) takes, counts every row once.
@@ -352,6 +353,7 @@ def coupled_value_and_grad(
     carry_argnums: int | Sequence[int] = (),
     accumulator_dtype: Any = None,
     axis_name: Any = None,
+    gather_embeddings: bool = True,
     memory_budget: float | None = None,
 ) -> Callable[..., Any]:
     r"""Returns the value and gradient of a batch-coupled loss, computed in micro-batches.
@@ -443,6 +445,14 @@ def coupled_value_and_grad(
         is the global batch's gradient; the loss returned is the global
         batch's on every device. Params are taken as varying over the axis,
         so no collective runs on gradients inside this function.
+      gather_embeddings: Only with `axis_name`. `True` (default): `loss_fn`
+        gets the whole batch's embeddings, gathered, and every device holds
+        the loss's temporaries for all $N$ rows. `False`: `loss_fn` gets this
+        device's rows and is itself sharded, following the same convention:
+        its value on each device is a share whose mean over the axis is the
+        global loss, e.g. `gradaccum_jax.losses.clip_loss(a, b, scale,
+        axis_name=...)`, which gathers the columns itself and holds no
+        $N \times N$ matrix on any device.
       memory_budget: Bytes, only with `num_microbatches="auto"`.
 
     Returns:
@@ -502,7 +512,14 @@ def coupled_value_and_grad(
     )
     options = options._replace(has_aux=has_aux)
     names = None if axis_name is None else _validation.check_axis_name("axis_name", axis_name)
-    spec = _Spec(loss_fn, embed_fn, options, names)
+    if not isinstance(gather_embeddings, bool):
+        raise TypeError(f"gather_embeddings must be True or False; got {gather_embeddings=!r}.")
+    if names is None and not gather_embeddings:
+        raise ValueError(
+            "gather_embeddings=False is for a loss sharded over axis_name; without "
+            "axis_name there is nothing to gather. Drop gather_embeddings, or pass axis_name."
+        )
+    spec = _Spec(loss_fn, embed_fn, options, names, gather_embeddings)
     counts = _check_counts(num_microbatches, memory_budget)
     if not isinstance(counts, str):
         return _coupled(spec, counts)

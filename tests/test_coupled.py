@@ -37,8 +37,14 @@ def rel_error(got, want):
 def _params(seed=0):
     k = jax.random.split(jax.random.key(seed), 4)
     return {
-        "img": {"w1": jax.random.normal(k[0], (DX, 16)) / DX**0.5, "w2": jax.random.normal(k[1], (16, D)) / 4},
-        "txt": {"w1": jax.random.normal(k[2], (DY, 16)) / DY**0.5, "w2": jax.random.normal(k[3], (16, D)) / 4},
+        "img": {
+            "w1": jax.random.normal(k[0], (DX, 16)) / DX**0.5,
+            "w2": jax.random.normal(k[1], (16, D)) / 4,
+        },
+        "txt": {
+            "w1": jax.random.normal(k[2], (DY, 16)) / DY**0.5,
+            "w2": jax.random.normal(k[3], (16, D)) / 4,
+        },
         "scale": jnp.float32(3.0),
         "bias": jnp.float32(-1.0),
     }
@@ -408,7 +414,9 @@ def test_shard_map_gathers_embeddings_and_leaves_the_reduction():
     def per_device(params, batch):
         return jax.tree.map(lambda x: x[None], f(params, batch))
 
-    shares = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data")))
+    shares = jax.jit(
+        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+    )
     ops = harness.Hlo(shares.lower(params, batch).compile()).collective_counts()
     # The embeddings are gathered; the gradients are not reduced (not even per micro-batch).
     assert ops["all-gather"] >= 1 and ops["all-reduce"] == ops["reduce-scatter"] == 0, ops
@@ -438,7 +446,9 @@ def test_shard_map_with_accumulate_window():
             updates, state = opt.update(grads, state, params)
         return updates
 
-    step = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P()))
+    step = jax.jit(
+        jax.shard_map(run, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P())
+    )
     updates = step(
         jax.device_put(PARAMS, NamedSharding(mesh, P())),
         *jax.device_put(batches, NamedSharding(mesh, P("data"))),
@@ -458,3 +468,50 @@ def test_pmap():
     shards = jax.tree.map(lambda x: x.reshape(8, -1, *x.shape[1:]), BATCH)
     out = jax.pmap(local, axis_name="i", in_axes=(None, 0))(PARAMS, shards)
     assert_close(jax.tree.map(lambda x: x[0], out), reference(clip_loss)(PARAMS, BATCH))
+
+
+# --- with the tiled losses of gradaccum_jax.losses -------------------------------
+
+
+def tiled_clip(params, reps, axis_name=None):
+    return ga.losses.clip_loss(
+        reps["a"], reps["b"], params["scale"], block_size=16, axis_name=axis_name
+    )
+
+
+def tiled_siglip(params, reps):
+    return ga.losses.siglip_loss(
+        reps["a"], reps["b"], params["scale"], params["bias"], block_size=16
+    )
+
+
+@pytest.mark.parametrize("tiled, dense", [(tiled_clip, clip_loss), (tiled_siglip, siglip_loss)])
+def test_with_tiled_losses(tiled, dense):
+    value, grads = jax.jit(ga.coupled_value_and_grad(tiled, embed, 4))(PARAMS, BATCH)
+    assert_close((value, grads), reference(dense)(PARAMS, BATCH))
+
+
+@pytest.mark.slow
+def test_shard_map_with_a_sharded_loss():
+    # gather_embeddings=False: the loss gets each device's rows and gathers the columns
+    # itself; its backward returns each device's column gradients (a reduce-scatter).
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    f = ga.coupled_value_and_grad(
+        lambda p, r: tiled_clip(p, r, axis_name="data"),
+        embed,
+        2,
+        axis_name="data",
+        gather_embeddings=False,
+    )
+
+    def local(params, batch):
+        return jax.lax.pmean(f(params, batch), "data")
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    out = step(
+        jax.device_put(PARAMS, NamedSharding(mesh, P())),
+        jax.device_put(BATCH, NamedSharding(mesh, P("data"))),
+    )
+    assert_close(out, reference(clip_loss)(PARAMS, BATCH))
+    with pytest.raises(ValueError, match=r"gather_embeddings=False.*pass axis_name"):
+        ga.coupled_value_and_grad(clip_loss, embed, 2, gather_embeddings=False)
