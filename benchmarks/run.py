@@ -34,6 +34,7 @@ BENCHMARKS = [
     "clipping",
     "noise_scale",
     "fused",
+    "coupled",
 ]
 MARKER = "@@ROWS@@"
 CHILD = (
