@@ -1,5 +1,7 @@
 """Tests for gradaccum_jax.coupled_value_and_grad (exact micro-batching of coupled losses)."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -153,7 +155,7 @@ def test_naive_microbatching_is_a_different_objective():
     _, coupled_grads = jax.jit(ga.coupled_value_and_grad(clip_loss, embed, 4))(PARAMS, BATCH)
     _, want = reference(clip_loss)(PARAMS, BATCH)
     assert rel_error(coupled_grads, want) <= REL
-    assert rel_error(naive_grads, want) > 0.05
+    assert rel_error(naive_grads, want) > 0.1  # 0.16 measured (jax 0.10.2, CPU)
 
 
 def test_towers_with_different_counts():
@@ -163,6 +165,17 @@ def test_towers_with_different_counts():
     want_value, want_grads = reference(masked_supcon)(PARAMS, BATCH)
     assert_close(value, want_value)
     assert_close(grads, want_grads)
+
+
+@pytest.mark.hlo
+def test_per_tower_counts_do_not_embed_a_tower_twice():
+    # Each count's pass keeps its own towers; XLA removes the others' work, so the
+    # program has as many matrix products as with one count for all.
+    def dots(counts):
+        f = jax.jit(ga.coupled_value_and_grad(clip_loss, embed, counts))
+        return len(re.findall(r" dot\(", f.lower(PARAMS, BATCH).compile().as_text()))
+
+    assert dots({"a": 8, "b": 2, "label": 1, "mask": 1}) == dots(4)
 
 
 def test_per_tower_counts_name_every_tower():
