@@ -231,84 +231,110 @@ def _axis_size(axis_name: tuple[Any, ...]) -> int:
     return math.prod(jax.lax.psum(1, name) for name in axis_name)
 
 
+def _check_batch(
+    args: tuple[Any, ...], kwargs: dict[str, Any], counts: int | dict[Any, int], options: Any
+) -> int:
+    _microbatch._check_call(args, kwargs, options)
+    batch_size = _microbatch._batch_size(args, options.batch_nums)
+    for k in {counts} if isinstance(counts, int) else set(counts.values()):
+        _microbatch._check_divisible(batch_size, k)
+        _microbatch._check_shards(args, options.batch_nums, batch_size // k)
+    return batch_size
+
+
+def _embedders(
+    spec: _Spec,
+    counts: int | dict[Any, int],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    params: Any,
+    carry0: Any,
+) -> tuple[list[_Embedder], Any, Any]:
+    """One `_Embedder` per group of towers, the output's structure, and the typed carry."""
+    options = spec.options
+    probe = _Embedder(spec.embed_fn, _Group(1, None), args, kwargs, options)
+    whole_shape = jax.eval_shape(lambda p, c: probe(p, jnp.int32(0), c)[0], params, carry0)
+    groups = _groups(counts, whole_shape)
+    if options.carry_nums and len(groups) > 1:
+        raise ValueError(
+            f"carry_argnums={_microbatch._carry_argnums(options)!r} with a per-tower "
+            f"num_microbatches={counts!r}: each tower's pass would move the carried "
+            "statistics of every tower. Use one num_microbatches for all towers with "
+            "carried state, or keep the statistics out of the carry."
+        )
+    embedders = [_Embedder(spec.embed_fn, g, args, kwargs, options) for g in groups]
+    for e in embedders:
+        shape = jax.eval_shape(lambda p, c, e=e: e(p, jnp.int32(0), c), params, carry0)
+        _check_embeddings(shape[0], e.micro, e.group.k)
+        if options.carry_nums:
+            _microbatch._check_carry(shape[1], carry0, _microbatch._carry_argnums(options))
+            carry0 = jax.tree.map(_microbatch._match_varying, carry0, shape[1])
+    return embedders, whole_shape, carry0
+
+
+def _loss_and_cotangents(
+    spec: _Spec, embedders: list[_Embedder], whole_shape: Any, params: Any, local: list[Any]
+) -> tuple[Any, Any, list[list[jax.Array]]]:
+    """The loss's output, its parameter gradient, and each group's embedding cotangents."""
+    axis_name = spec.axis_name
+    seen = local  # one device, or a loss sharded over axis_name itself
+    if axis_name is not None and spec.gather:
+        seen = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name, tiled=True), local)
+
+    def loss_of(p: Any, floats: list[list[Any]]) -> Any:
+        parts = [_with_floats(g, f) for g, f in zip(seen, floats, strict=True)]
+        towers = embedders[0].group.towers is None
+        return spec.loss_fn(p, parts[0] if towers else _merge(parts, whole_shape))
+
+    floats = [_float_part(g) for g in seen]
+    out, (loss_grads, cotangents) = jax.value_and_grad(
+        loss_of, argnums=(0, 1), has_aux=spec.options.has_aux
+    )(params, floats)
+    if axis_name is not None and spec.gather:
+        # Every device computed the loss on the whole batch, so every device holds
+        # the whole cotangent: keep this device's rows, scaled so that the mean over
+        # devices, which accumulate(axis_name=...) takes, counts every row once.
+        rows = embedders[0].micro * embedders[0].group.k
+        start = _axis_index(axis_name) * rows
+        scale = _axis_size(axis_name)
+        cotangents = [
+            [jax.lax.dynamic_slice_in_dim(c, start, rows, axis=0) * scale for c in group]
+            for group in cotangents
+        ]
+    return out, loss_grads, cotangents
+
+
 def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
-    options, axis_name = spec.options, spec.axis_name
+    options = spec.options
 
     def value_and_grad(*args: Any, **kwargs: Any) -> Any:
-        _microbatch._check_call(args, kwargs, options)
-        batch_size = _microbatch._batch_size(args, options.batch_nums)
-        for k in {counts} if isinstance(counts, int) else set(counts.values()):
-            _microbatch._check_divisible(batch_size, k)
-            _microbatch._check_shards(args, options.batch_nums, batch_size // k)
+        _check_batch(args, kwargs, counts, options)
         params = args[0]
-        if axis_name is not None:
+        if spec.axis_name is not None:
             # The gradient with respect to replicated params would be summed over the
             # devices in the backward pass; each device's own share is wanted here.
-            missing = tuple(a for a in axis_name if a not in _varying(params))
+            missing = tuple(a for a in spec.axis_name if a not in _varying(params))
             if missing:
                 params = pcast_to_varying(params, missing)
         carry0 = _strong(_microbatch._carried(args, options)) if options.carry_nums else None
-
-        probe = _Embedder(spec.embed_fn, _Group(1, None), args, kwargs, options)
-        whole_shape = jax.eval_shape(lambda p, c: probe(p, jnp.int32(0), c)[0], params, carry0)
-        groups = _groups(counts, whole_shape)
-        if options.carry_nums and len(groups) > 1:
-            raise ValueError(
-                f"carry_argnums={_microbatch._carry_argnums(options)!r} with a per-tower "
-                f"num_microbatches={counts!r}: each tower's pass would move the carried "
-                "statistics of every tower. Use one num_microbatches for all towers with "
-                "carried state, or keep the statistics out of the carry."
-            )
-        embedders = [_Embedder(spec.embed_fn, g, args, kwargs, options) for g in groups]
-        for e in embedders:
-            shape = jax.eval_shape(lambda p, c, e=e: e(p, jnp.int32(0), c), params, carry0)
-            _check_embeddings(shape[0], e.micro, e.group.k)
-            if options.carry_nums:
-                _microbatch._check_carry(shape[1], carry0, _microbatch._carry_argnums(options))
-                carry0 = jax.tree.map(_microbatch._match_varying, carry0, shape[1])
+        embedders, whole_shape, carry0 = _embedders(spec, counts, args, kwargs, params, carry0)
 
         # Pass 1: no differentiation, so no activations are kept.
         local, final_carry = [], None
         for e in embedders:
             reps, final_carry = _embed_all(e, params, carry0)
-            local.append(reps)
-        local = [jax.tree.map(jax.lax.stop_gradient, r) for r in local]
-        if axis_name is None or not spec.gather:
-            gathered = local
-        else:
-            gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name, tiled=True), local)
-
-        def loss_of(p: Any, floats: list[list[Any]]) -> Any:
-            parts = [_with_floats(g, f) for g, f in zip(gathered, floats, strict=True)]
-            merged = parts[0] if groups[0].towers is None else _merge(parts, whole_shape)
-            return spec.loss_fn(p, merged)
-
-        floats = [_float_part(g) for g in gathered]
-        out, (loss_grads, reps_grads) = jax.value_and_grad(
-            loss_of, argnums=(0, 1), has_aux=options.has_aux
-        )(params, floats)
-
-        if axis_name is not None and spec.gather:
-            # Every device holds the whole cotangent (the loss is computed on each);
-            # keep this device's rows, scaled so that the mean over devices, which
-            # accumulate(axis_name=...) takes, counts every row once.
-            n = _axis_size(axis_name)
-            start = _axis_index(axis_name) * (batch_size)
-            reps_grads = [
-                [
-                    jax.lax.dynamic_slice_in_dim(c, start, batch_size, axis=0) * n
-                    for c in group_grads
-                ]
-                for group_grads in reps_grads
-            ]
-
+            local.append(jax.tree.map(jax.lax.stop_gradient, reps))
+        out, loss_grads, cotangents = _loss_and_cotangents(
+            spec, embedders, whole_shape, params, local
+        )
+        # Pass 2, from the loss's own parameter gradient (loss-only params counted once).
+        # It replays pass 1's carry so every micro-batch is embedded as it was then;
+        # the carry returned is pass 1's, so statistics are counted once.
         dtypes = jax.tree.map(
             lambda g: _window.accumulator_dtype(g, options.accumulator_dtype), loss_grads
         )
         totals = jax.tree.map(lambda g, d: g.astype(d), loss_grads, dtypes)
-        for e, cotangent in zip(embedders, reps_grads, strict=True):
-            # Pass 2 replays pass 1's carry so every micro-batch sees what it saw then;
-            # the carry returned is pass 1's, so statistics are counted once.
+        for e, cotangent in zip(embedders, cotangents, strict=True):
             totals = _pull_back(e, params, cotangent, carry0, totals, dtypes)
         grads = jax.tree.map(lambda t, g: t.astype(jnp.result_type(g)), totals, loss_grads)
 
