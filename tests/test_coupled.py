@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from benchmarks import harness
+from gradaccum_jax import _planning
 
 # Float32, exact up to summation order: the relative error of each leaf, as a norm.
 REL = 1e-5
@@ -309,17 +310,14 @@ def test_auto_plans_from_this_function():
     budget_of = {}
     for k in (1, 8):
         compiled = jax.jit(ga.coupled_value_and_grad(clip_loss, embed, k)).lower(PARAMS, BATCH)
-        budget_of[k] = harness_peak(compiled.compile())
+        budget_of[k] = _planning.peak_bytes(compiled.compile())
     assert budget_of[8] < budget_of[1]
     f = ga.coupled_value_and_grad(clip_loss, embed, "auto", memory_budget=budget_of[1] - 1)
     value, grads = jax.jit(f)(PARAMS, BATCH)
     assert_close((value, grads), reference(clip_loss)(PARAMS, BATCH))
-
-
-def harness_peak(compiled):
-    from gradaccum_jax import _planning
-
-    return _planning.peak_bytes(compiled)
+    tight = ga.coupled_value_and_grad(clip_loss, embed, "auto", memory_budget=1000)
+    with pytest.raises(ValueError, match="no number of micro-batches fits"):
+        tight(PARAMS, BATCH)
 
 
 # --- carried state (BatchNorm in a tower) ----------------------------------------
