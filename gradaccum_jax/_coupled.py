@@ -470,7 +470,10 @@ def coupled_value_and_grad(
         the axis (what `jax.lax.pmean` and `accumulate(axis_name=...)` take)
         is the global batch's gradient; the loss returned is the global
         batch's on every device. Params are taken as varying over the axis,
-        so no collective runs on gradients inside this function.
+        so no collective runs on gradients inside this function. (Under
+        global-view `jax.jit` with a sharded batch and no `axis_name`, the
+        result is the same, but XLA reduces each micro-batch's parameter
+        gradient in the second pass: one all-reduce per micro-batch.)
       gather_embeddings: Only with `axis_name`. `True` (default): `loss_fn`
         gets the whole batch's embeddings, gathered, and every device holds
         the loss's temporaries for all $N$ rows. `False`: `loss_fn` gets this
