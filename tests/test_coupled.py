@@ -373,6 +373,46 @@ def test_batchnorm_statistics_from_one_pass():
     assert rel_error(new_stats["BatchNorm_0"]["mean"], twice["BatchNorm_0"]["mean"]) > 0.01
 
 
+class AccumBNTower(nn.Module):
+    norm: type = ga.flax.AccumBatchNorm
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16)(x)
+        h = self.norm(use_running_average=False, momentum=0.9, name="norm")(h)
+        return nn.Dense(D)(jnp.tanh(h))
+
+
+def test_accum_batchnorm_statistics_are_the_large_batch():
+    tower = AccumBNTower()
+    variables = tower.init(jax.random.key(5), BATCH["x"][:4])
+
+    def embed_fn(params, stats, batch):
+        a, new = tower.apply(
+            {"params": params["bn"], "batch_stats": stats}, batch["x"], mutable=["batch_stats"]
+        )
+        return {"a": a, "b": _tower(params["txt"], batch["y"])}, new["batch_stats"]
+
+    params = {"bn": variables["params"], "txt": PARAMS["txt"], "scale": PARAMS["scale"]}
+    f = jax.jit(ga.coupled_value_and_grad(clip_loss, embed_fn, 8, batch_argnums=2, carry_argnums=1))
+    (_, (stats, _)), _ = f(params, variables["batch_stats"], BATCH)
+    # Every example counted once (twice would leave the pooled mean alone, not the count).
+    assert float(jnp.max(stats["norm"]["window_count"])) == N
+    committed = ga.flax.commit_batch_stats(stats)["norm"]
+    # flax's BatchNorm on the whole batch, once: what a window of one step must record.
+    flax_tower = AccumBNTower(norm=nn.BatchNorm)
+    _, want = flax_tower.apply(
+        {
+            "params": variables["params"],
+            "batch_stats": flax_tower.init(jax.random.key(5), BATCH["x"][:4])["batch_stats"],
+        },
+        BATCH["x"],
+        mutable=["batch_stats"],
+    )
+    assert_close(committed["mean"], want["batch_stats"]["norm"]["mean"], atol=1e-7)
+    assert_close(committed["var"], want["batch_stats"]["norm"]["var"], atol=1e-7)
+
+
 def test_carry_with_per_tower_counts_is_refused():
     params = {"bn": BN_VARS["params"], "txt": PARAMS["txt"], "scale": PARAMS["scale"]}
     f = ga.coupled_value_and_grad(
