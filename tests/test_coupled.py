@@ -135,7 +135,7 @@ def reference(loss_fn, embed_fn=embed, has_aux=False):
     )
 
 
-@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_equals_full_batch(name, k):
     loss_fn = LOSSES[name]
