@@ -225,6 +225,7 @@ class _Spec:
     options: _microbatch._Options
     axis_name: tuple[Any, ...] | None
     gather: bool  # under axis_name: loss_fn sees the gathered batch (else its own rows)
+    summed: bool  # under axis_name: the devices' gradients will be summed (else averaged)
 
 
 def _axis_size(axis_name: tuple[Any, ...]) -> int:
@@ -290,15 +291,22 @@ def _loss_and_cotangents(
     out, (loss_grads, cotangents) = jax.value_and_grad(
         loss_of, argnums=(0, 1), has_aux=spec.options.has_aux
     )(params, floats)
-    if axis_name is not None and spec.gather:
-        # Every device computed the loss on the whole batch, so every device holds
-        # the whole cotangent: keep this device's rows, scaled so that the mean over
-        # devices, which accumulate(axis_name=...) takes, counts every row once.
+    if axis_name is not None:
+        # Scale each device's share so that combining the devices (their mean, or their
+        # sum with grad_reduction="sum") counts every row and the loss's own gradient once.
+        n = _axis_size(axis_name)
+        if spec.summed:
+            loss_grads = jax.tree.map(lambda g: g / n, loss_grads)
+        scale = (n if spec.gather else 1) / (n if spec.summed else 1)
         rows = embedders[0].micro * embedders[0].group.k
+        # With the loss computed on every device, each holds the whole cotangent:
+        # keep this device's rows.
         start = _axis_index(axis_name) * rows
-        scale = _axis_size(axis_name)
         cotangents = [
-            [jax.lax.dynamic_slice_in_dim(c, start, rows, axis=0) * scale for c in group]
+            [
+                (jax.lax.dynamic_slice_in_dim(c, start, rows, axis=0) if spec.gather else c) * scale
+                for c in group
+            ]
             for group in cotangents
         ]
     return out, loss_grads, cotangents
@@ -380,6 +388,7 @@ def coupled_value_and_grad(
     accumulator_dtype: Any = None,
     axis_name: Any = None,
     gather_embeddings: bool = True,
+    grad_reduction: str = "mean",
     memory_budget: float | None = None,
 ) -> Callable[..., Any]:
     r"""Returns the value and gradient of a batch-coupled loss, computed in micro-batches.
@@ -482,6 +491,12 @@ def coupled_value_and_grad(
         global loss, e.g. `gradaccum_jax.losses.clip_loss(a, b, scale,
         axis_name=...)`, which gathers the columns itself and holds no
         $N \times N$ matrix on any device.
+      grad_reduction: Only with `axis_name`: how the caller combines the
+        devices' gradients. `"mean"` (default): their mean over the axis is
+        the global gradient (`jax.lax.pmean`, `accumulate(axis_name=...)`).
+        `"sum"`: their sum is (`jax.lax.psum`, or `jax.shard_map`'s
+        `out_specs=P(unreduced={axis})` for `accumulate`'s unreduced route
+        under global-view `jax.jit`). The value is the same either way.
       memory_budget: Bytes, only with `num_microbatches="auto"`.
 
     Returns:
@@ -548,7 +563,15 @@ def coupled_value_and_grad(
             "gather_embeddings=False is for a loss sharded over axis_name; without "
             "axis_name there is nothing to gather. Drop gather_embeddings, or pass axis_name."
         )
-    spec = _Spec(loss_fn, embed_fn, options, names, gather_embeddings)
+    if grad_reduction not in ("mean", "sum"):
+        raise ValueError(f"grad_reduction must be 'mean' or 'sum'; got {grad_reduction=!r}.")
+    if names is None and grad_reduction != "mean":
+        raise ValueError(
+            f"grad_reduction={grad_reduction!r} says how the devices' gradients along "
+            "axis_name are combined; without axis_name the gradient is the whole batch's. "
+            "Drop grad_reduction, or pass axis_name."
+        )
+    spec = _Spec(loss_fn, embed_fn, options, names, gather_embeddings, grad_reduction == "sum")
     counts = _check_counts(num_microbatches, memory_budget)
     if not isinstance(counts, str):
         return _coupled(spec, counts)

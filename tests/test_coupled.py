@@ -594,3 +594,50 @@ def test_shard_map_with_a_sharded_loss():
     assert_close(out, reference(clip_loss)(PARAMS, BATCH))
     with pytest.raises(ValueError, match=r"gather_embeddings=False.*pass axis_name"):
         ga.coupled_value_and_grad(clip_loss, embed, 2, gather_embeddings=False)
+
+
+@pytest.mark.slow
+@pytest.mark.hlo
+@pytest.mark.parametrize("gather", [True, False])
+def test_unreduced_route_sums_the_devices_once_per_window(gather):
+    # grad_reduction="sum": each device's gradient is its partial sum, returned typed
+    # unreduced from shard_map under global-view jit; accumulate adds the partial sums
+    # over the window and reduces them once, when the window closes.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    loss_fn = (lambda p, r: tiled_clip(p, r, axis_name="data")) if not gather else clip_loss
+    f = ga.coupled_value_and_grad(
+        loss_fn, embed, 2, axis_name="data", gather_embeddings=gather, grad_reduction="sum"
+    )
+
+    def local(params, batch):
+        value, grads = f(params, batch)
+        return jax.lax.pmean(value, "data"), grads
+
+    opt = ga.accumulate(optax.sgd(1.0), 2)
+    batches = [BATCH, _batch(seed=9)]
+    with jax.set_mesh(mesh):
+        grad_step = jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P(unreduced={"data"}))
+        )
+
+        @jax.jit
+        def window(params, b0, b1):
+            state = opt.init(params)
+            for b in (b0, b1):
+                _, grads = grad_step(params, b)
+                updates, state = opt.update(grads, state, params)
+            return updates
+
+        args = (
+            jax.device_put(PARAMS, NamedSharding(mesh, P())),
+            *jax.device_put(batches, NamedSharding(mesh, P("data"))),
+        )
+        updates = jax.device_get(window(*args))
+        ops = harness.Hlo(window.lower(*args).compile()).collective_counts()
+    grads = [reference(clip_loss)(PARAMS, b)[1] for b in batches]
+    assert_close(updates, jax.tree.map(lambda a, b: -(a + b) / 2, *grads))
+    if gather:
+        # Only the embeddings' gathers and the window's one reduction of the gradients.
+        assert ops["all-reduce"] == 1 and ops["reduce-scatter"] == 0, ops
+    with pytest.raises(ValueError, match=r"grad_reduction='sum'.*pass axis_name"):
+        ga.coupled_value_and_grad(clip_loss, embed, 2, grad_reduction="sum")
