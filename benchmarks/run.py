@@ -35,6 +35,7 @@ BENCHMARKS = [
     "noise_scale",
     "fused",
     "coupled",
+    "contrastive_losses",
 ]
 MARKER = "@@ROWS@@"
 CHILD = (

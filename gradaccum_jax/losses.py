@@ -8,7 +8,7 @@ used and dropped, and
 
 * the softmax losses keep an online log-sum-exp per row (and per column for
   `clip_loss`): a running maximum and a running sum of exponentials, both in
-  float32 whatever the input dtype;
+  float32 for 16- and 32-bit inputs (float64 for float64 inputs);
 * the backward pass (a `jax.custom_vjp`) recomputes each tile from the inputs
   and the saved per-row log-sum-exp, so what stays alive between the passes is
   the inputs and a few N-vectors.
@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from gradaccum_jax._compat import pcast_to_varying, varying_axes
+from gradaccum_jax._compat import partitions, pcast_to_varying, reshard, varying_axes
 
 __all__ = ["clip_loss", "info_nce", "siglip_loss"]
 
@@ -194,14 +194,20 @@ def _vary(tree: Any, axes: frozenset) -> Any:
     return jax.tree.map(cast, tree)
 
 
+def _acc_dtype(q: jax.Array, k: jax.Array) -> Any:
+    # float32 for 16- and 32-bit inputs; float64 inputs (with jax_enable_x64) keep float64.
+    return jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), jnp.float32)
+
+
 def _tile(q, k, i, j, bs):
+    acc = _acc_dtype(q, k)
     qb = jax.lax.dynamic_slice_in_dim(q, i * bs, bs)
     kb = jax.lax.dynamic_slice_in_dim(k, j * bs, bs)
     raw = jax.lax.dot_general(
         qb,
         kb,
         (((1,), (1,)), ((), ())),
-        preferred_element_type=jnp.float32,
+        preferred_element_type=acc,
         precision=jax.lax.Precision.HIGHEST,
     )
     return qb, kb, raw
@@ -222,7 +228,8 @@ def _positives(rlab_b, clab_b, rv_b, cv_b, cp_b):
 
 def _pairwise_fwd(mode, both, bs, q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair):
     nr, nc = q.shape[0] // bs, k.shape[0] // bs
-    scale32, bias32 = scale.astype(jnp.float32), bias.astype(jnp.float32)
+    acc = _acc_dtype(q, k)
+    scale_acc, bias_acc = scale.astype(acc), bias.astype(acc)
     mc = k.shape[0]
     axes = _joint_axes(q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair)
 
@@ -232,11 +239,11 @@ def _pairwise_fwd(mode, both, bs, q, k, scale, bias, rlab, clab, rvalid, cvalid,
         def col_block(carry, j):
             (m, sumexp, psum_, pcnt), cols = carry
             _, _, raw = _tile(q, k, i, j, bs)
-            s = scale32 * raw
+            s = scale_acc * raw
             cl, cv, cp = _block(clab, j, bs), _block(cvalid, j, bs), _block(cpair, j, bs)
             pos = _positives(rl, cl, rv, cv, cp)
             if mode == _SIGMOID:
-                x = s + bias32
+                x = s + bias_acc
                 term = jax.nn.softplus(jnp.where(pos, -x, x))
                 term = jnp.where(rv[:, None] & cv[None, :], term, 0.0)
                 return ((m, sumexp + term.sum(1), psum_, pcnt), cols), None
@@ -262,96 +269,89 @@ def _pairwise_fwd(mode, both, bs, q, k, scale, bias, rlab, clab, rvalid, cvalid,
                 )
             return ((new_m, sumexp, psum_, pcnt), cols), None
 
-        zeros = jnp.zeros(bs, jnp.float32)
-        init = _vary(
-            ((jnp.full(bs, _FLOOR, jnp.float32), zeros, zeros, jnp.zeros(bs, jnp.int32)),), axes
-        )
+        zeros = jnp.zeros(bs, acc)
+        init = _vary(((jnp.full(bs, _FLOOR, acc), zeros, zeros, jnp.zeros(bs, jnp.int32)),), axes)
         ((m, sumexp, psum_, pcnt), col_carry), _ = jax.lax.scan(
             col_block, (*init, col_carry), jnp.arange(nc)
         )
         if mode == _SIGMOID:
-            return col_carry, (sumexp, jnp.zeros(bs, jnp.float32), pcnt)
-        lse = m + jnp.log(sumexp)
-        term = jnp.where(rv, lse - psum_ / jnp.maximum(pcnt, 1), 0.0)
-        return col_carry, (term, lse, pcnt)
+            return col_carry, (sumexp, jnp.zeros(bs, acc), pcnt)
+        return col_carry, (m + jnp.log(sumexp), psum_, pcnt)
 
     cols0 = (
         (
-            jnp.full(mc, _FLOOR, jnp.float32),
-            jnp.zeros(mc, jnp.float32),
-            jnp.zeros(mc, jnp.float32),
+            jnp.full(mc, _FLOOR, acc),
+            jnp.zeros(mc, acc),
+            jnp.zeros(mc, acc),
             jnp.zeros(mc, jnp.int32),
         )
         if both
         else ()
     )
-    cols, (term, lse, pcnt) = jax.lax.scan(row_block, _vary(cols0, axes), jnp.arange(nr))
-    term, lse, pcnt = term.reshape(-1), lse.reshape(-1), pcnt.reshape(-1)
+    cols, rows = jax.lax.scan(row_block, _vary(cols0, axes), jnp.arange(nr))
+    lse, psum_, pcnt = (x.reshape(-1) for x in rows)
     if both:
         cm, csum, cps, ccnt = cols
         clse = cm + jnp.log(csum)
-        cterm = jnp.where(cvalid, clse - cps / jnp.maximum(ccnt, 1), 0.0)
-        out = (term, cterm)
-        saved_cols = (clse, ccnt)
     else:
-        out = (term, jnp.zeros(mc, jnp.float32))
-        saved_cols = (jnp.zeros(mc, jnp.float32), jnp.zeros(mc, jnp.int32))
-    res = (q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, lse, pcnt, *saved_cols)
-    return out, res
+        clse, cps, ccnt = jnp.zeros(mc, acc), jnp.zeros(mc, acc), jnp.zeros(mc, jnp.int32)
+    res = (q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, lse, clse)
+    return (lse, psum_, clse, cps, pcnt, ccnt), res
 
 
 def _pairwise_bwd(mode, both, bs, res, cts):
-    q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, lse, pcnt, clse, ccnt = res
-    g_row, g_col = cts
-    g_row = jnp.where(rvalid, g_row.astype(jnp.float32), 0.0)
-    g_col = jnp.where(cvalid, g_col.astype(jnp.float32), 0.0)
+    q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, lse, clse = res
+    acc = _acc_dtype(q, k)
+    g_lse, g_pos, g_clse, g_cpos = (
+        jnp.where(valid, ct.astype(acc), 0.0)
+        for ct, valid in zip(cts[:4], (rvalid, rvalid, cvalid, cvalid), strict=True)
+    )
     nr, nc = q.shape[0] // bs, k.shape[0] // bs
-    scale32, bias32 = scale.astype(jnp.float32), bias.astype(jnp.float32)
-    axes = _joint_axes(q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, g_row, g_col)
+    scale_acc, bias_acc = scale.astype(acc), bias.astype(acc)
+    axes = _joint_axes(q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, *cts[:4])
 
     def row_block(carry, i):
         dk, dscale, dbias = carry
         rl, rv = _block(rlab, i, bs), _block(rvalid, i, bs)
-        gr, lr = _block(g_row, i, bs), _block(lse, i, bs)
-        inv_cnt = 1.0 / jnp.maximum(_block(pcnt, i, bs), 1).astype(jnp.float32)
+        gr, gp, lr = _block(g_lse, i, bs), _block(g_pos, i, bs), _block(lse, i, bs)
 
         def col_block(carry, j):
             dq_b, dk, dscale, dbias = carry
             qb, kb, raw = _tile(q, k, i, j, bs)
-            s = scale32 * raw
+            s = scale_acc * raw
             cl, cv, cp = _block(clab, j, bs), _block(cvalid, j, bs), _block(cpair, j, bs)
             pos = _positives(rl, cl, rv, cv, cp)
             if mode == _SIGMOID:
-                x = s + bias32
+                x = s + bias_acc
                 # d softplus(-z x) / dx = sigmoid(x) - [z = +1]
-                ds = jax.nn.sigmoid(x) - pos.astype(jnp.float32)
+                ds = jax.nn.sigmoid(x) - pos.astype(acc)
                 ds = jnp.where(rv[:, None] & cv[None, :], gr[:, None] * ds, 0.0)
                 dbias = dbias + ds.sum()
             else:
+                # d lse_i / d s_ij is row i's softmax; d (sum of positives) / d s_ij is pos_ij.
                 p = jnp.where(cv[None, :], jnp.exp(s - lr[:, None]), 0.0)
-                ds = gr[:, None] * (p - jnp.where(pos, inv_cnt[:, None], 0.0))
+                ds = gr[:, None] * p + jnp.where(pos, gp[:, None], 0.0)
                 if both:
-                    gc, lc = _block(g_col, j, bs), _block(clse, j, bs)
-                    inv_ccnt = 1.0 / jnp.maximum(_block(ccnt, j, bs), 1).astype(jnp.float32)
-                    pc = jnp.where(rv[:, None], jnp.exp(s - lc[None, :]), 0.0)
-                    ds = ds + gc[None, :] * (pc - jnp.where(pos, inv_ccnt[None, :], 0.0))
+                    gc, gcp = _block(g_clse, j, bs), _block(g_cpos, j, bs)
+                    pc = jnp.where(rv[:, None], jnp.exp(s - _block(clse, j, bs)[None, :]), 0.0)
+                    ds = ds + gc[None, :] * pc + jnp.where(pos, gcp[None, :], 0.0)
             dscale = dscale + (ds * raw).sum()
-            ds_in = (scale32 * ds).astype(q.dtype)
-            dq_b = dq_b + jnp.dot(ds_in, kb, preferred_element_type=jnp.float32)
+            ds_in = (scale_acc * ds).astype(q.dtype)
+            dq_b = dq_b + jnp.dot(ds_in, kb, preferred_element_type=acc)
             dk_b = jax.lax.dynamic_slice_in_dim(dk, j * bs, bs) + jax.lax.dot_general(
-                ds_in, qb, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                ds_in, qb, (((0,), (0,)), ((), ())), preferred_element_type=acc
             )
             dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_b, j * bs, 0)
             return (dq_b, dk, dscale, dbias), None
 
-        dq0 = _vary(jnp.zeros((bs, q.shape[1]), jnp.float32), axes)
+        dq0 = _vary(jnp.zeros((bs, q.shape[1]), acc), axes)
         (dq_b, dk, dscale, dbias), _ = jax.lax.scan(
             col_block, (dq0, dk, dscale, dbias), jnp.arange(nc)
         )
         return (dk, dscale, dbias), dq_b
 
-    zero = jnp.zeros((), jnp.float32)
-    init = _vary((jnp.zeros(k.shape, jnp.float32), zero, zero), axes)
+    zero = jnp.zeros((), acc)
+    init = _vary((jnp.zeros(k.shape, acc), zero, zero), axes)
     (dk, dscale, dbias), dq = jax.lax.scan(row_block, init, jnp.arange(nr))
     dq = _match_vma(dq.reshape(q.shape).astype(q.dtype), q)
     dk = _match_vma(dk.astype(k.dtype), k)
@@ -364,12 +364,22 @@ _pairwise.defvjp(_pairwise_fwd, _pairwise_bwd)
 
 
 def _run(mode, both, block_size, q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair):
-    """Pads rows and columns to whole tiles and returns the unpadded per-row terms."""
+    """Pads rows and columns to whole tiles; returns the statistics of `_pairwise`, unpadded.
+
+    Softmax: `(row_lse, row_pos, col_lse, col_pos, row_count, col_count)`: the log-sum-exp
+    of each row's logits over the valid columns (and each column's over the valid rows,
+    when `both`), the sum of the logits over the positives and their number. Sigmoid:
+    `row_lse` holds each row's sum of `-log sigmoid(z s)` over the valid columns.
+    """
     n, m = q.shape[0], k.shape[0]
     bs = min(block_size, max(n, m))
     bs = -(-bs // 8) * 8
     np_, mp = -(-n // bs) * bs, -(-m // bs) * bs
-    row_term, col_term = _pairwise(
+    # Masked rows take no part: zeroed, so that padding holding inf or NaN cannot reach
+    # the sums through a zero weight (0 * NaN is NaN).
+    q = jnp.where(rvalid[:, None], q, jnp.zeros((), q.dtype))
+    k = jnp.where(cvalid[:, None], k, jnp.zeros((), k.dtype))
+    stats = _pairwise(
         mode,
         both,
         bs,
@@ -383,7 +393,12 @@ def _run(mode, both, block_size, q, k, scale, bias, rlab, clab, rvalid, cvalid, 
         _pad_rows(cvalid, mp, False),
         _pad_rows(cpair, mp, False),
     )
-    return row_term[:n], col_term[:m]
+    return tuple(x[:size] for x, size in zip(stats, (n, n, m, m, n, m), strict=True))
+
+
+def _cross_entropy(lse, pos_sum, pos_count, valid):
+    """Each row's cross-entropy against the uniform distribution over its positives."""
+    return jnp.where(valid, lse - pos_sum / jnp.maximum(pos_count, 1), 0.0)
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -408,10 +423,10 @@ def _setup(n, mask, labels, axis_name):
     valid = jnp.ones(n, jnp.bool_) if mask is None else mask
     if axis_name is None:
         lab = jnp.arange(n, dtype=jnp.int32) if labels is None else labels
-        return valid, lab, 1
+        return valid, lab.astype(jnp.int32), 1
     index, count = _device_index_and_count(axis_name)
     lab = index * n + jnp.arange(n, dtype=jnp.int32) if labels is None else labels
-    return valid, lab, count
+    return valid, lab.astype(jnp.int32), count
 
 
 def _normalise(total, valid, count, axis_name):
@@ -419,6 +434,126 @@ def _normalise(total, valid, count, axis_name):
     if axis_name is not None:
         n_valid = jax.lax.psum(n_valid, axis_name)
     return count * total / jnp.maximum(n_valid, 1.0)
+
+
+def _clip(a, b, scale, bias, mask, labels, block_size, axis_name):
+    valid, lab, count = _setup(a.shape[0], mask, labels, axis_name)
+    pair = jnp.ones(a.shape[0], jnp.bool_)
+    if axis_name is None:
+        # One pass over the tiles gives both directions: per-row and per-column statistics.
+        rl, rp, cl, cp, rc, cc = _run(
+            _SOFTMAX, True, block_size, a, b, scale, bias, lab, lab, valid, valid, pair
+        )
+        total = _cross_entropy(rl, rp, rc, valid).sum() + _cross_entropy(cl, cp, cc, valid).sum()
+        return _normalise(0.5 * total, valid, count, axis_name)
+    # Sharded: this device's rows of `a` against all of `b` give its rows' terms and, for
+    # every column, statistics over this device's rows. The columns' log-sum-exps are
+    # combined across devices (N-vectors) and each device keeps its own columns' terms.
+    g_lab, g_valid, g_pair = (_gather(x, axis_name) for x in (lab, valid, pair))
+    rl, rp, cl, cp, rc, cc = _run(
+        _SOFTMAX, True, block_size, a, _gather(b, axis_name), scale, bias,
+        lab, g_lab, valid, g_valid, g_pair,
+    )  # fmt: skip
+    top = jax.lax.pmax(jax.lax.stop_gradient(cl), axis_name)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    sumexp = jax.lax.psum(jnp.exp(cl - top), axis_name)
+    # A column with no valid row anywhere is masked itself: log(1) keeps its gradient finite.
+    cl = top + jnp.log(jnp.where(g_valid, sumexp, 1.0))
+    cp, cc = jax.lax.psum(cp, axis_name), jax.lax.psum(cc, axis_name)
+    index, _ = _device_index_and_count(axis_name)
+    n = a.shape[0]
+    own = [jax.lax.dynamic_slice_in_dim(x, index * n, n) for x in (cl, cp, cc)]
+    total = _cross_entropy(rl, rp, rc, valid).sum() + _cross_entropy(*own, valid).sum()
+    return _normalise(0.5 * total, valid, count, axis_name)
+
+
+def _info_nce(q, k, scale, bias, mask, labels, block_size, axis_name):
+    n, m = q.shape[0], k.shape[0]
+    valid, lab, count = _setup(n, mask, labels, axis_name)
+    extra = m - n
+    clab = jnp.concatenate([lab, jnp.zeros(extra, jnp.int32)])
+    cvalid = jnp.concatenate([valid, jnp.ones(extra, jnp.bool_)])
+    cpair = jnp.arange(m) < n
+    if axis_name is not None:
+        k, clab, cvalid, cpair = (_gather(x, axis_name) for x in (k, clab, cvalid, cpair))
+    rl, rp, _, _, rc, _ = _run(
+        _SOFTMAX, False, block_size, q, k, scale, bias, lab, clab, valid, cvalid, cpair
+    )
+    return _normalise(_cross_entropy(rl, rp, rc, valid).sum(), valid, count, axis_name)
+
+
+def _siglip(a, b, scale, bias, mask, labels, block_size, axis_name):
+    valid, lab, count = _setup(a.shape[0], mask, labels, axis_name)
+    clab, cvalid, cpair = lab, valid, jnp.ones(a.shape[0], jnp.bool_)
+    if axis_name is not None:
+        b, clab, cvalid, cpair = (_gather(x, axis_name) for x in (b, clab, cvalid, cpair))
+    row = _run(_SIGMOID, False, block_size, a, b, scale, bias, lab, clab, valid, cvalid, cpair)[0]
+    return _normalise(row.sum(), valid, count, axis_name)
+
+
+def _explicit_batch_axes(x: jax.Array) -> tuple[Any, ...] | None:
+    """The Explicit mesh axes the rows of `x` are sharded over under global-view jit."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None:
+        return None
+    entries = partitions(spec)
+    if not entries or entries[0] is None:
+        return None
+    axes = entries[0] if isinstance(entries[0], tuple) else (entries[0],)
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if not all(types.get(axis) == jax.sharding.AxisType.Explicit for axis in axes):
+        return None
+    return axes
+
+
+def _dispatch(impl, x, y, scale, bias, mask, labels, block_size, axis_name):
+    """Runs `impl`; under jit with rows sharded over Explicit mesh axes, one shard per device.
+
+    With Auto axes the compiler partitions the tiled loops itself. Explicit axes make
+    sharding part of the types, where the tiles' products of two row-sharded blocks have
+    no legal sharding; there each device runs `impl` on its own rows with `axis_name`
+    inside `jax.shard_map`, and the mean over devices is the loss.
+    """
+    if axis_name is None:
+        axes = _explicit_batch_axes(x) or _explicit_batch_axes(y)
+        if axes is not None:
+            return _global_view(impl, axes, x, y, scale, bias, mask, labels, block_size)
+    return impl(x, y, scale, bias, mask, labels, block_size, axis_name)
+
+
+def _global_view(impl, axes, x, y, scale, bias, mask, labels, block_size):
+    mesh = jax.typeof(x).sharding.mesh if _explicit_batch_axes(x) else jax.typeof(y).sharding.mesh
+    size = 1
+    for axis in axes:
+        size *= mesh.shape[axis]
+    n, m = x.shape[0], y.shape[0]
+    valid = jnp.ones(n, jnp.bool_) if mask is None else mask
+    lab = jnp.arange(n, dtype=jnp.int32) if labels is None else labels.astype(jnp.int32)
+    if n % size or (m - n) % size:
+        # Rows that do not split evenly: every device computes the whole loss (N x D each).
+        x, y, valid, lab = reshard((x, y, valid, lab), jax.P())
+        return impl(x, y, scale, bias, valid, lab, block_size, None)
+    rows, vec = jax.P(axes, None), jax.P(axes)
+    # Extra keys (info_nce with M > N) are split like the paired ones; each device appends
+    # its share after its paired keys, the layout `impl` expects under axis_name.
+    pairs, extra = y[:n], y[n:]
+    x, pairs, extra = reshard(x, rows), reshard(pairs, rows), reshard(extra, rows)
+    valid, lab = reshard(valid, vec), reshard(lab, vec)
+    scale, bias = reshard(scale, jax.P()), reshard(bias, jax.P())
+    name = axes if len(axes) > 1 else axes[0]
+
+    def local(x, pairs, extra, scale, bias, valid, lab):
+        y = jnp.concatenate([pairs, extra])
+        return jax.lax.pmean(impl(x, y, scale, bias, valid, lab, block_size, name), name)
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, jax.P(), jax.P(), vec, vec),
+        out_specs=jax.P(),
+        axis_names=set(axes),
+    )(x, pairs, extra, scale, bias, valid, lab)
 
 
 # ----------------------------------------------------------------------------- public
@@ -461,8 +596,9 @@ def clip_loss(
         each device returns.
 
     Returns:
-      A float32 scalar: the loss (under `axis_name`, this device's share times
-      the number of devices, whose mean over devices is the global loss).
+      A float32 scalar (float64 for float64 inputs): the loss (under
+      `axis_name`, this device's share times the number of devices, whose mean
+      over devices is the global loss).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -484,26 +620,8 @@ def clip_loss(
     labels = _check_rows("labels", labels, a.shape[0], "labels")
     block_size = _check_block_size(block_size)
     _check_axis_name(axis_name)
-    valid, lab, count = _setup(a.shape[0], mask, labels, axis_name)
-    lab = lab.astype(jnp.int32)
     zero = jnp.zeros((), jnp.float32)
-    pair = jnp.ones(a.shape[0], jnp.bool_)
-    if axis_name is None:
-        row, col = _run(_SOFTMAX, True, block_size, a, b, scale, zero, lab, lab, valid, valid, pair)
-        total = 0.5 * (row.sum() + col.sum())
-    else:
-        g_lab, g_valid = _gather(lab, axis_name), _gather(valid, axis_name)
-        g_pair = _gather(pair, axis_name)
-        a2b, _ = _run(
-            _SOFTMAX, False, block_size, a, _gather(b, axis_name), scale, zero,
-            lab, g_lab, valid, g_valid, g_pair,
-        )  # fmt: skip
-        b2a, _ = _run(
-            _SOFTMAX, False, block_size, b, _gather(a, axis_name), scale, zero,
-            lab, g_lab, valid, g_valid, g_pair,
-        )  # fmt: skip
-        total = 0.5 * (a2b.sum() + b2a.sum())
-    return _normalise(total, valid, count, axis_name)
+    return _dispatch(_clip, a, b, scale, zero, mask, labels, block_size, axis_name)
 
 
 def info_nce(
@@ -540,8 +658,9 @@ def info_nce(
         paired keys) and the keys of all devices are candidates.
 
     Returns:
-      A float32 scalar: the mean over valid queries (under `axis_name`, this
-      device's share times the number of devices).
+      A float32 scalar (float64 for float64 inputs): the mean over valid
+      queries (under `axis_name`, this device's share times the number of
+      devices).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -557,23 +676,12 @@ def info_nce(
     k = _check_embeddings("k", k)
     _check_pair("q", q, "k", k, square=False)
     scale = _check_scalar("scale", scale)
-    n, m = q.shape[0], k.shape[0]
-    mask = _check_rows("mask", mask, n, "mask")
-    labels = _check_rows("labels", labels, n, "labels")
+    mask = _check_rows("mask", mask, q.shape[0], "mask")
+    labels = _check_rows("labels", labels, q.shape[0], "labels")
     block_size = _check_block_size(block_size)
     _check_axis_name(axis_name)
-    valid, lab, count = _setup(n, mask, labels, axis_name)
-    lab = lab.astype(jnp.int32)
-    extra = m - n
-    clab = jnp.concatenate([lab, jnp.zeros(extra, jnp.int32)])
-    cvalid = jnp.concatenate([valid, jnp.ones(extra, jnp.bool_)])
-    cpair = jnp.arange(m) < n
-    if axis_name is not None:
-        k, clab = _gather(k, axis_name), _gather(clab, axis_name)
-        cvalid, cpair = _gather(cvalid, axis_name), _gather(cpair, axis_name)
     zero = jnp.zeros((), jnp.float32)
-    row, _ = _run(_SOFTMAX, False, block_size, q, k, scale, zero, lab, clab, valid, cvalid, cpair)
-    return _normalise(row.sum(), valid, count, axis_name)
+    return _dispatch(_info_nce, q, k, scale, zero, mask, labels, block_size, axis_name)
 
 
 def siglip_loss(
@@ -609,8 +717,8 @@ def siglip_loss(
         module docstring.
 
     Returns:
-      A float32 scalar (under `axis_name`, this device's share times the number
-      of devices).
+      A float32 scalar (float64 for float64 inputs; under `axis_name`, this
+      device's share times the number of devices).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -632,13 +740,4 @@ def siglip_loss(
     labels = _check_rows("labels", labels, a.shape[0], "labels")
     block_size = _check_block_size(block_size)
     _check_axis_name(axis_name)
-    valid, lab, count = _setup(a.shape[0], mask, labels, axis_name)
-    lab = lab.astype(jnp.int32)
-    clab, cvalid, cpair, cols = lab, valid, jnp.ones(a.shape[0], jnp.bool_), b
-    if axis_name is not None:
-        clab, cvalid = _gather(lab, axis_name), _gather(valid, axis_name)
-        cpair, cols = _gather(cpair, axis_name), _gather(b, axis_name)
-    row, _ = _run(
-        _SIGMOID, False, block_size, a, cols, scale, bias, lab, clab, valid, cvalid, cpair
-    )
-    return _normalise(row.sum(), valid, count, axis_name)
+    return _dispatch(_siglip, a, b, scale, bias, mask, labels, block_size, axis_name)

@@ -425,6 +425,44 @@ def coupled_largest(rows: Rows, prefix: str) -> str:
     return f"{found[0]['largest_n']:,}"
 
 
+def contrastive_losses_table(rows: Rows) -> str:
+    lines = []
+    for r in rows["contrastive_losses"]:
+        ran = isinstance(r["ms_dense"], (int, float))
+        lines.append(
+            [
+                f"`{r['loss']}`",
+                str(r["n"]),
+                f"{r['ms_tiled']:.0f}",
+                f"{r['ms_dense']:.0f}" if ran else "not run",
+                f"{r['tiled_vs_dense']:.2f}" if ran else "",
+                f"{mib(r['temp_tiled'])} ({100 * r['temp_tiled_vs_nn']:.1f} %)",
+                f"{mib(r['temp_dense'])} ({r['temp_dense_vs_nn']:.1f}{TIMES})",
+                sci(r["max_rel_err"]) if ran else "",
+            ]
+        )
+    return table(
+        [
+            "loss",
+            "N",
+            "tiled ms",
+            "dense ms",
+            "tiled / dense",
+            f"tiled temp MiB (of one N{TIMES}N)",
+            f"dense temp MiB (N{TIMES}N)",
+            "max rel. error",
+        ],
+        lines,
+    )
+
+
+LOSS_NAMES = ("clip_loss", "info_nce", "siglip_loss")
+
+
+def _losses_row(rows: Rows, loss: str = "clip_loss", n: int = 8192) -> dict[str, Any]:
+    return row(rows, "contrastive_losses", loss=loss, n=n)
+
+
 FIGURES: dict[str, Callable[[Rows], str]] = {
     # coupled benchmark: exact micro-batching of a contrastive loss
     "coupled.time": lambda r: times(coupled_step(r, "coupled", 1024, 8)["time_vs_full"]),
@@ -555,6 +593,16 @@ FIGURES: dict[str, Callable[[Rows], str]] = {
     ),
     "global_view.zero1_vs_shard_map": lambda r: _global_view_ratio(
         r, "zero1", "time_over_shard_map"
+    ),
+    "table.contrastive_losses": contrastive_losses_table,
+    "losses.clip_8192.tiled_vs_dense": lambda r: times(_losses_row(r)["tiled_vs_dense"]),
+    "losses.clip_8192.temp_pct": lambda r: f"{100 * _losses_row(r)['temp_tiled_vs_nn']:.1f} %",
+    "losses.clip_8192.dense_temp_vs_nn": lambda r: times(_losses_row(r)["temp_dense_vs_nn"], 1),
+    "losses.worst_tiled_vs_dense_8192": lambda r: times(
+        max(_losses_row(r, loss)["tiled_vs_dense"] for loss in LOSS_NAMES)
+    ),
+    "losses.worst_temp_pct_8192": lambda r: (
+        f"{100 * max(_losses_row(r, loss)['temp_tiled_vs_nn'] for loss in LOSS_NAMES):.1f} %"
     ),
 }
 
