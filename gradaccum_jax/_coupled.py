@@ -12,7 +12,8 @@ returns (`_coupled`) runs three steps in one program:
    loss's own.
 
 Micro-batches, keys and carried state follow `microbatch_value_and_grad`, whose
-helpers this module uses.
+helpers this module uses. Under `axis_name` (`_loss_and_cotangents`) each device
+keeps its own rows of the cotangent, scaled for the reduction its caller applies.
 """
 
 from __future__ import annotations
@@ -506,10 +507,12 @@ def coupled_value_and_grad(
     Raises:
       TypeError: For non-callable functions, a bad `num_microbatches`, or
         (when called) a raw `uint32` key outside `key_argnums`.
-      ValueError: For overlapping argnums, or (when called) a batch size that
-        a count does not divide, an embedding leaf without the batch axis, a
-        per-tower count that does not match `embed_fn`'s towers, or
-        `carry_argnums` with per-tower counts.
+      ValueError: For overlapping argnums, `gather_embeddings=False` or
+        `grad_reduction="sum"` without `axis_name`, or (when called) a batch
+        size that a count does not divide, an embedding leaf without the batch
+        axis, a per-tower count that does not match `embed_fn`'s towers,
+        `carry_argnums` with per-tower counts, or a `memory_budget` that no
+        count fits.
 
     Examples:
       >>> import jax, jax.numpy as jnp
