@@ -34,6 +34,7 @@ BENCHMARKS = [
     "clipping",
     "noise_scale",
     "fused",
+    "coupled",
     "contrastive_losses",
 ]
 MARKER = "@@ROWS@@"

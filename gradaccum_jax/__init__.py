@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 # The tiled contrastive losses: a public submodule, reached as gradaccum_jax.losses.<name>.
 from gradaccum_jax import losses as losses
+from gradaccum_jax._batching.coupled import (
+    coupled_value_and_grad,
+)
 from gradaccum_jax._batching.microbatch import (
     microbatch_value_and_grad,
     plan_microbatches,
@@ -145,6 +148,7 @@ __all__ = [
     "conditional_num_accumulated",
     "conditional_set_global_step",
     "conditional_take_grad",
+    "coupled_value_and_grad",
     "critical_batch_schedule",
     "current_loss_scale",
     "dynamic_loss_scale",

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from gradaccum_jax._compat import partitions, pcast_to_varying, reshard, varying_axes
+from gradaccum_jax._base.compat import partitions, pcast_to_varying, reshard, varying_axes
 
 __all__ = ["clip_loss", "info_nce", "siglip_loss"]
 

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from gradaccum_jax import losses
-from gradaccum_jax._compat import pcast_to_varying
+from gradaccum_jax._base.compat import pcast_to_varying
 
 RTOL = 1e-5  # float32 rounding of sums over a few hundred terms, in another order
 HI = jax.lax.Precision.HIGHEST

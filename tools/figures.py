@@ -391,6 +391,40 @@ def fused_table(rows: Rows) -> str:
     )
 
 
+def coupled_step(rows: Rows, method: str, n: int, k: int) -> dict[str, Any]:
+    return row(rows, "coupled", kind="step", method=method, N=n, K=k)
+
+
+def coupled_table(rows: Rows) -> str:
+    shown = [r for r in rows["coupled"] if r["kind"] == "step"]
+    return table(
+        ["N", "method", "K", "time / full", "temp / full", "temp MiB"],
+        [
+            [
+                str(r["N"]),
+                r["method"],
+                str(r["K"]),
+                times(r["time_vs_full"]) if r["timed"] else "not timed",
+                f"{r['temp_vs_full']:.3f}",
+                f"{r['temp_bytes'] / 2**20:.1f}",
+            ]
+            for r in shown
+        ],
+    )
+
+
+def coupled_budget(rows: Rows) -> str:
+    found = next(r for r in rows["coupled"] if r["kind"] == "headline")
+    return f"{found['budget_bytes'] / 2**30:.0f} GiB"
+
+
+def coupled_largest(rows: Rows, prefix: str) -> str:
+    found = [
+        r for r in rows["coupled"] if r["kind"] == "headline" and r["method"].startswith(prefix)
+    ]
+    return f"{found[0]['largest_n']:,}"
+
+
 def contrastive_losses_table(rows: Rows) -> str:
     lines = []
     for r in rows["contrastive_losses"]:
@@ -430,6 +464,13 @@ def _losses_row(rows: Rows, loss: str = "clip_loss", n: int = 8192) -> dict[str,
 
 
 FIGURES: dict[str, Callable[[Rows], str]] = {
+    # coupled benchmark: exact micro-batching of a contrastive loss
+    "coupled.time": lambda r: times(coupled_step(r, "coupled", 1024, 8)["time_vs_full"]),
+    "coupled.temp": lambda r: f"{coupled_step(r, 'coupled', 1024, 8)['temp_vs_full']:.2f}",
+    "coupled.largest_dense": lambda r: coupled_largest(r, "full"),
+    "coupled.largest_tiled": lambda r: coupled_largest(r, "coupled+tiled"),
+    "coupled.budget": lambda r: coupled_budget(r),
+    "table.coupled": coupled_table,
     # fused benchmark, transformer-shaped tree with Adam
     "fused.model": lambda r: fused(r, "acc + g")["model"],
     "fused.micro.x_floor": lambda r: times(fused(r, "fused micro-step")["x_floor"], 1),
