@@ -48,7 +48,7 @@ class LocalRoute:
         return _window.local_gate()
 
     def accept(self, grads: Any, valid: jax.Array, check: bool) -> jax.Array:
-        return valid & _window.all_finite_by_squares(grads) if check else valid
+        return valid & _window.all_finite_by_sum(grads) if check else valid
 
     def starts_unit(self, accepted: jax.Array, valid: jax.Array, state: Any) -> jax.Array:
         """Whether this micro-step's weight becomes the window's unit: the first accepted one."""
