@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -50,6 +50,7 @@ import gradaccum_jax as ga
 
 jax.config.update("jax_enable_compilation_cache", False)
 
+HERE = pathlib.Path(__file__).resolve().parent
 K = 4
 # Which candidate each target compares with, and the target.
 ANCHORS = {
@@ -146,13 +147,13 @@ def compile_once(name: str, layers: int) -> tuple[float, int]:
 def _child_peak(name: str, layers: int) -> float:
     """MB the resident set's high-water mark grows by over one compile, in a fresh process."""
     code = (
-        "import sys, json, resource; sys.path.insert(0, {here!r}); import compile_time as c; "
-        "tree = c.transformer_tree({layers}); c.candidates(); "
+        f"import sys, json, resource; sys.path.insert(0, {str(HERE)!r}); import compile_time as c; "
+        f"tree = c.transformer_tree({layers}); c.candidates(); "
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
-        "c.compile_once({name!r}, {layers}); "
+        f"c.compile_once({name!r}, {layers}); "
         "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
         "print(json.dumps((after - before) / 1024))"
-    ).format(here=str(__import__("pathlib").Path(__file__).resolve().parent), name=name, layers=layers)
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
