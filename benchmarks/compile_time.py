@@ -35,13 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 
+import harness
 import jax
 import jax.numpy as jnp
 import optax
@@ -125,9 +125,6 @@ def candidates() -> dict[str, tuple[Callable, optax.GradientTransformation | Non
     }
 
 
-INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=", re.M)
-
-
 def compile_once(name: str, layers: int) -> tuple[float, int]:
     """Seconds to trace, lower and compile `name`'s step afresh, and its instruction count."""
     fn, tx = candidates()[name]
@@ -141,7 +138,8 @@ def compile_once(name: str, layers: int) -> tuple[float, int]:
         start = time.perf_counter()
         compiled = jax.jit(fn, donate_argnums=(0, 1)).lower(tree, state, tree).compile()
     seconds = time.perf_counter() - start
-    return seconds, len(INSTRUCTION.findall(compiled.as_text()))
+    hlo = harness.Hlo(compiled)
+    return seconds, sum(len(insts) for insts in hlo.computations.values())
 
 
 def _child_peak(name: str, layers: int) -> float:
@@ -185,8 +183,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 seconds, counts[name] = compile_once(name, layers)
                 times[name].append(seconds)
         print(
-            f"\n{leaves} leaves\n{'candidate':<30} {'compile_s':>9} {'anchor':<28} "
-            f"{'ratio':>6} {'range':>12} {'instr/leaf':>10} {'peak_MB':>8}"
+            f"\n{leaves} leaves\n{'candidate':<28} {'compile_s':>9} {'instr/leaf':>10} "
+            f"{'peak_MB':>8}  ratios (median, min-max over rounds; target)"
         )
         for name in names:
             row = {
@@ -197,36 +195,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "instructions": counts[name],
                 "instr_per_leaf": round(counts[name] / leaves, 2),
             }
+            if memory:
+                row["peak_MB"] = round(_child_peak(name, layers), 1)
+            ratios = []
             anchor, target = ANCHORS.get(name, (None, None))
-            pairs = []
-            if anchor in times:
-                pairs.append(("x_anchor", anchor, target))
+            pairs = [("x_anchor", anchor, target)] if anchor in times else []
             if name == AGAINST_MULTISTEPS[0] and "MultiSteps(adam, 4)" in times:
                 pairs.append(("x_multisteps", "MultiSteps(adam, 4)", AGAINST_MULTISTEPS[1]))
-            text = ""
             for key, other, limit in pairs:
                 per_round = [a / b for a, b in zip(times[name], times[other], strict=True)]
                 row[key] = round(statistics.median(per_round), 3)
                 row[key + "_min"] = round(min(per_round), 3)
                 row[key + "_max"] = round(max(per_round), 3)
-                if limit is not None:
-                    row[key + "_target"] = limit
-                text = f"{row['compile_s']:9.2f} {other:<28} {row[key]:6.2f} " + (
-                    f"{row[key + '_min']:5.2f}-{row[key + '_max']:<6.2f}"
-                )
-                if memory and key == pairs[-1][0]:
-                    pass
-            if memory:
-                row["peak_MB"] = round(_child_peak(name, layers), 1)
-            if not pairs:
-                text = f"{row['compile_s']:9.2f} {'':<28} {'':>6} {'':>12}"
+                row[key + "_target"] = limit
+                goal = "" if limit is None else f"; <= {limit}"
+                spread = f"{row[key + '_min']:.2f}-{row[key + '_max']:.2f}{goal}"
+                ratios.append(f"{row[key]:.2f}x {other} ({spread})")
             peak = f"{row['peak_MB']:8.1f}" if "peak_MB" in row else f"{'-':>8}"
-            print(f"{name:<30} {text} {row['instr_per_leaf']:10.2f} {peak}")
-            for key, other, _ in pairs[:-1]:
-                print(
-                    f"{'':<30} {'':>9} {other:<28} {row[key]:6.2f} "
-                    f"{row[key + '_min']:5.2f}-{row[key + '_max']:<6.2f}"
-                )
+            print(
+                f"{name:<28} {row['compile_s']:9.2f} {row['instr_per_leaf']:10.2f} {peak}  "
+                + ", ".join(ratios)
+            )
             rows.append(row)
     small, large = layer_counts
     print("\ninstructions per added leaf (growth from the small tree to the large one)")

@@ -249,6 +249,7 @@ def _rescale_whole(tree: Any, m: Measure, factors: Factors) -> tuple[Any, Size]:
     dtype = compute_dtype(*[leaf.dtype for leaf in leaves]) if leaves else jnp.float32
     xs = [leaf.astype(dtype) for leaf in leaves]
     parts = [(x, tuple(range(x.ndim))) for x in xs if x.size]
+
     def finish(sizes: list[Size]) -> tuple[Size, tuple[jax.Array, jax.Array]]:
         size = Size(sizes[0].mant.reshape(()), sizes[0].exp.reshape(()))
         return size, factors(size)

@@ -48,7 +48,7 @@ class LocalRoute:
         return _window.local_gate()
 
     def accept(self, grads: Any, valid: jax.Array, check: bool) -> jax.Array:
-        return valid & _window.all_finite_by_sum(grads) if check else valid
+        return valid & _window.all_finite_by_squares(grads) if check else valid
 
     def starts_unit(self, accepted: jax.Array, valid: jax.Array, state: Any) -> jax.Array:
         """Whether this micro-step's weight becomes the window's unit: the first accepted one."""
@@ -65,8 +65,8 @@ class LocalRoute:
     def read(self, held: Any) -> Any:
         return _window.window_sum(held[0], held[1])
 
-    def emptied(self, held: Any, reset: jax.Array, accepted: jax.Array) -> Any:
-        """The held sums zeroed where `reset` (a traced flag, true where this runs)."""
+    def emptied(self, held: Any, reset: list[jax.Array], accepted: jax.Array) -> Any:
+        """The held sums zeroed where `reset` (traced flags, one per leaf, true where this runs)."""
         del accepted
         return _window.emptied(held, reset)
 
@@ -152,9 +152,9 @@ class UnreducedRoute:
     def read(self, held: Any) -> Any:
         return held[0]
 
-    def emptied(self, held: Any, reset: jax.Array, accepted: jax.Array) -> Any:
+    def emptied(self, held: Any, reset: list[jax.Array], accepted: jax.Array) -> Any:
         # Each device's zeros, typed unreduced like the sums they replace.
-        return _global_view.local_add(held[0], held[0], accepted, None, reset, self.axes), None
+        return _global_view.local_add(held[0], held[0], accepted, None, reset[0], self.axes), None
 
     def count(
         self,

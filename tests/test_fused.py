@@ -301,13 +301,13 @@ def _count_checks(monkeypatch):
     from gradaccum_jax import _window
 
     calls = []
-    original = _window.all_finite_by_sum
+    original = _window.all_finite_by_squares
 
     def spy(tree):
         calls.append(tree)
         return original(tree)
 
-    monkeypatch.setattr(_window, "all_finite_by_sum", spy)
+    monkeypatch.setattr(_window, "all_finite_by_squares", spy)
     return calls
 
 
