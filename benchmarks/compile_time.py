@@ -21,10 +21,10 @@ clippers alone `(grads) -> grads`):
 Columns: `compile_s` (trace, lower and compile; median of the rounds),
 `ratio` against the anchor the target names (and its range over the rounds),
 `instr/leaf` (instructions of the compiled HLO per leaf), and `peak_MB`: the
-compiler's peak memory, measured as the growth of the resident set's high-water
-mark (`ru_maxrss`) of a fresh child process over one compile (tracing,
-lowering and XLA together; the child has built the tree and traced nothing
-before).
+compiler's peak memory, measured in a fresh child process as the rise of the
+resident set's peak (`VmHWM`, reset just before) above its size before one
+compile (tracing, lowering and XLA together; the child has built the tree and
+the state and traced nothing else).
 
     python benchmarks/compile_time.py            # 291 and 579 leaves, 3 rounds
     python benchmarks/compile_time.py --quick    # 51 and 99 leaves, 1 round, no children
@@ -125,32 +125,58 @@ def candidates() -> dict[str, tuple[Callable, optax.GradientTransformation | Non
     }
 
 
-def compile_once(name: str, layers: int) -> tuple[float, int]:
-    """Seconds to trace, lower and compile `name`'s step afresh, and its instruction count."""
+def compile_once(name: str, layers: int, inputs: tuple | None = None) -> tuple[float, int]:
+    """Seconds to trace, lower and compile `name`'s step afresh, and its instruction count.
+
+    `inputs` is `prepare(name, layers)`, or None to build it here.
+    """
     fn, tx = candidates()[name]
-    tree = transformer_tree(layers)
+    args = inputs if inputs is not None else prepare(name, layers)
     jax.clear_caches()
+    start = time.perf_counter()
     if tx is None:
-        start = time.perf_counter()
-        compiled = jax.jit(fn).lower(tree).compile()
+        compiled = jax.jit(fn).lower(*args).compile()
     else:
-        state = tx.init(tree)
-        start = time.perf_counter()
-        compiled = jax.jit(fn, donate_argnums=(0, 1)).lower(tree, state, tree).compile()
+        compiled = jax.jit(fn, donate_argnums=(0, 1)).lower(*args).compile()
     seconds = time.perf_counter() - start
     hlo = harness.Hlo(compiled)
     return seconds, sum(len(insts) for insts in hlo.computations.values())
 
 
+def prepare(name: str, layers: int) -> tuple:
+    """The arguments `name`'s step is compiled for: `(grads,)` or `(params, state, grads)`."""
+    _, tx = candidates()[name]
+    tree = transformer_tree(layers)
+    args = (tree,) if tx is None else (tree, tx.init(tree), tree)
+    return jax.block_until_ready(args)
+
+
+def _status_mb(field: str) -> float:
+    """A field of /proc/self/status (`VmRSS`, `VmHWM`) in MB."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def peak_growth(name: str, layers: int) -> float:
+    """MB the resident set's peak rises above its size before one compile of `name`.
+
+    The peak (`VmHWM`) is reset first (`/proc/self/clear_refs`), so that what
+    the process touched before (imports, the tree) does not count.
+    """
+    inputs = prepare(name, layers)
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+    before = _status_mb("VmRSS")
+    compile_once(name, layers, inputs)
+    return _status_mb("VmHWM") - before
+
+
 def _child_peak(name: str, layers: int) -> float:
-    """MB the resident set's high-water mark grows by over one compile, in a fresh process."""
+    """`peak_growth` measured in a fresh process (a forked child would start from this one's)."""
     code = (
-        f"import sys, json, resource; sys.path.insert(0, {str(HERE)!r}); import compile_time as c; "
-        f"tree = c.transformer_tree({layers}); c.candidates(); "
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
-        f"c.compile_once({name!r}, {layers}); "
-        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
-        "print(json.dumps((after - before) / 1024))"
+        f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import compile_time as c; "
+        f"print(json.dumps(c.peak_growth({name!r}, {layers})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
