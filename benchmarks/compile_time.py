@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -197,7 +198,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         names = [n for n in names if n in args.only]
     print(
         f"compile_time: transformer trees of {[12 * n + 3 for n in layer_counts]} leaves, "
-        f"{rounds} rounds, {jax.devices()[0].platform}, XLA default flags, cache off"
+        f"{rounds} rounds, {jax.devices()[0].platform}, cache off, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
+        f"JAX_DISABLE_MOST_OPTIMIZATIONS={os.environ.get('JAX_DISABLE_MOST_OPTIMIZATIONS', '')!r}"
     )
     rows = []
     for layers in layer_counts:

@@ -391,12 +391,21 @@ def fused_table(rows: Rows) -> str:
     )
 
 
+COMPILE_ANCHORS = {
+    "MultiSteps(adam, 4)": "adam",
+    "accumulate(adam, 4)": "adam",
+    "clip + accumulate(adamw, 4)": "adamw",
+    "ga.clip_norm": "optax's clip",
+}
+
+
 def compile_time_table(rows: Rows) -> str:
     """Compile time per candidate and leaf count, with the ratio each target names."""
     lines = []
     for r in rows["compile_time"]:
         ratios = []
-        for key, against in (("x_anchor", "anchor"), ("x_multisteps", "MultiSteps")):
+        anchor = COMPILE_ANCHORS.get(r["candidate"], "")
+        for key, against in (("x_anchor", anchor), ("x_multisteps", "MultiSteps")):
             if key in r:
                 target = r.get(key + "_target")
                 goal = "" if target is None else f", target ≤ {target}"
