@@ -34,6 +34,7 @@ BENCHMARKS = [
     "clipping",
     "noise_scale",
     "fused",
+    "compile_time",
 ]
 MARKER = "@@ROWS@@"
 CHILD = (

@@ -391,7 +391,53 @@ def fused_table(rows: Rows) -> str:
     )
 
 
+COMPILE_ANCHORS = {
+    "MultiSteps(adam, 4)": "adam",
+    "accumulate(adam, 4)": "adam",
+    "clip + accumulate(adamw, 4)": "adamw",
+    "ga.clip_norm": "optax's clip",
+}
+
+
+def compile_time_table(rows: Rows) -> str:
+    """Compile time per candidate and leaf count, with the ratio each target names."""
+    lines = []
+    for r in rows["compile_time"]:
+        ratios = []
+        anchor = COMPILE_ANCHORS.get(r["candidate"], "")
+        for key, against in (("x_anchor", anchor), ("x_multisteps", "MultiSteps")):
+            if key in r:
+                target = r.get(key + "_target")
+                goal = "" if target is None else f", target ≤ {target}"
+                spread = f"{r[key + '_min']:.2f}{DASH}{r[key + '_max']:.2f}"
+                ratios.append(f"{times(r[key])} {against} ({spread}{goal})")
+        lines.append(
+            [
+                str(r["leaves"]),
+                f"`{r['candidate']}`",
+                f"{r['compile_s']:.2f}",
+                "; ".join(ratios),
+                f"{r['instr_per_leaf']:.1f}",
+                f"{r['instr_per_added_leaf']:.1f}" if "instr_per_added_leaf" in r else "",
+                f"{r['peak_MB']:.0f}" if "peak_MB" in r else "",
+            ]
+        )
+    return table(
+        [
+            "leaves",
+            "candidate",
+            "compile s",
+            "ratio (range over rounds)",
+            "instructions / leaf",
+            "per added leaf",
+            "peak MB",
+        ],
+        lines,
+    )
+
+
 FIGURES: dict[str, Callable[[Rows], str]] = {
+    "table.compile_time": compile_time_table,
     # fused benchmark, transformer-shaped tree with Adam
     "fused.model": lambda r: fused(r, "acc + g")["model"],
     "fused.micro.x_floor": lambda r: times(fused(r, "fused micro-step")["x_floor"], 1),
