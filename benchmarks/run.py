@@ -36,6 +36,7 @@ BENCHMARKS = [
     "fused",
     "coupled",
     "contrastive_losses",
+    "compile_time",
 ]
 MARKER = "@@ROWS@@"
 CHILD = (

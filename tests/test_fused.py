@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -375,3 +376,70 @@ def test_vouched_clip_chain_drops_exactly_what_the_optax_path_drops(dtype):
     skipped = [int(s[1].num_skipped) for _, s in fused]
     assert skipped == [0, 1, 1, 2, 2, 3, 3]
     assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(fused[-1]))
+
+
+# --- the compiled program grows linearly with the number of leaves -------------------
+
+
+def _layers(n: int) -> dict:
+    """`n` transformer-shaped layers of 12 leaves each (width 16)."""
+    d = 16
+    layer = {
+        "q": (d, d),
+        "k": (d, d),
+        "v": (d, d),
+        "o": (d, d),
+        "up": {"w": (d, 4 * d), "b": (4 * d,)},
+        "down": {"w": (4 * d, d), "b": (d,)},
+        "ln1": {"scale": (d,), "bias": (d,)},
+        "ln2": {"scale": (d,), "bias": (d,)},
+    }
+    shapes = {f"layer_{i}": layer for i in range(n)}
+    return jax.tree.map(
+        lambda s: jnp.full(s, 0.01, jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+
+
+def _program_size(make, fused: bool, layers: int) -> tuple[int, int]:
+    """Instructions of the compiled step, and how many distinct fused computations it calls."""
+    tx, params = make(), _layers(layers)
+    if fused:
+        step = jax.jit(lambda p, s, g: ga.apply_gradients(tx, g, s, p), donate_argnums=(0, 1))
+        compiled = step.lower(params, tx.init(params), params).compile()
+    else:
+        compiled = jax.jit(lambda g: tx.update(g, tx.init(g))[0]).lower(params).compile()
+    hlo = harness.Hlo(compiled)
+
+    def body(name: str) -> str:
+        # The computation without names and metadata: equal bodies are one program.
+        lines = [re.sub(r", metadata=\{.*", "", i.line) for i in hlo.computations[name]]
+        return "\n".join(re.sub(r"%[\w.\-]+", "%", line) for line in lines)
+
+    fusions = {body(c) for i in hlo.ops("fusion") for c in re.findall(r"calls=%([\w.\-]+)", i.line)}
+    return sum(len(insts) for insts in hlo.computations.values()), len(fusions)
+
+
+@pytest.mark.slow
+@pytest.mark.hlo
+@pytest.mark.parametrize(
+    "make, fused",
+    [
+        (lambda: ga.clip_norm(1.0), False),
+        (lambda: ga.accumulate(optax.adam(1e-3), 4), True),
+        (lambda: optax.chain(ga.clip_norm(1.0), ga.accumulate(optax.adamw(1e-3), 4)), True),
+    ],
+    ids=["clip_norm", "accumulate", "clip_chain"],
+)
+def test_compiled_program_grows_linearly_with_the_leaves(make, fused):
+    # A scalar reduced over every leaf and read by every leaf (a global norm, a
+    # finite flag) that XLA copies into each reader's fusion makes the program
+    # grow with the square of the number of leaves: each added layer would then
+    # cost more instructions than the one before (SPEC.md section 11).
+    sizes = [_program_size(make, fused, layers) for layers in (2, 4, 6)]
+    counts = [count for count, _ in sizes]
+    first, second = counts[1] - counts[0], counts[2] - counts[1]
+    assert abs(second - first) <= 0.02 * first + 8, counts
+    # XLA:CPU compiles each distinct fused computation on its own: more layers of the
+    # same shapes must not bring new ones (the accumulator's zeros once did, one per leaf).
+    programs = [distinct for _, distinct in sizes]
+    assert programs[2] == programs[1], programs

@@ -456,6 +456,51 @@ def contrastive_losses_table(rows: Rows) -> str:
     )
 
 
+COMPILE_ANCHORS = {
+    "MultiSteps(adam, 4)": "adam",
+    "accumulate(adam, 4)": "adam",
+    "clip + accumulate(adamw, 4)": "adamw",
+    "ga.clip_norm": "optax's clip",
+}
+
+
+def compile_time_table(rows: Rows) -> str:
+    """Compile time per candidate and leaf count, with the ratio each target names."""
+    lines = []
+    for r in rows["compile_time"]:
+        ratios = []
+        anchor = COMPILE_ANCHORS.get(r["candidate"], "")
+        for key, against in (("x_anchor", anchor), ("x_multisteps", "MultiSteps")):
+            if key in r:
+                target = r.get(key + "_target")
+                goal = "" if target is None else f", target ≤ {target}"
+                spread = f"{r[key + '_min']:.2f}{DASH}{r[key + '_max']:.2f}"
+                ratios.append(f"{times(r[key])} {against} ({spread}{goal})")
+        lines.append(
+            [
+                str(r["leaves"]),
+                f"`{r['candidate']}`",
+                f"{r['compile_s']:.2f}",
+                "; ".join(ratios),
+                f"{r['instr_per_leaf']:.1f}",
+                f"{r['instr_per_added_leaf']:.1f}" if "instr_per_added_leaf" in r else "",
+                f"{r['peak_MB']:.0f}" if "peak_MB" in r else "",
+            ]
+        )
+    return table(
+        [
+            "leaves",
+            "candidate",
+            "compile s",
+            "ratio (range over rounds)",
+            "instructions / leaf",
+            "per added leaf",
+            "peak MB",
+        ],
+        lines,
+    )
+
+
 LOSS_NAMES = ("clip_loss", "info_nce", "siglip_loss")
 
 
@@ -464,6 +509,7 @@ def _losses_row(rows: Rows, loss: str = "clip_loss", n: int = 8192) -> dict[str,
 
 
 FIGURES: dict[str, Callable[[Rows], str]] = {
+    "table.compile_time": compile_time_table,
     # coupled benchmark: exact micro-batching of a contrastive loss
     "coupled.time": lambda r: times(coupled_step(r, "coupled", 1024, 8)["time_vs_full"]),
     "coupled.temp": lambda r: f"{coupled_step(r, 'coupled', 1024, 8)['temp_vs_full']:.2f}",

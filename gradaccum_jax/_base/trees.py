@@ -36,7 +36,19 @@ def all_finite(tree: Any) -> jax.Array:
     # reduces it about twice as fast as all(isfinite(x)). sum(x * 0), NaN iff
     # an element is not finite, is no faster there, and its XLA:CPU (YNNPACK)
     # reduction reads a materialised zero tensor beside x.
-    return jnp.all(jnp.stack([jnp.isfinite(jnp.max(jnp.abs(leaf))) for leaf in leaves]))
+    return all_finite_of(jnp.max(jnp.abs(leaf)) for leaf in leaves)
+
+
+def all_finite_of(scalars: Any) -> jax.Array:
+    """Whether every one of some per-leaf scalars is finite, computed once for all leaves.
+
+    The scalars are stacked before the test: XLA turns a reduction over
+    separately tested scalars into a chain of `and`s, which it then copies
+    into every fusion that reads the flag (each leaf's add): a program that
+    grows with the square of the number of leaves. A reduction over the
+    tested vector stays one instruction that every reader shares.
+    """
+    return jnp.all(jnp.isfinite(jnp.stack(list(scalars))))
 
 
 def all_finite_by_squares(tree: Any) -> jax.Array:
@@ -58,7 +70,7 @@ def all_finite_by_squares(tree: Any) -> jax.Array:
         x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         return jnp.square(x.real) + jnp.square(x.imag) if jnp.iscomplexobj(x) else jnp.square(x)
 
-    quick = jnp.all(jnp.stack([jnp.isfinite(jnp.sum(squares(leaf))) for leaf in leaves]))
+    quick = all_finite_of(jnp.sum(squares(leaf)) for leaf in leaves)
     if not isinstance(quick, jax.core.Tracer):
         return quick if bool(quick) else all_finite(leaves)
     # The ordinary case is the false branch (index 0). Both branches compute

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -177,8 +177,10 @@ def _fast_is_exact(value: jax.Array, m: Measure) -> jax.Array:
     return finite
 
 
-def _scaled(parts: Sequence[Part], m: Measure, count: int) -> Size:
+def _scaled(parts: Sequence[Part], m: Measure, count: int, fast: jax.Array) -> Size:
     """The measure of inputs divided by a power of two near each unit's maximum."""
+    if len(parts) > 1 and m.kind in ("norm", "mad", "sum"):
+        return _scaled_sum(parts, m, count, fast)
     biggest = _reduce(parts, jnp.abs, jnp.max)
     finfo = jnp.finfo(biggest.dtype)
     _, k = split_exponent(biggest)
@@ -189,22 +191,80 @@ def _scaled(parts: Sequence[Part], m: Measure, count: int) -> Size:
         scaled = [(parts[0][0] * down.astype(parts[0][0].dtype), parts[0][1])]
     else:
         # One copy of the factor per part: XLA:CPU would otherwise share one
-        # broadcast of it between the parts of a shape and write it to memory
-        # (a temporary as large as the largest leaves; measured 9.7 MB on the
-        # transformer tree of benchmarks/fused.py, none with the copies).
+        # broadcast of it between the parts of a shape and write it to memory.
         downs = jax.lax.optimization_barrier([down.astype(x.dtype) for x, _ in parts])
         scaled = [(x * d, axes) for (x, axes), d in zip(parts, downs, strict=True)]
     mant, exp = split_exponent(_plain(scaled, m, count))
     return Size(mant, exp + k)
 
 
-def measure(units: Sequence[Sequence[Part]], m: Measure) -> list[Size]:
+def _scaled_sum(parts: Sequence[Part], m: Measure, count: int, fast: jax.Array) -> Size:
+    """`_scaled` for a measure summed over several parts (a 1- or 2-norm, `mad`, `sum`).
+
+    The direct result `fast` says how the sum left the range, so one power of
+    two scales every part in one pass: up if it is finite but below the floor
+    of `_fast_is_exact` (every element is then that small), down if it is
+    not finite (so that the largest float's terms cannot overflow), not at
+    all if it was exact. Powers of two scale exactly: the sum is the one the
+    direct way would give with an unlimited range, except for terms far below
+    one unit in the last place of the result. The factor comes from `fast`,
+    an operand of the conditional: a factor from a maximum over all the parts
+    (as for a single part) would be recomputed by XLA inside each part's
+    fusion, a program that grows with the square of the number of leaves.
+    """
+    finfo = jnp.finfo(real_dtype(parts[0][0].dtype))
+    degree = 2 if m.kind == "norm" and m.p == 2 else 1
+    fn: Callable[[jax.Array], jax.Array]
+    if degree == 2:
+        fn = _squares
+    elif m.kind == "sum":
+        fn = lambda x: x  # noqa: E731
+    else:
+        fn = jnp.abs
+    # The largest sum the scaled terms may reach: 2**room, with 2 * count terms
+    # (real and imaginary parts) each at most 2**(room - bits).
+    room = finfo.maxexp - 2 - (2 * count).bit_length()
+    down = finfo.maxexp - room // degree
+    up = room // 2 - finfo.minexp // 4
+    k = jnp.where(
+        _fast_is_exact(fast, m),
+        0,
+        jnp.where(jnp.isfinite(fast), -up, down),
+    ).astype(jnp.int32)
+    # One copy of the factor per part: XLA:CPU would otherwise share one
+    # broadcast of it between the parts of a shape and write it to memory (a
+    # temporary as large as the largest leaves; measured 9.7 MB on the
+    # transformer tree of benchmarks/fused.py, none with the copies).
+    factor = pow2(-k, finfo.dtype)
+    factors = jax.lax.optimization_barrier([factor.astype(x.dtype) for x, _ in parts])
+    sums = [jnp.sum(fn(x * f)) for (x, _), f in zip(parts, factors, strict=True)]
+    total = jnp.sum(jnp.stack(sums))
+    if m.kind == "mad":
+        value = total / count
+    elif m.kind == "sum":
+        value = jnp.abs(total)
+    elif degree == 2:
+        value = _sqrt(total)
+    else:
+        value = total
+    mant, exp = split_exponent(value)
+    return Size(mant, exp + k)
+
+
+def measure(
+    units: Sequence[Sequence[Part]],
+    m: Measure,
+    then: Callable[[list[Size]], Any] = lambda sizes: sizes,
+) -> Any:
     """The size of every unit of every entry of `units`, exact over the whole float range.
 
     Each entry is a list of parts forming units together (one part for the
     units of one leaf; all leaves for a global measure). Parts must be non-empty
     and in their compute dtype. One `lax.cond` chooses, for the whole call,
-    between the direct results and the scaled recomputation.
+    between the direct results and the scaled recomputation. Returns
+    `then(sizes)`, computed inside that conditional: scalars that every leaf
+    reads afterwards (a global unit's factors) are then its outputs, computed
+    once; computed after it, XLA would repeat them inside each leaf's fusion.
     """
     counts = [
         math.prod(parts[0][0].shape[a] for a in parts[0][1])
@@ -215,21 +275,23 @@ def measure(units: Sequence[Sequence[Part]], m: Measure) -> list[Size]:
     fast = [_plain(parts, m, n) for parts, n in zip(units, counts, strict=True)]
     as_sizes = [Size(*split_exponent(v)) for v in fast]
     if not units or (m.kind == "norm" and m.p not in (1, 2)):
-        return as_sizes
+        return then(as_sizes)
     exact = jnp.all(jnp.stack([jnp.all(_fast_is_exact(v, m)) for v in fast]))
 
-    def rescaled() -> list[Size]:
-        return [_scaled(parts, m, n) for parts, n in zip(units, counts, strict=True)]
+    def rescaled() -> Any:
+        return then(
+            [_scaled(parts, m, n, v) for parts, n, v in zip(units, counts, fast, strict=True)]
+        )
 
     if not isinstance(exact, jax.core.Tracer):
         # Eagerly, a cond would be traced and compiled again on every call.
-        return as_sizes if bool(exact) else rescaled()
+        return then(as_sizes) if bool(exact) else rescaled()
     # The ordinary case is the false branch (index 0), as in `accumulate`'s
     # conditionals, so that a reading of the branches that run takes it.
     return jax.lax.cond(
         ~exact,
         rescaled,
-        lambda: as_sizes,
+        lambda: then(as_sizes),
     )
 
 

@@ -137,12 +137,17 @@ def _rescale_whole(tree: Any, m: Measure, factors: Factors) -> tuple[Any, Size]:
     dtype = compute_dtype(*[leaf.dtype for leaf in leaves]) if leaves else jnp.float32
     xs = [leaf.astype(dtype) for leaf in leaves]
     parts = [(x, tuple(range(x.ndim))) for x in xs if x.size]
-    zero = jnp.zeros([], real_dtype(dtype))
-    size = Size(zero, zero.astype(jnp.int32))
+
+    def finish(sizes: list[Size]) -> tuple[Size, tuple[jax.Array, jax.Array]]:
+        size = Size(sizes[0].mant.reshape(()), sizes[0].exp.reshape(()))
+        return size, factors(size)
+
     if parts:
-        (whole,) = measure([parts], m)
-        size = Size(whole.mant.reshape(()), whole.exp.reshape(()))
-    a, b = factors(size)
+        size, (a, b) = measure([parts], m, finish)
+    else:
+        zero = jnp.zeros([], real_dtype(dtype))
+        size = Size(zero, zero.astype(jnp.int32))
+        a, b = factors(size)
     out = [apply_factors(x, a, b).astype(leaf.dtype) for x, leaf in zip(xs, leaves, strict=True)]
     return jax.tree.unflatten(treedef, out), size
 

@@ -151,16 +151,25 @@ def window_sum(acc: Any, comp: Any) -> Any:
     return jax.tree.map(pair, acc, comp)
 
 
-def emptied(tree: Any, reset: jax.Array) -> Any:
+def emptied(tree: Any, reset: jax.Array | list[jax.Array]) -> Any:
     """Zeros like `tree`, for the branch taken on `reset` (a traced flag): a write, no read.
 
-    Each leaf's zero is computed from `reset` and the leaf's index
-    (`distinct_zero`), so that XLA neither hoists the zeros out of the branch
-    nor merges equal-shaped ones into one buffer that it would then copy.
+    Each leaf's zero is computed from a traced flag, so that XLA does not
+    hoist the zeros out of the branch, and must differ from the other leaves'
+    so that XLA does not merge equal-shaped ones into one buffer that it
+    would then copy. `reset` is either one flag per leaf (`close` passes
+    copies of it that are distinct operands of the conditional: the zeros
+    are then the same program for every leaf of a shape, compiled once), or
+    one flag, combined with the leaf's index (`distinct_zero`: a different
+    program per leaf, which XLA compiles one by one).
     """
     leaves, treedef = jax.tree.flatten(tree)
+    if isinstance(reset, list):
+        seeds = [distinct_zero(flag, 0) for flag in reset]
+    else:
+        seeds = [distinct_zero(reset, i) for i in range(len(leaves))]
     zeros = [
-        jnp.full_like(leaf, distinct_zero(reset, i), leaf.dtype) for i, leaf in enumerate(leaves)
+        jnp.full_like(leaf, seed, leaf.dtype) for leaf, seed in zip(leaves, seeds, strict=True)
     ]
     return jax.tree.unflatten(treedef, zeros)
 
@@ -421,7 +430,10 @@ def close(
     # ordered after the apply branch's reads, it writes in place, and its pass
     # through is free. Emptied inside the apply branch, the sums would need a
     # second buffer and a copy on every micro-step.
-    held = gate.cond(reset, empty, lambda held, reset: held, operand, reset)
+    # One copy of `reset` per leaf of the sums, each its own operand of the
+    # conditional (`emptied`): the barrier keeps JAX from passing them as one.
+    seeds = jax.lax.optimization_barrier([reset] * len(jax.tree.leaves(operand)))
+    held = gate.cond(reset, empty, lambda held, seeds: held, operand, seeds)
     return updates, new_inner, held, reset, applied
 
 

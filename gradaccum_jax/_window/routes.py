@@ -73,8 +73,8 @@ class LocalRoute:
     def read(self, held: Any) -> Any:
         return engine.window_sum(held[0], held[1])
 
-    def emptied(self, held: Any, reset: jax.Array, accepted: jax.Array) -> Any:
-        """The held sums zeroed where `reset` (a traced flag, true where this runs)."""
+    def emptied(self, held: Any, reset: list[jax.Array], accepted: jax.Array) -> Any:
+        """The held sums zeroed where `reset` (traced flags, one per leaf, true where this runs)."""
         del accepted
         return engine.emptied(held, reset)
 
@@ -165,9 +165,9 @@ class UnreducedRoute:
     def read(self, held: Any) -> Any:
         return held[0]
 
-    def emptied(self, held: Any, reset: jax.Array, accepted: jax.Array) -> Any:
+    def emptied(self, held: Any, reset: list[jax.Array], accepted: jax.Array) -> Any:
         # Each device's zeros, typed unreduced like the sums they replace.
-        return partials.local_add(held[0], held[0], accepted, None, reset, self.axes), None
+        return partials.local_add(held[0], held[0], accepted, None, reset[0], self.axes), None
 
     def count(
         self,
