@@ -315,7 +315,7 @@ class Hlo:
         slice in place and ignores re-reads inside one fusion.
 
         A conditional whose result is one boolean is a test with a fallback (the
-        exact finiteness pass behind a quick one, `_window.all_finite_by_squares`):
+        exact finiteness pass behind a quick one, `trees.all_finite_by_squares`):
         it counts its cheaper branch, the one an ordinary step takes, whatever
         `branch` says.
         """

@@ -34,6 +34,8 @@ BENCHMARKS = [
     "clipping",
     "noise_scale",
     "fused",
+    "coupled",
+    "contrastive_losses",
     "compile_time",
 ]
 MARKER = "@@ROWS@@"

@@ -1,40 +1,74 @@
-"""gradaccum_jax: exact, fast gradient accumulation for JAX and Optax."""
+"""gradaccum_jax: exact, fast gradient accumulation for JAX and Optax.
+
+Every public name is re-exported here, flat. The code lives in private packages by job,
+each importing only from those below it (docs/concepts.md, "Architecture", has the picture):
+
+- `_base`: version shims, argument checks, collectives, tree helpers; imports nothing of ours.
+- `_sharding`: partial sums over mesh axes (typed unreduced) and their checkpoints.
+- `_window`: the window engine (`engine.py`) and the transformations built on it.
+- `_batching`: micro-batching inside a step, the planner, per-device unreduced gradients.
+- `_clipping`: overflow-free measures and the clipping families.
+- `flax`: the Flax layers (linen, NNX, their shared window statistics) and containers.
+
+Reading order: `_base/trees.py`, `_window/engine.py`, `_window/routes.py` with
+`_sharding/partials.py`, `_window/stages.py` (accumulate's update path: accept, weigh, add,
+close, write), then `_window/accumulate.py`.
+"""
 
 from typing import TYPE_CHECKING, Any
 
-from gradaccum_jax._accumulation import (
+# The tiled contrastive losses: a public submodule, reached as gradaccum_jax.losses.<name>.
+from gradaccum_jax import losses as losses
+from gradaccum_jax._batching.coupled import (
+    coupled_value_and_grad,
+)
+from gradaccum_jax._batching.microbatch import (
+    microbatch_value_and_grad,
+    plan_microbatches,
+)
+from gradaccum_jax._batching.planning import (
+    MicrobatchPlan,
+)
+from gradaccum_jax._batching.unreduced import (
+    unreduced_value_and_grad,
+)
+from gradaccum_jax._clipping.agc import (
+    adaptive_grad_clip,
+)
+from gradaccum_jax._clipping.ema import (
+    ClipNormByEMAState,
+    ClipValueByEMAState,
+    clip_norm_by_ema,
+    clip_value_by_ema,
+    normalize_by_ema,
+)
+from gradaccum_jax._clipping.growth import (
+    ClipNormGrowthState,
+    ClipValueGrowthState,
+    clip_norm_growth,
+    clip_value_growth,
+)
+from gradaccum_jax._clipping.norm import (
+    centralize,
+    clip_grad_norm,
+    clip_grad_value,
+    clip_norm,
+    clip_value,
+    normalize,
+    normalize_grads,
+)
+from gradaccum_jax._sharding.checkpoint import (
+    checkpointable,
+    restore_unreduced,
+)
+from gradaccum_jax._window.accumulate import (
     AccumulateState,
     accumulate,
     closes_window,
     has_updated,
     optimizer_step,
 )
-from gradaccum_jax._agc import (
-    adaptive_grad_clip,
-)
-from gradaccum_jax._checkpoint import (
-    checkpointable,
-    restore_unreduced,
-)
-from gradaccum_jax._clipping import (
-    ClipNormByEMAState,
-    ClipNormGrowthState,
-    ClipValueByEMAState,
-    ClipValueGrowthState,
-    centralize,
-    clip_grad_norm,
-    clip_grad_value,
-    clip_norm,
-    clip_norm_by_ema,
-    clip_norm_growth,
-    clip_value,
-    clip_value_by_ema,
-    clip_value_growth,
-    normalize,
-    normalize_by_ema,
-    normalize_grads,
-)
-from gradaccum_jax._conditional import (
+from gradaccum_jax._window.conditional import (
     ConditionalAccumulateState,
     ConditionalAccumulator,
     conditional_accumulate,
@@ -44,22 +78,10 @@ from gradaccum_jax._conditional import (
     conditional_set_global_step,
     conditional_take_grad,
 )
-from gradaccum_jax._distributed import (
-    add_replica_axis,
-    remove_replica_axis,
-    replica_state_specs,
-)
-from gradaccum_jax._fused import (
+from gradaccum_jax._window.fused import (
     apply_gradients,
 )
-from gradaccum_jax._global_view import (
-    unreduced_value_and_grad,
-)
-from gradaccum_jax._microbatch import (
-    microbatch_value_and_grad,
-    plan_microbatches,
-)
-from gradaccum_jax._mixed_precision import (
+from gradaccum_jax._window.loss_scale import (
     LossScaleState,
     current_loss_scale,
     dynamic_loss_scale,
@@ -67,17 +89,19 @@ from gradaccum_jax._mixed_precision import (
     scaled_value_and_grad,
     static_loss_scale,
 )
-from gradaccum_jax._noise_scale import (
+from gradaccum_jax._window.noise_scale import (
     CriticalBatchSchedule,
     GradientNoiseScale,
     NoiseScaleState,
     critical_batch_schedule,
     gradient_noise_scale,
 )
-from gradaccum_jax._planning import (
-    MicrobatchPlan,
+from gradaccum_jax._window.specs import (
+    add_replica_axis,
+    remove_replica_axis,
+    replica_state_specs,
 )
-from gradaccum_jax._split import (
+from gradaccum_jax._window.split import (
     SplitAccumulateState,
     clamp_params,
     split_accumulate,
@@ -124,6 +148,7 @@ __all__ = [
     "conditional_num_accumulated",
     "conditional_set_global_step",
     "conditional_take_grad",
+    "coupled_value_and_grad",
     "critical_batch_schedule",
     "current_loss_scale",
     "dynamic_loss_scale",

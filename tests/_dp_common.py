@@ -9,7 +9,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
-from gradaccum_jax._compat import pcast_to_varying
+from gradaccum_jax._base.compat import pcast_to_varying
 
 B = 4  # examples per replica and micro-step
 D_IN, D_HID, D_OUT = 6, 8, 3

@@ -33,7 +33,7 @@ def main(port: str, process_id: int, out_dir: Path) -> None:
     import optax
 
     import gradaccum_jax as ga
-    from gradaccum_jax._compat import reshard
+    from gradaccum_jax._base.compat import reshard
 
     data = np.load(out_dir / "data.npz")
     xs, ys = data["xs"], data["ys"]

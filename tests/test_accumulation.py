@@ -1186,10 +1186,10 @@ def test_weighted_float64_window_keeps_float64_precision(use_grad_mean):
     ],
 )
 def test_all_finite_by_squares_answers_as_all_finite(leaves):
-    from gradaccum_jax import _window
+    from gradaccum_jax._base import trees
 
     tree = {f"x{i}": jnp.asarray(leaf) for i, leaf in enumerate(leaves)}
     expected = all(np.isfinite(np.asarray(leaf, np.complex128)).all() for leaf in leaves)
-    assert bool(_window.all_finite(tree)) == expected
-    assert bool(_window.all_finite_by_squares(tree)) == expected
-    assert bool(jax.jit(_window.all_finite_by_squares)(tree)) == expected
+    assert bool(trees.all_finite(tree)) == expected
+    assert bool(trees.all_finite_by_squares(tree)) == expected
+    assert bool(jax.jit(trees.all_finite_by_squares)(tree)) == expected

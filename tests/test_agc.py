@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradaccum_jax as ga
-from gradaccum_jax import _agc
+from gradaccum_jax._clipping import agc as _agc
 
 RTOL = 1e-6
 

@@ -11,7 +11,7 @@ import pytest
 
 import gradaccum_jax as ga
 from benchmarks import harness
-from gradaccum_jax import _conditional
+from gradaccum_jax._window import conditional as _conditional
 
 PARAMS = {"w": jnp.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.75]]), "b": jnp.array([0.1, -0.2])}
 

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from benchmarks import harness
-from gradaccum_jax._compat import pcast_to_varying
+from gradaccum_jax._base.compat import pcast_to_varying
 
 R = 8  # replicas
 RTOL, ATOL = 1e-5, 1e-6

@@ -13,7 +13,7 @@ import pytest
 
 import gradaccum_jax as ga
 from benchmarks import harness
-from gradaccum_jax import _fused
+from gradaccum_jax._window import fused as _fused
 
 P = jax.P
 STEPS = 7
@@ -299,16 +299,16 @@ def test_unreduced_route_fused_equals_optax_path(kwargs):
 
 def _count_checks(monkeypatch):
     """Counts, while tracing, the finiteness passes accumulate makes over its input."""
-    from gradaccum_jax import _window
+    from gradaccum_jax._base import trees
 
     calls = []
-    original = _window.all_finite_by_squares
+    original = trees.all_finite_by_squares
 
     def spy(tree):
         calls.append(tree)
         return original(tree)
 
-    monkeypatch.setattr(_window, "all_finite_by_squares", spy)
+    monkeypatch.setattr(trees, "all_finite_by_squares", spy)
     return calls
 
 

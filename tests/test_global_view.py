@@ -17,7 +17,7 @@ import pytest
 
 import gradaccum_jax as ga
 from benchmarks import harness
-from gradaccum_jax import _compat
+from gradaccum_jax._base import compat as _compat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_global_view_worker.py"

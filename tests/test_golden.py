@@ -25,7 +25,7 @@ import optax
 import pytest
 
 import gradaccum_jax as ga
-from gradaccum_jax import _compat
+from gradaccum_jax._base import compat as _compat
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
 RECORD = os.environ.get("GRADACCUM_RECORD_GOLDEN", "") not in ("", "0")

@@ -1,4 +1,4 @@
-"""Tests for loss scaling and the 16-bit accumulators (gradaccum_jax._mixed_precision)."""
+"""Tests for loss scaling and the 16-bit accumulators (gradaccum_jax._window.loss_scale)."""
 
 import pathlib
 import re

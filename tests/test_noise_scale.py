@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from benchmarks import harness
-from gradaccum_jax._compat import pcast_to_varying
+from gradaccum_jax._base.compat import pcast_to_varying
 
 D, SIGMA = 8, 0.5
 DELTA = np.random.default_rng(0).normal(size=D).astype(np.float32)

@@ -1,4 +1,4 @@
-"""Tests of gradaccum_jax._placement: a transformation in a place that changes its meaning.
+"""Tests of gradaccum_jax._window.placement: a transformation in a place that changes its meaning.
 
 A loss scale after `accumulate`, a second window after it, a schedule of an
 `optax.inject_hyperparams` around it (issue 29, items 1 to 3) are refused with an

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from benchmarks import harness
-from gradaccum_jax import _planning
+from gradaccum_jax._batching import planning as _planning
 
 B, WIDTH, HIDDEN = 64, 16, 256
 

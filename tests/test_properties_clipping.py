@@ -283,7 +283,7 @@ def test_adaptive_grad_clip_bounds_every_unit(data, clipping, rule):
         tx = ga.adaptive_grad_clip(clipping, unit_axes=rule)
         out = tx.update(grads, tx.init(params), params)[0]
         _assert_finite(out)
-        axes = ga._agc._leaf_axes(rule, params)
+        axes = ga._clipping.agc._leaf_axes(rule, params)
         got = _as_f64(out)
         x64 = _as_f64(grads)
         keys = sorted(k for k in grads if grads[k] is not None)

@@ -2,12 +2,20 @@
 
 import pathlib
 import re
+import subprocess
+import sys
 
 import gradaccum_jax
 import gradaccum_jax.flax
+import gradaccum_jax.losses
 
-NAMESPACES = {"gradaccum_jax": gradaccum_jax, "gradaccum_jax.flax": gradaccum_jax.flax}
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+NAMESPACES = {
+    "gradaccum_jax": gradaccum_jax,
+    "gradaccum_jax.flax": gradaccum_jax.flax,
+    "gradaccum_jax.losses": gradaccum_jax.losses,
+}
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 
 
 def test_all_is_sorted_and_importable():
@@ -28,3 +36,13 @@ def test_every_public_name_has_a_docs_entry():
         if f"{prefix}.{name}" not in entries
     ]
     assert not missing, f"public names without a '::: <module>.<name>' docs entry: {missing}"
+
+
+def test_losses_is_reached_from_the_package():
+    # `import gradaccum_jax as ga; ga.losses.clip_loss(...)` works without a second import
+    # (in a fresh process: this file's own `import gradaccum_jax.losses` would hide it).
+    code = "import gradaccum_jax as ga; print(ga.losses.clip_loss.__name__, 'losses' in dir(ga))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
+    assert out.split() == ["clip_loss", "True"]

@@ -17,7 +17,7 @@ import pytest
 
 import gradaccum_jax as ga
 from benchmarks import harness
-from gradaccum_jax import _compat
+from gradaccum_jax._base import compat as _compat
 
 P = jax.P
 EXPLICIT = jax.sharding.AxisType.Explicit

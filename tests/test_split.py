@@ -10,7 +10,7 @@ import pytest
 
 import gradaccum_jax as ga
 from benchmarks import harness
-from gradaccum_jax import _split
+from gradaccum_jax._window import split as _split
 
 
 def run(tx, params, inputs):

@@ -13,7 +13,7 @@ The API pages are built by mkdocs + mkdocstrings, which read docstrings as Markd
 Doctest lines (``>>>``, ``...`` and their output) are left exactly as they are.
 Running it twice changes nothing the second time.
 
-    python tools/convert_docstrings.py gradaccum_jax/_clipping.py [more files or folders]
+    python tools/convert_docstrings.py gradaccum_jax/_clipping/norm.py [more files or folders]
     python tools/convert_docstrings.py --check gradaccum_jax   # exit 1 if anything would change
 """
 

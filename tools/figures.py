@@ -391,6 +391,71 @@ def fused_table(rows: Rows) -> str:
     )
 
 
+def coupled_step(rows: Rows, method: str, n: int, k: int) -> dict[str, Any]:
+    return row(rows, "coupled", kind="step", method=method, N=n, K=k)
+
+
+def coupled_table(rows: Rows) -> str:
+    shown = [r for r in rows["coupled"] if r["kind"] == "step"]
+    return table(
+        ["N", "method", "K", "time / full", "temp / full", "temp MiB"],
+        [
+            [
+                str(r["N"]),
+                r["method"],
+                str(r["K"]),
+                times(r["time_vs_full"]) if r["timed"] else "not timed",
+                f"{r['temp_vs_full']:.3f}",
+                f"{r['temp_bytes'] / 2**20:.1f}",
+            ]
+            for r in shown
+        ],
+    )
+
+
+def coupled_budget(rows: Rows) -> str:
+    found = next(r for r in rows["coupled"] if r["kind"] == "headline")
+    return f"{found['budget_bytes'] / 2**30:.0f} GiB"
+
+
+def coupled_largest(rows: Rows, prefix: str) -> str:
+    found = [
+        r for r in rows["coupled"] if r["kind"] == "headline" and r["method"].startswith(prefix)
+    ]
+    return f"{found[0]['largest_n']:,}"
+
+
+def contrastive_losses_table(rows: Rows) -> str:
+    lines = []
+    for r in rows["contrastive_losses"]:
+        ran = isinstance(r["ms_dense"], (int, float))
+        lines.append(
+            [
+                f"`{r['loss']}`",
+                str(r["n"]),
+                f"{r['ms_tiled']:.0f}",
+                f"{r['ms_dense']:.0f}" if ran else "not run",
+                f"{r['tiled_vs_dense']:.2f}" if ran else "",
+                f"{mib(r['temp_tiled'])} ({100 * r['temp_tiled_vs_nn']:.1f} %)",
+                f"{mib(r['temp_dense'])} ({r['temp_dense_vs_nn']:.1f}{TIMES})",
+                sci(r["max_rel_err"]) if ran else "",
+            ]
+        )
+    return table(
+        [
+            "loss",
+            "N",
+            "tiled ms",
+            "dense ms",
+            "tiled / dense",
+            f"tiled temp MiB (of one N{TIMES}N)",
+            f"dense temp MiB (N{TIMES}N)",
+            "max rel. error",
+        ],
+        lines,
+    )
+
+
 COMPILE_ANCHORS = {
     "MultiSteps(adam, 4)": "adam",
     "accumulate(adam, 4)": "adam",
@@ -436,8 +501,22 @@ def compile_time_table(rows: Rows) -> str:
     )
 
 
+LOSS_NAMES = ("clip_loss", "info_nce", "siglip_loss")
+
+
+def _losses_row(rows: Rows, loss: str = "clip_loss", n: int = 8192) -> dict[str, Any]:
+    return row(rows, "contrastive_losses", loss=loss, n=n)
+
+
 FIGURES: dict[str, Callable[[Rows], str]] = {
     "table.compile_time": compile_time_table,
+    # coupled benchmark: exact micro-batching of a contrastive loss
+    "coupled.time": lambda r: times(coupled_step(r, "coupled", 1024, 8)["time_vs_full"]),
+    "coupled.temp": lambda r: f"{coupled_step(r, 'coupled', 1024, 8)['temp_vs_full']:.2f}",
+    "coupled.largest_dense": lambda r: coupled_largest(r, "full"),
+    "coupled.largest_tiled": lambda r: coupled_largest(r, "coupled+tiled"),
+    "coupled.budget": lambda r: coupled_budget(r),
+    "table.coupled": coupled_table,
     # fused benchmark, transformer-shaped tree with Adam
     "fused.model": lambda r: fused(r, "acc + g")["model"],
     "fused.micro.x_floor": lambda r: times(fused(r, "fused micro-step")["x_floor"], 1),
@@ -560,6 +639,16 @@ FIGURES: dict[str, Callable[[Rows], str]] = {
     ),
     "global_view.zero1_vs_shard_map": lambda r: _global_view_ratio(
         r, "zero1", "time_over_shard_map"
+    ),
+    "table.contrastive_losses": contrastive_losses_table,
+    "losses.clip_8192.tiled_vs_dense": lambda r: times(_losses_row(r)["tiled_vs_dense"]),
+    "losses.clip_8192.temp_pct": lambda r: f"{100 * _losses_row(r)['temp_tiled_vs_nn']:.1f} %",
+    "losses.clip_8192.dense_temp_vs_nn": lambda r: times(_losses_row(r)["temp_dense_vs_nn"], 1),
+    "losses.worst_tiled_vs_dense_8192": lambda r: times(
+        max(_losses_row(r, loss)["tiled_vs_dense"] for loss in LOSS_NAMES)
+    ),
+    "losses.worst_temp_pct_8192": lambda r: (
+        f"{100 * max(_losses_row(r, loss)['temp_tiled_vs_nn'] for loss in LOSS_NAMES):.1f} %"
     ),
 }
 

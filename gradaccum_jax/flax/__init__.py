@@ -1,12 +1,14 @@
 """Flax for gradient accumulation: batch normalisation with exact window statistics, and
 the training containers (`TrainState`, `nnx` `Optimizer`) stepping through `apply_gradients`."""
 
-from gradaccum_jax.flax._batchnorm import (
+from gradaccum_jax.flax._linen import (
     AccumBatchNorm,
-    NNXAccumBatchNorm,
     batch_stats_from_flax,
     batch_stats_to_flax,
     commit_batch_stats,
+)
+from gradaccum_jax.flax._nnx import (
+    NNXAccumBatchNorm,
     commit_nnx_batch_stats,
 )
 from gradaccum_jax.flax._train_state import (

@@ -17,8 +17,9 @@ import jax
 from flax import nnx
 from flax.training import train_state
 
-from gradaccum_jax import _accumulation, _compat
-from gradaccum_jax._fused import apply_gradients
+from gradaccum_jax._base import compat
+from gradaccum_jax._window import accumulate as _accumulation
+from gradaccum_jax._window.fused import apply_gradients
 
 
 class TrainState(train_state.TrainState):
@@ -154,7 +155,7 @@ class Optimizer(nnx.Optimizer):
           **kwargs: Extra arguments for `tx.update` (`weight=`, `value=`, ...).
         """
         # Newer flax takes a graph option; flax 0.12.1 (the oldest supported) has none.
-        pure = _compat.plain_values
+        pure = compat.plain_values
         graph = {"graph": self.graph} if hasattr(self, "graph") else {}
         params = pure(nnx.state(model, self.wrt, **graph))
         grads = pure(nnx.state(grads, self.wrt, **graph))

@@ -1,0 +1,616 @@
+"""Exact micro-batching for batch-coupled losses (contrastive, SigLIP, in-batch negatives).
+
+How it reads: `coupled_value_and_grad` checks its options once; the function it
+returns (`_coupled`) runs three steps in one program:
+
+1. `_embed_all`: a `jax.lax.scan` over the micro-batches of each group of towers
+   embeds every micro-batch, with no differentiation, so no activations are kept;
+2. `jax.value_and_grad` of the loss with respect to the params and all the
+   embeddings, once, on the whole batch;
+3. `_pull_back`: a second scan re-embeds each micro-batch under `jax.vjp` against
+   its rows of the embeddings' gradient and adds the parameter gradients to the
+   loss's own.
+
+Micro-batches, keys and carried state follow `microbatch_value_and_grad`, whose
+helpers this module uses. Under `axis_name` (`_loss_and_cotangents`) each device
+keeps its own rows of the cotangent, scaled for the reduction its caller applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gradaccum_jax._base import trees, validation
+from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
+from gradaccum_jax._batching import microbatch, planning, splitting
+
+# --- options ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """Towers embedded with the same number of micro-batches."""
+
+    k: int
+    towers: tuple[Any, ...] | None  # None: the whole output of embed_fn
+
+    def select(self, out: Any) -> Any:
+        return out if self.towers is None else {t: out[t] for t in self.towers}
+
+
+def _check_counts(num_microbatches: Any, memory_budget: Any) -> int | str | dict[Any, int]:
+    if isinstance(num_microbatches, Mapping):
+        if memory_budget is not None:
+            raise ValueError(
+                "memory_budget plans one K for every tower; with a per-tower "
+                f"num_microbatches={dict(num_microbatches)!r} drop memory_budget, or pass "
+                "num_microbatches='auto'."
+            )
+        if not num_microbatches:
+            raise ValueError(
+                "num_microbatches={} names no tower; give a count per tower of embed_fn's "
+                "output, e.g. {'image': 16, 'text': 4}, or one int for all."
+            )
+        return {
+            tower: validation.check_int(f"num_microbatches[{tower!r}]", k, minimum=1)
+            for tower, k in num_microbatches.items()
+        }
+    return splitting._check_num_microbatches(num_microbatches, memory_budget)
+
+
+def _groups(counts: int | dict[Any, int], out_shape: Any) -> list[_Group]:
+    if isinstance(counts, int):
+        return [_Group(counts, None)]
+    if not isinstance(out_shape, Mapping) or set(out_shape) != set(counts):
+        towers = sorted(out_shape, key=str) if isinstance(out_shape, Mapping) else None
+        raise ValueError(
+            "a per-tower num_microbatches needs embed_fn to return a dict with one entry per "
+            f"tower and a count for each; got counts for {sorted(counts, key=str)} and an "
+            f"output with {'keys ' + str(towers) if towers is not None else 'no dict at its top'}"
+            ". Name every tower in num_microbatches, or pass one int for all."
+        )
+    by_k: dict[int, list[Any]] = {}
+    for tower in out_shape:
+        by_k.setdefault(counts[tower], []).append(tower)
+    return [_Group(k, tuple(towers)) for k, towers in by_k.items()]
+
+
+# --- embeddings -----------------------------------------------------------------
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _check_embeddings(out: Any, micro: int, k: int) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(out):
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] != micro:
+            raise ValueError(
+                f"every leaf of embed_fn's output needs the batch axis first, one row per "
+                f"example; the leaf at {jax.tree_util.keystr(path)!r} has shape {list(shape)} "
+                f"for a micro-batch of {micro} examples (num_microbatches={k}). Return "
+                "per-example embeddings (and labels) from embed_fn, and compute anything "
+                "over the batch (means, norms across examples) in loss_fn."
+            )
+
+
+class _Embedder:
+    """Calls `embed_fn` on micro-batch `i` of a group, as in both passes."""
+
+    def __init__(
+        self,
+        embed_fn: Callable[..., Any],
+        group: _Group,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        options: splitting._Options,
+    ):
+        self.embed_fn, self.group, self.options = embed_fn, group, options
+        self.args, self.kwargs = args, kwargs
+        k = group.k
+        self.micro = splitting._batch_size(args, options.batch_nums) // k
+        # (B, ...) -> (B/K, K, ...): micro-batch i is column i (a strided split that
+        # keeps a sharded leading axis leading, as in microbatch_value_and_grad).
+        self.columns = {
+            j: jax.tree.map(lambda x: x.reshape((self.micro, k, *x.shape[1:])), args[j])
+            for j in options.batch_nums
+        }
+        taken = {n for nums in options.roles.values() for n in nums}
+        self.whole = {i for i in range(len(args)) if i not in taken}
+
+    def __call__(self, params: Any, i: jax.Array, carry: Any) -> tuple[Any, Any]:
+        """(selected embeddings, new carry) of micro-batch `i`."""
+        options = self.options
+        args = list(self.args)
+        args[0] = params
+        kwargs = self.kwargs
+        if self.group.k > 1:
+            for j, column in self.columns.items():
+                args[j] = jax.tree.map(
+                    lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), column
+                )
+            for j in options.key_nums:
+                args[j] = splitting._fold_keys(self.args[j], i, typed_only=False)
+            for j in self.whole:
+                args[j] = splitting._fold_keys(self.args[j], i, typed_only=True)
+            kwargs = splitting._fold_keys(kwargs, i, typed_only=True)
+        if options.carry_nums:
+            args = splitting._with_carry(args, carry, options)
+        out = self.embed_fn(*args, **kwargs)
+        new_carry = None
+        if options.carry_nums:
+            if not (isinstance(out, tuple | list) and len(out) == 2):
+                raise TypeError(
+                    f"with carry_argnums={splitting._carry_argnums(options)!r}, embed_fn "
+                    f"must return (embeddings, new_carry); got {type(out).__name__}."
+                )
+            out, new_carry = out
+        return self.group.select(out), new_carry
+
+
+def _strong(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.lax.convert_element_type(x, jnp.result_type(x)), tree)
+
+
+def _embed_all(embedder: _Embedder, params: Any, carry0: Any) -> tuple[Any, Any]:
+    """Pass 1: every micro-batch's embeddings in batch order, and the final carry."""
+    if embedder.group.k == 1:
+        return embedder(params, jnp.int32(0), carry0)
+
+    def body(carry: Any, i: jax.Array) -> Any:
+        reps, new_carry = embedder(params, i, carry)
+        return _thread(new_carry, carry), reps
+
+    carry, stacked = jax.lax.scan(body, carry0, jnp.arange(embedder.group.k, dtype=jnp.int32))
+    return jax.tree.map(microbatch._interleave, stacked), carry
+
+
+def _thread(new_carry: Any, carry: Any) -> Any:
+    if carry is None:
+        return None
+    return jax.tree.map(
+        lambda n, c: microbatch._match_varying(n.astype(c.dtype), c), new_carry, carry
+    )
+
+
+def _float_part(tree: Any) -> list[Any]:
+    return [x for x in jax.tree_util.tree_leaves(tree) if _is_float(x)]
+
+
+def _pull_back(
+    embedder: _Embedder, params: Any, cotangent: Any, carry0: Any, totals: Any, dtypes: Any
+) -> Any:
+    """Pass 2: `totals` plus the parameter gradients of every micro-batch's embeddings."""
+    k = embedder.group.k
+
+    def grads_of(i: jax.Array, carry: Any, rows: list[Any]) -> tuple[Any, Any]:
+        def embed(p: Any) -> tuple[list[Any], Any]:
+            reps, new_carry = embedder(p, i, carry)
+            return _float_part(reps), new_carry
+
+        _, vjp, new_carry = jax.vjp(embed, params, has_aux=True)
+        (grads,) = vjp(rows)
+        return grads, new_carry
+
+    def add(totals: Any, grads: Any) -> Any:
+        return jax.tree.map(lambda t, g, d: t + g.astype(d), totals, grads, dtypes)
+
+    if k == 1:
+        grads, _ = grads_of(jnp.int32(0), carry0, cotangent)
+        return add(totals, grads)
+    columns = [c.reshape((embedder.micro, k, *c.shape[1:])) for c in cotangent]
+
+    def body(state: Any, i: jax.Array) -> Any:
+        carry, totals = state
+        rows = [jax.lax.dynamic_index_in_dim(c, i, axis=1, keepdims=False) for c in columns]
+        grads, new_carry = grads_of(i, carry, rows)
+        return (_thread(new_carry, carry), add(totals, grads)), None
+
+    (_, totals), _ = jax.lax.scan(body, (carry0, totals), jnp.arange(k, dtype=jnp.int32))
+    return totals
+
+
+# --- the coupled function -------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    loss_fn: Callable[..., Any]
+    embed_fn: Callable[..., Any]
+    options: splitting._Options
+    axis_name: tuple[Any, ...] | None
+    gather: bool  # under axis_name: loss_fn sees the gathered batch (else its own rows)
+    summed: bool  # under axis_name: the devices' gradients will be summed (else averaged)
+
+
+def _axis_size(axis_name: tuple[Any, ...]) -> int:
+    return math.prod(jax.lax.psum(1, name) for name in axis_name)
+
+
+def _check_batch(
+    args: tuple[Any, ...], kwargs: dict[str, Any], counts: int | dict[Any, int], options: Any
+) -> int:
+    splitting._check_call(args, kwargs, options)
+    batch_size = splitting._batch_size(args, options.batch_nums)
+    for k in {counts} if isinstance(counts, int) else set(counts.values()):
+        splitting._check_divisible(batch_size, k)
+        splitting._check_shards(args, options.batch_nums, batch_size // k)
+    return batch_size
+
+
+def _embedders(
+    spec: _Spec,
+    counts: int | dict[Any, int],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    params: Any,
+    carry0: Any,
+) -> tuple[list[_Embedder], Any, Any]:
+    """One `_Embedder` per group of towers, the output's structure, and the typed carry."""
+    options = spec.options
+    probe = _Embedder(spec.embed_fn, _Group(1, None), args, kwargs, options)
+    whole_shape = jax.eval_shape(lambda p, c: probe(p, jnp.int32(0), c)[0], params, carry0)
+    groups = _groups(counts, whole_shape)
+    if options.carry_nums and len(groups) > 1:
+        raise ValueError(
+            f"carry_argnums={splitting._carry_argnums(options)!r} with a per-tower "
+            f"num_microbatches={counts!r}: each tower's pass would move the carried "
+            "statistics of every tower. Use one num_microbatches for all towers with "
+            "carried state, or keep the statistics out of the carry."
+        )
+    embedders = [_Embedder(spec.embed_fn, g, args, kwargs, options) for g in groups]
+    for e in embedders:
+        shape = jax.eval_shape(lambda p, c, e=e: e(p, jnp.int32(0), c), params, carry0)
+        _check_embeddings(shape[0], e.micro, e.group.k)
+        if options.carry_nums:
+            splitting._check_carry(shape[1], carry0, splitting._carry_argnums(options))
+            carry0 = jax.tree.map(microbatch._match_varying, carry0, shape[1])
+    return embedders, whole_shape, carry0
+
+
+def _loss_and_cotangents(
+    spec: _Spec, embedders: list[_Embedder], whole_shape: Any, params: Any, local: list[Any]
+) -> tuple[Any, Any, list[list[jax.Array]]]:
+    """The loss's output, its parameter gradient, and each group's embedding cotangents."""
+    axis_name = spec.axis_name
+    seen = local  # one device, or a loss sharded over axis_name itself
+    if axis_name is not None and spec.gather:
+        seen = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name, tiled=True), local)
+
+    def loss_of(p: Any, floats: list[list[Any]]) -> Any:
+        parts = [_with_floats(g, f) for g, f in zip(seen, floats, strict=True)]
+        towers = embedders[0].group.towers is None
+        return spec.loss_fn(p, parts[0] if towers else _merge(parts, whole_shape))
+
+    floats = [_float_part(g) for g in seen]
+    out, (loss_grads, cotangents) = jax.value_and_grad(
+        loss_of, argnums=(0, 1), has_aux=spec.options.has_aux
+    )(params, floats)
+    if axis_name is not None:
+        # Scale each device's share so that combining the devices (their mean, or their
+        # sum with grad_reduction="sum") counts every row and the loss's own gradient once.
+        n = _axis_size(axis_name)
+        if spec.summed:
+            loss_grads = jax.tree.map(lambda g: g / n, loss_grads)
+        scale = (n if spec.gather else 1) / (n if spec.summed else 1)
+        rows = embedders[0].micro * embedders[0].group.k
+        # With the loss computed on every device, each holds the whole cotangent:
+        # keep this device's rows.
+        start = _axis_index(axis_name) * rows
+        cotangents = [
+            [
+                (jax.lax.dynamic_slice_in_dim(c, start, rows, axis=0) if spec.gather else c) * scale
+                for c in group
+            ]
+            for group in cotangents
+        ]
+    return out, loss_grads, cotangents
+
+
+def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
+    options = spec.options
+
+    def value_and_grad(*args: Any, **kwargs: Any) -> Any:
+        _check_batch(args, kwargs, counts, options)
+        params = args[0]
+        if spec.axis_name is not None:
+            # The gradient with respect to replicated params would be summed over the
+            # devices in the backward pass; each device's own share is wanted here.
+            missing = tuple(a for a in spec.axis_name if a not in _varying(params))
+            if missing:
+                params = pcast_to_varying(params, missing)
+        carry0 = _strong(splitting._carried(args, options)) if options.carry_nums else None
+        embedders, whole_shape, carry0 = _embedders(spec, counts, args, kwargs, params, carry0)
+
+        # Pass 1: no differentiation, so no activations are kept.
+        local, final_carry = [], None
+        for e in embedders:
+            reps, final_carry = _embed_all(e, params, carry0)
+            local.append(jax.tree.map(jax.lax.stop_gradient, reps))
+        out, loss_grads, cotangents = _loss_and_cotangents(
+            spec, embedders, whole_shape, params, local
+        )
+        # Pass 2, from the loss's own parameter gradient (loss-only params counted once).
+        # It replays pass 1's carry so every micro-batch is embedded as it was then;
+        # the carry returned is pass 1's, so statistics are counted once.
+        dtypes = jax.tree.map(
+            lambda g: trees.accumulator_dtype(g, options.accumulator_dtype), loss_grads
+        )
+        totals = jax.tree.map(lambda g, d: g.astype(d), loss_grads, dtypes)
+        for e, cotangent in zip(embedders, cotangents, strict=True):
+            totals = _pull_back(e, params, cotangent, carry0, totals, dtypes)
+        grads = jax.tree.map(lambda t, g: t.astype(jnp.result_type(g)), totals, loss_grads)
+
+        value, aux = out if options.has_aux else (out, None)
+        if options.carry_nums:
+            return (value, (final_carry, aux)), grads
+        return (value, aux) if options.has_aux else value, grads
+
+    return value_and_grad
+
+
+def _varying(tree: Any) -> frozenset:
+    leaves = jax.tree_util.tree_leaves(tree)
+    return frozenset.intersection(*(varying_axes(x) for x in leaves)) if leaves else frozenset()
+
+
+def _axis_index(axis_name: tuple[Any, ...]) -> jax.Array:
+    index = jnp.int32(0)
+    for name in axis_name:
+        index = index * jax.lax.psum(1, name) + jax.lax.axis_index(name)
+    return index
+
+
+def _with_floats(template: Any, floats: list[Any]) -> Any:
+    it = iter(floats)
+    return jax.tree.map(lambda x: next(it) if _is_float(x) else x, template)
+
+
+def _merge(parts: list[dict[Any, Any]], whole_shape: Any) -> dict[Any, Any]:
+    merged = {t: v for part in parts for t, v in part.items()}
+    return {t: merged[t] for t in whole_shape}
+
+
+def coupled_value_and_grad(
+    loss_fn: Callable[..., Any],
+    embed_fn: Callable[..., Any],
+    num_microbatches: int | str | Mapping[Any, int],
+    *,
+    has_aux: bool = False,
+    batch_argnums: int | Sequence[int] = 1,
+    key_argnums: int | Sequence[int] = (),
+    carry_argnums: int | Sequence[int] = (),
+    accumulator_dtype: Any = None,
+    axis_name: Any = None,
+    gather_embeddings: bool = True,
+    grad_reduction: str = "mean",
+    memory_budget: float | None = None,
+) -> Callable[..., Any]:
+    r"""Returns the value and gradient of a batch-coupled loss, computed in micro-batches.
+
+    For a loss in which every example's term depends on the other examples'
+    embeddings (CLIP, InfoNCE, SigLIP, retrieval with in-batch negatives) a mean
+    of per-micro-batch losses is a different objective: each micro-batch sees
+    `B/K` negatives instead of `B`. This function computes the large batch's
+    loss and gradient exactly, holding the activations of one micro-batch at a
+    time, by caching the embeddings (Gao et al., 2021). The returned
+    `f(params, batch, *args)` equals
+
+        jax.value_and_grad(lambda p, b, *a: loss_fn(p, embed_fn(p, b, *a)))(params, batch, *args)
+
+    up to summation order, and runs as one program:
+
+    1. embed every micro-batch with `embed_fn`, in a `jax.lax.scan`, without
+       differentiating (no activations kept);
+    2. take `jax.value_and_grad` of `loss_fn` with respect to the params and
+       all $N$ embeddings $Z$ at once: $\partial L / \partial Z$;
+    3. embed each micro-batch again under `jax.vjp` against its rows of
+       $\partial L / \partial Z$ and add its parameter gradient to the loss's
+       own (so parameters used only by the loss, such as a logit scale, are
+       counted once):
+
+    $$
+      \nabla_\theta L = \frac{\partial L}{\partial \theta}\Big|_Z
+        + \sum_{i=1}^K \Big(\frac{\partial Z_i}{\partial \theta}\Big)^{\!\top}
+          \frac{\partial L}{\partial Z_i}.
+    $$
+
+    Cost: one extra forward pass of the encoders. Memory: one micro-batch's
+    activations, the $N$ embeddings and their gradient, and whatever `loss_fn`
+    itself needs on $N$ rows (a dense CLIP loss holds several $N \times N$
+    matrices; `gradaccum_jax.losses` computes them in tiles).
+
+    `embed_fn` must be *example-separable*: row `i` of every output leaf
+    depends on example `i` only. This cannot be checked in general: an
+    encoder that mixes examples (BatchNorm normalising with batch statistics,
+    attention across the batch) gives gradients of a different function,
+    silently. Only the shapes are checked: every leaf needs the batch axis
+    first. Micro-batches follow `microbatch_value_and_grad`: micro-batch `i`
+    holds examples `i, i + K, …` of every batch argument, and typed PRNG keys
+    (and raw keys at `key_argnums`) reach it as `jax.random.fold_in(key, i)`,
+    in both passes, so the second pass sees the same dropout masks as the
+    first. A raw `uint32` key outside `key_argnums` is refused.
+
+    Args:
+      loss_fn: `loss_fn(params, embeddings)` returning a scalar (or
+        `(loss, aux)` with `has_aux`), where `embeddings` is `embed_fn`'s
+        output for the whole batch, in batch order.
+      embed_fn: `embed_fn(params, batch, *args, **kwargs)` returning a pytree
+        whose leaves all have the batch axis first, e.g.
+        `{"image": (B, D), "text": (B, D)}`. Non-floating leaves (labels,
+        ids) are passed to `loss_fn` and not differentiated. With
+        `carry_argnums` it returns `(embeddings, new_carry)`.
+      num_microbatches: `K`, an int that divides the batch size; `"auto"` to
+        let `gradaccum_jax.plan_microbatches`' search pick the smallest `K`
+        whose compiled program (this function's, both passes) fits
+        `memory_budget`; or a dict with one count per top-level entry
+        (tower) of `embed_fn`'s output, e.g. `{"image": 16, "text": 4}`, for
+        towers of different cost. Towers with the same count are embedded
+        together; each count's pass calls `embed_fn` and keeps its own towers
+        (under `jax.jit` XLA removes the other towers' work).
+      has_aux: `loss_fn` returns `(loss, aux)`; the result is then
+        `((loss, aux), grads)`.
+      batch_argnums: Position(s) of the batch arguments of `f` (and
+        `embed_fn`); the params are at position 0.
+      key_argnums: Position(s) of PRNG key arguments, typed or raw, folded
+        with the micro-batch index as above.
+      carry_argnums: Position(s) of state threaded through the micro-batches
+        in order, such as Flax `batch_stats` of a BatchNorm in an encoder.
+        `embed_fn` returns `(embeddings, new_carry)`. The second pass replays
+        the carry of the first, so each micro-batch is embedded the same way
+        twice, and the carry returned is the first pass's: statistics are
+        counted once. The result is `((loss, (new_carry, aux)), grads)`,
+        `aux` being `None` without `has_aux`. Only with one count for all
+        towers. With `gradaccum_jax.flax.AccumBatchNorm` the statistics are
+        the large batch's.
+      accumulator_dtype: dtype in which parameter gradients are summed, as
+        in `microbatch_value_and_grad`.
+      axis_name: For use inside `jax.shard_map` or `jax.pmap` with the batch
+        split over this mapped axis (a name or a tuple of names): each device
+        embeds its own shard, the embeddings are gathered (`all_gather`, an
+        $N \times D$ transfer), every device evaluates the loss on the global
+        batch, and each device pulls back its own rows. The gradients
+        returned on each device are its share, scaled so that their mean over
+        the axis (what `jax.lax.pmean` and `accumulate(axis_name=...)` take)
+        is the global batch's gradient; the loss returned is the global
+        batch's on every device. Params are taken as varying over the axis,
+        so no collective runs on gradients inside this function. (Under
+        global-view `jax.jit` with a sharded batch and no `axis_name`, the
+        result is the same, but XLA reduces each micro-batch's parameter
+        gradient in the second pass: one all-reduce per micro-batch.)
+      gather_embeddings: Only with `axis_name`. `True` (default): `loss_fn`
+        gets the whole batch's embeddings, gathered, and every device holds
+        the loss's temporaries for all $N$ rows. `False`: `loss_fn` gets this
+        device's rows and is itself sharded, following the same convention:
+        its value on each device is a share whose mean over the axis is the
+        global loss, e.g. `gradaccum_jax.losses.clip_loss(a, b, scale,
+        axis_name=...)`, which gathers the columns itself and holds no
+        $N \times N$ matrix on any device.
+      grad_reduction: Only with `axis_name`: how the caller combines the
+        devices' gradients. `"mean"` (default): their mean over the axis is
+        the global gradient (`jax.lax.pmean`, `accumulate(axis_name=...)`).
+        `"sum"`: their sum is (`jax.lax.psum`, or `jax.shard_map`'s
+        `out_specs=P(unreduced={axis})` for `accumulate`'s unreduced route
+        under global-view `jax.jit`). The value is the same either way.
+      memory_budget: Bytes, only with `num_microbatches="auto"`.
+
+    Returns:
+      A function `f(params, batch, *args, **kwargs)` returning
+      `(loss, grads)`, or `((loss, aux), grads)` with `has_aux`.
+
+    Raises:
+      TypeError: For non-callable functions, a bad `num_microbatches`, or
+        (when called) a raw `uint32` key outside `key_argnums`.
+      ValueError: For overlapping argnums, `gather_embeddings=False` or
+        `grad_reduction="sum"` without `axis_name`, or (when called) a batch
+        size that a count does not divide, an embedding leaf without the batch
+        axis, a per-tower count that does not match `embed_fn`'s towers,
+        `carry_argnums` with per-tower counts, or a `memory_budget` that no
+        count fits.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import gradaccum_jax as ga
+      >>> def embed(params, batch):
+      ...     return {"a": jnp.tanh(batch["x"] @ params["wa"]),
+      ...             "b": jnp.tanh(batch["y"] @ params["wb"])}
+      >>> def clip(params, reps):
+      ...     logits = params["scale"] * reps["a"] @ reps["b"].T
+      ...     labels = jnp.arange(logits.shape[0])
+      ...     row = jax.nn.log_softmax(logits, axis=1)[labels, labels]
+      ...     col = jax.nn.log_softmax(logits, axis=0)[labels, labels]
+      ...     return -(row.mean() + col.mean()) / 2
+      >>> keys = jax.random.split(jax.random.key(0), 4)
+      >>> params = {"wa": jax.random.normal(keys[0], (5, 3)),
+      ...           "wb": jax.random.normal(keys[1], (4, 3)), "scale": jnp.float32(2.0)}
+      >>> batch = {"x": jax.random.normal(keys[2], (16, 5)),
+      ...          "y": jax.random.normal(keys[3], (16, 4))}
+      >>> f = jax.jit(ga.coupled_value_and_grad(clip, embed, 4))
+      >>> value, grads = f(params, batch)
+      >>> ref_value, ref_grads = jax.value_and_grad(
+      ...     lambda p, b: clip(p, embed(p, b)))(params, batch)
+      >>> bool(jnp.allclose(value, ref_value)), bool(jnp.allclose(grads["wa"], ref_grads["wa"]))
+      (True, True)
+
+    References:
+      Gao, Zhang, Han and Callan, *Scaling Deep Contrastive Learning Batch
+      Size under Memory Limited Setup*, 2021, https://arxiv.org/abs/2101.06983
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable; got {loss_fn!r}.")
+    # The carry comes from embed_fn, apart from the loss's aux: has_aux is the loss's.
+    options = splitting._check_options(
+        embed_fn,
+        has_aux=has_aux or bool(carry_argnums),
+        argnums=0,
+        batch_argnums=batch_argnums,
+        weight_fn=None,
+        sum_and_weight=False,
+        aux_reduction="auto",
+        key_argnums=key_argnums,
+        carry_argnums=carry_argnums,
+        accumulator_dtype=accumulator_dtype,
+    )
+    options = options._replace(has_aux=has_aux)
+    names = None if axis_name is None else validation.check_axis_name("axis_name", axis_name)
+    if not isinstance(gather_embeddings, bool):
+        raise TypeError(f"gather_embeddings must be True or False; got {gather_embeddings=!r}.")
+    if names is None and not gather_embeddings:
+        raise ValueError(
+            "gather_embeddings=False is for a loss sharded over axis_name; without "
+            "axis_name there is nothing to gather. Drop gather_embeddings, or pass axis_name."
+        )
+    if grad_reduction not in ("mean", "sum"):
+        raise ValueError(f"grad_reduction must be 'mean' or 'sum'; got {grad_reduction=!r}.")
+    if names is None and grad_reduction != "mean":
+        raise ValueError(
+            f"grad_reduction={grad_reduction!r} says how the devices' gradients along "
+            "axis_name are combined; without axis_name the gradient is the whole batch's. "
+            "Drop grad_reduction, or pass axis_name."
+        )
+    spec = _Spec(loss_fn, embed_fn, options, names, gather_embeddings, grad_reduction == "sum")
+    counts = _check_counts(num_microbatches, memory_budget)
+    if not isinstance(counts, str):
+        return _coupled(spec, counts)
+
+    def planned(*args: Any, **kwargs: Any) -> Any:
+        plan = _plan(spec, args, kwargs, memory_budget)
+        return _coupled(spec, plan.num_microbatches)(*args, **kwargs)
+
+    return planned
+
+
+def _plan(
+    spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any], memory_budget: float | None
+) -> planning.MicrobatchPlan:
+    options = spec.options
+    splitting._check_call(args, kwargs, options)
+    batch_size = splitting._batch_size(args, options.batch_nums)
+    shards = math.lcm(
+        *(
+            splitting._explicit_shards(leaf)[0]
+            for j in options.batch_nums
+            for leaf in jax.tree_util.tree_leaves(args[j])
+        )
+    )
+    candidates = [
+        k
+        for k in range(1, batch_size + 1)
+        if batch_size % k == 0 and (batch_size // k) % shards == 0
+    ]
+    return planning.plan(
+        lambda k: _coupled(spec, k),
+        args,
+        kwargs,
+        candidates=candidates,
+        batch_size=batch_size,
+        memory_budget=memory_budget,
+        cache_key=("coupled", spec),
+    )

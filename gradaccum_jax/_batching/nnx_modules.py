@@ -1,0 +1,83 @@
+"""`flax.nnx` modules passed straight to `microbatch_value_and_grad`.
+
+A module at a differentiated position is split into its `nnx.Param` state
+(differentiated) and the rest (carried through the micro-batches and written
+back), as `nnx.value_and_grad` would take it. flax is looked up only if the
+caller imported it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from gradaccum_jax._batching.splitting import _carry_argnums, _Options
+
+
+def module_positions(args: tuple[Any, ...], options: _Options) -> tuple[int, ...]:
+    """The differentiated positions that hold a `flax.nnx.Module`."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return ()
+    return tuple(i for i in options.grad_nums if i < len(args) and isinstance(args[i], nnx.Module))
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    options: _Options,
+    modules: tuple[int, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    build: Callable[[Callable[..., Any], _Options], Callable[..., Any]],
+) -> Any:
+    """`nnx.value_and_grad` over micro-batches for the `flax.nnx` modules at `modules`.
+
+    As `nnx.value_and_grad` does, each module is split into its `nnx.Param`
+    state, which is differentiated (its gradient is an `nnx.State` of the
+    params), and the rest (BatchNorm statistics, the RNG streams' counters),
+    which here is threaded through the micro-batches as a carry, so that every
+    micro-batch draws its own dropout mask, and written back into the module.
+    `build(pure_fun, pure_options)` is the micro-batched value and gradient of
+    a function of plain pytrees (`microbatch_value_and_grad`'s own).
+    """
+    nnx = sys.modules["flax.nnx"]
+    if options.carry_nums:
+        raise TypeError(
+            f"microbatch_value_and_grad got a flax.nnx module at argnums position(s) "
+            f"{modules} together with carry_argnums={_carry_argnums(options)!r}. A module's "
+            "non-parameter state (BatchNorm statistics, RNG counters) is carried through the "
+            "micro-batches already; carry other state inside the module, or split the "
+            "model yourself: graphdef, params, rest = nnx.split(model, nnx.Param, ...), "
+            "differentiate params and carry rest (see the Flax NNX section of the "
+            "micro-batching guide)."
+        )
+    splits = {i: nnx.split(args[i], nnx.Param, ...) for i in modules}
+    rest_at = len(args)  # the modules' other state, appended as one carried argument
+
+    def pure_fun(*pure_args: Any, **kw: Any) -> Any:
+        *call_args, rests = pure_args
+        merged = {}
+        for i, (graphdef, _, _) in splits.items():
+            merged[i] = nnx.merge(graphdef, call_args[i], rests[i], copy=True)
+            call_args[i] = merged[i]
+        out = fun(*call_args, **kw)
+        loss, aux = out if options.has_aux else (out, None)
+        new_rests = {i: nnx.state(model, nnx.Not(nnx.Param)) for i, model in merged.items()}
+        return loss, (new_rests, aux)
+
+    weight_fn = options.weight_fn
+    pure_options = options._replace(
+        has_aux=True,
+        carry_nums=(rest_at,),
+        carry_is_tuple=False,
+        weight_fn=None if weight_fn is None else (lambda *a, **kw: weight_fn(*a[:-1], **kw)),
+    )
+    pure_args = list(args)
+    for i, (_, params, _) in splits.items():
+        pure_args[i] = params
+    rests = {i: rest for i, (_, _, rest) in splits.items()}
+    (value, (new_rests, aux)), grads = build(pure_fun, pure_options)(*pure_args, rests, **kwargs)
+    for i, rest in new_rests.items():
+        nnx.update(args[i], rest)
+    return ((value, aux) if options.has_aux else value), grads
