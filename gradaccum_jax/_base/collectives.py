@@ -74,7 +74,7 @@ def zeros_without_axes(leaf: jax.Array, dtype: Any = None, zero: Any = None) -> 
     """Zeros shaped like `leaf` that vary along no axis (`zeros_like` would keep them).
 
     A scalar `zero` that varies along no axis either is broadcast instead of
-    the constant 0 (see `_window.distinct_zero`); one that varies is ignored,
+    the constant 0 (see `distinct_zero` in `_window/engine.py`); one that varies is ignored,
     as it would make the zeros vary.
     """
     dtype = jnp.result_type(leaf) if dtype is None else dtype
