@@ -560,6 +560,35 @@ def _global_view(impl, axes, x, y, scale, bias, mask, labels, block_size):
 # ----------------------------------------------------------------------------- public
 
 
+def _checked_dispatch(
+    kernel: Any,
+    first: tuple[str, Any],
+    second: tuple[str, Any],
+    square: bool,
+    scale: Any,
+    bias: Any,
+    mask: Any,
+    labels: Any,
+    block_size: Any,
+    axis_name: Any,
+) -> jax.Array:
+    """Checks a public loss's arguments, in the order of its signature, and runs `kernel`.
+
+    `first` and `second` are the embeddings with their argument names; `bias`
+    is `None` for the softmax losses (a zero then stands for it).
+    """
+    x = _check_embeddings(*first)
+    y = _check_embeddings(*second)
+    _check_pair(first[0], x, second[0], y, square=square)
+    scale = _check_scalar("scale", scale)
+    bias = jnp.zeros((), jnp.float32) if bias is None else _check_scalar("bias", bias)
+    mask = _check_rows("mask", mask, x.shape[0], "mask")
+    labels = _check_rows("labels", labels, x.shape[0], "labels")
+    block_size = _check_block_size(block_size)
+    _check_axis_name(axis_name)
+    return _dispatch(kernel, x, y, scale, bias, mask, labels, block_size, axis_name)
+
+
 def clip_loss(
     a: ArrayLike,
     b: ArrayLike,
@@ -619,16 +648,9 @@ def clip_loss(
       Khosla et al., *Supervised Contrastive Learning*, 2020,
       https://arxiv.org/abs/2004.11362 (several positives per row)
     """
-    a = _check_embeddings("a", a)
-    b = _check_embeddings("b", b)
-    _check_pair("a", a, "b", b, square=True)
-    scale = _check_scalar("scale", scale)
-    mask = _check_rows("mask", mask, a.shape[0], "mask")
-    labels = _check_rows("labels", labels, a.shape[0], "labels")
-    block_size = _check_block_size(block_size)
-    _check_axis_name(axis_name)
-    zero = jnp.zeros((), jnp.float32)
-    return _dispatch(_clip, a, b, scale, zero, mask, labels, block_size, axis_name)
+    return _checked_dispatch(
+        _clip, ("a", a), ("b", b), True, scale, None, mask, labels, block_size, axis_name
+    )
 
 
 def info_nce(
@@ -683,16 +705,9 @@ def info_nce(
       van den Oord et al., *Representation Learning with Contrastive
       Predictive Coding*, 2018, https://arxiv.org/abs/1807.03748
     """
-    q = _check_embeddings("q", q)
-    k = _check_embeddings("k", k)
-    _check_pair("q", q, "k", k, square=False)
-    scale = _check_scalar("scale", scale)
-    mask = _check_rows("mask", mask, q.shape[0], "mask")
-    labels = _check_rows("labels", labels, q.shape[0], "labels")
-    block_size = _check_block_size(block_size)
-    _check_axis_name(axis_name)
-    zero = jnp.zeros((), jnp.float32)
-    return _dispatch(_info_nce, q, k, scale, zero, mask, labels, block_size, axis_name)
+    return _checked_dispatch(
+        _info_nce, ("q", q), ("k", k), False, scale, None, mask, labels, block_size, axis_name
+    )
 
 
 def siglip_loss(
@@ -746,13 +761,6 @@ def siglip_loss(
       Zhai et al., *Sigmoid Loss for Language Image Pre-Training*, 2023,
       https://arxiv.org/abs/2303.15343
     """
-    a = _check_embeddings("a", a)
-    b = _check_embeddings("b", b)
-    _check_pair("a", a, "b", b, square=True)
-    scale = _check_scalar("scale", scale)
-    bias = _check_scalar("bias", bias)
-    mask = _check_rows("mask", mask, a.shape[0], "mask")
-    labels = _check_rows("labels", labels, a.shape[0], "labels")
-    block_size = _check_block_size(block_size)
-    _check_axis_name(axis_name)
-    return _dispatch(_siglip, a, b, scale, bias, mask, labels, block_size, axis_name)
+    return _checked_dispatch(
+        _siglip, ("a", a), ("b", b), True, scale, bias, mask, labels, block_size, axis_name
+    )
