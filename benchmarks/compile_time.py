@@ -44,7 +44,6 @@ from collections.abc import Callable
 
 import harness
 import jax
-import jax.numpy as jnp
 import optax
 
 import gradaccum_jax as ga
@@ -61,30 +60,6 @@ ANCHORS = {
     "ga.clip_norm": ("optax.clip_by_global_norm", 2.0),
 }
 AGAINST_MULTISTEPS = ("accumulate(adam, 4)", 1.2)
-
-
-def transformer_tree(layers: int, d: int = 64, vocab: int = 256) -> dict:
-    """`12 * layers + 3` float32 leaves: per layer q, k, v, o, MLP with biases, two LayerNorms."""
-
-    def w(shape):
-        return jnp.full(shape, 0.01, jnp.float32)
-
-    def ln():
-        return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
-
-    tree: dict = {"embed": w((vocab, d)), "ln_f": ln()}
-    for i in range(layers):
-        tree[f"layer_{i:03d}"] = {
-            "q": w((d, d)),
-            "k": w((d, d)),
-            "v": w((d, d)),
-            "o": w((d, d)),
-            "up": {"w": w((d, 4 * d)), "b": jnp.zeros((4 * d,), jnp.float32)},
-            "down": {"w": w((4 * d, d)), "b": jnp.zeros((d,), jnp.float32)},
-            "ln1": ln(),
-            "ln2": ln(),
-        }
-    return tree
 
 
 def _optax_step(tx):
@@ -147,7 +122,7 @@ def compile_once(name: str, layers: int, inputs: tuple | None = None) -> tuple[f
 def prepare(name: str, layers: int) -> tuple:
     """The arguments `name`'s step is compiled for: `(grads,)` or `(params, state, grads)`."""
     _, tx = candidates()[name]
-    tree = transformer_tree(layers)
+    tree = harness.transformer_params(layers, 64, 256)
     args = (tree,) if tx is None else (tree, tx.init(tree), tree)
     return jax.block_until_ready(args)
 

@@ -46,31 +46,6 @@ import gradaccum_jax as ga
 NEVER = 1 << 30  # a window length never reached: every call is a micro-step
 
 
-def transformer_params(layers: int = 12, d: int = 512, vocab: int = 8192) -> dict:
-    """A transformer-shaped tree: per layer q, k, v, o, MLP up/down with biases, two LayerNorms."""
-    keys = iter(jax.random.split(jax.random.key(0), 7 * layers + 1))
-
-    def w(shape):
-        return jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(shape[0])
-
-    def ln():
-        return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
-
-    tree: dict = {"embed": w((vocab, d)), "ln_f": ln()}
-    for i in range(layers):
-        tree[f"layer_{i:02d}"] = {
-            "q": w((d, d)),
-            "k": w((d, d)),
-            "v": w((d, d)),
-            "o": w((d, d)),
-            "up": {"w": w((d, 4 * d)), "b": jnp.zeros((4 * d,), jnp.float32)},
-            "down": {"w": w((4 * d, d)), "b": jnp.zeros((d,), jnp.float32)},
-            "ln1": ln(),
-            "ln2": ln(),
-        }
-    return tree
-
-
 def mlp_params(sizes: list[int]) -> list[dict]:
     keys = jax.random.split(jax.random.key(1), len(sizes) - 1)
     return [
@@ -338,9 +313,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     rows: list[dict] = []
     trees = (
-        [("transformer", transformer_params(2, 64, 256)), ("MLP", mlp_params([256] * 3))]
+        [("transformer", harness.transformer_params(2, 64, 256)), ("MLP", mlp_params([256] * 3))]
         if args.quick
-        else [("transformer", transformer_params()), ("MLP", mlp_params([4096] * 3))]
+        else [("transformer", harness.transformer_params()), ("MLP", mlp_params([4096] * 3))]
     )
     for name, params in trees:
         label = (

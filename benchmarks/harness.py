@@ -27,6 +27,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
@@ -441,3 +442,28 @@ def mlp_batch_loss(params: Any, batch: Mapping[str, Any]) -> Any:
 def smallest_leaf(tree: Any) -> int:
     """Elements of the smallest non-scalar leaf: the `min_elements` of parameter-sized copies."""
     return min(int(np.size(leaf)) for leaf in jax.tree.leaves(tree) if np.size(leaf) > 1)
+
+
+def transformer_params(layers: int = 12, d: int = 512, vocab: int = 8192) -> dict:
+    """A transformer-shaped tree: per layer q, k, v, o, MLP up/down with biases, two LayerNorms."""
+    keys = iter(jax.random.split(jax.random.key(0), 7 * layers + 1))
+
+    def w(shape):
+        return jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(shape[0])
+
+    def ln():
+        return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
+
+    tree: dict = {"embed": w((vocab, d)), "ln_f": ln()}
+    for i in range(layers):
+        tree[f"layer_{i:03d}"] = {
+            "q": w((d, d)),
+            "k": w((d, d)),
+            "v": w((d, d)),
+            "o": w((d, d)),
+            "up": {"w": w((d, 4 * d)), "b": jnp.zeros((4 * d,), jnp.float32)},
+            "down": {"w": w((4 * d, d)), "b": jnp.zeros((d,), jnp.float32)},
+            "ln1": ln(),
+            "ln2": ln(),
+        }
+    return tree
