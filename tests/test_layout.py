@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 
+import gradaccum_jax
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "gradaccum_jax"
+# The package that is imported: the source tree, or the installed wheel (dev.sh test-wheel).
+PACKAGE = Path(gradaccum_jax.__file__).resolve().parent
 SUBPACKAGES = {"_base", "_sharding", "_window", "_batching", "_clipping", "flax"}
 # The arrows of the picture in docs/concepts.md ("Architecture"): package -> what it imports.
 DRAWN_ARROWS = {
