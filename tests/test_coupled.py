@@ -467,6 +467,7 @@ def _loop_all_reduces(compiled):
     return in_loops, hlo.collective_counts()["all-reduce"] - in_loops
 
 
+@pytest.mark.requires("jax.reshard, new in JAX 0.9", jax="0.9.0")
 @pytest.mark.slow
 @pytest.mark.hlo
 def test_global_view_reduces_every_micro_batch():
@@ -596,6 +597,7 @@ def test_shard_map_with_a_sharded_loss():
         ga.coupled_value_and_grad(clip_loss, embed, 2, gather_embeddings=False)
 
 
+@pytest.mark.requires("unreduced windows need JAX 0.9.1", jax="0.9.1")
 @pytest.mark.slow
 @pytest.mark.hlo
 @pytest.mark.parametrize("gather", [True, False])

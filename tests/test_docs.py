@@ -79,10 +79,19 @@ def python_blocks(page: pathlib.Path) -> list[Block]:
     return blocks
 
 
+# Pages whose blocks use an API that the oldest supported stack lacks (see conftest.py).
+PAGE_REQUIRES = {
+    "losses.md": ("its sharded example uses jax.lax.pcast, new in JAX 0.8.2", {"jax": "0.8.2"}),
+}
+
+
 def _page_param(page: pathlib.Path):
     marks = []
     if page.name in SLOW_PAGES:
         marks.append(pytest.mark.slow)
+    if page.name in PAGE_REQUIRES:
+        why, versions = PAGE_REQUIRES[page.name]
+        marks.append(pytest.mark.requires(why, **versions))
     return pytest.param(page, marks=marks, id=str(page.relative_to(ROOT)))
 
 

@@ -445,7 +445,17 @@ def test_pmap_mean_over_devices_is_the_global_loss():
     _assert_close(jax.tree.map(lambda g: g.mean(0), grads), want_grads)
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
+EXPLICIT_NEEDS = pytest.mark.requires(
+    "jax 0.8.1 refuses the tiles' products on Explicit axes (ShardingTypeError, measured)",
+    jax="0.9.0",
+)
+
+
+@pytest.mark.parametrize(
+    "axis_type",
+    [pytest.param(AxisType.Explicit, marks=EXPLICIT_NEEDS), AxisType.Auto],
+    ids=str,
+)
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_global_view_jit_with_a_sharded_batch(name, axis_type):
     mesh = jax.make_mesh((8,), ("d",), axis_types=(axis_type,))
@@ -523,6 +533,7 @@ def test_bad_input_names_the_argument_and_the_fix(call, error, match):
         call()
 
 
+@EXPLICIT_NEEDS
 def test_global_view_extra_keys_that_do_not_split_evenly():
     # 4 extra keys over 8 devices: every device computes the whole loss (replicated rows).
     mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))

@@ -13,6 +13,9 @@ from flax.training import train_state
 import gradaccum_jax as ga
 from gradaccum_jax.flax import Optimizer, TrainState
 
+# flax's nnx.as_pure is nnx.pure before flax 0.12.2 (the oldest supported stack has 0.12.1).
+_pure = getattr(nnx, "as_pure", None) or nnx.pure
+
 
 def data(step):
     rng = np.random.default_rng(step)
@@ -119,7 +122,7 @@ def test_state_readers_take_an_nnx_optimizer_state(name):
     # plain jax.Array it gives for the optax state, eagerly and under jit.
     _, optimizer, _ = _nnx_optimizer_after_three_micro_steps()
     read = NNX_STATE_READERS[name]
-    expected = read(nnx.as_pure(optimizer.opt_state))
+    expected = read(_pure(optimizer.opt_state))
     for got in (read(optimizer.opt_state), jax.jit(read)(optimizer.opt_state)):
         assert jax.tree.structure(got) == jax.tree.structure(expected)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
@@ -131,7 +134,7 @@ def test_state_readers_take_an_nnx_optimizer_state(name):
 def test_scale_loss_takes_the_nnx_loss_scale():
     model, optimizer, loss = _nnx_optimizer_after_three_micro_steps()
     x, y = data(9)
-    plain_scale = ga.current_loss_scale(nnx.as_pure(optimizer.opt_state))
+    plain_scale = ga.current_loss_scale(_pure(optimizer.opt_state))
     expected = nnx.grad(ga.scale_loss(loss, plain_scale))(model, x, y)
     # The scale as the state holds it (an OptArray) and as current_loss_scale reads it.
     for scale in (optimizer.opt_state[0].loss_scale, ga.current_loss_scale(optimizer.opt_state)):
@@ -143,14 +146,14 @@ def test_scale_loss_takes_the_nnx_loss_scale():
 def test_scaled_value_and_grad_takes_an_nnx_optimizer_state():
     model, optimizer, loss = _nnx_optimizer_after_three_micro_steps()
     x, y = data(9)
-    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    params = _pure(nnx.state(model, nnx.Param))
 
     def params_loss(params, x, y):
         return loss(nnx.merge(nnx.graphdef(model), params), x, y)
 
     grad_fn = ga.scaled_value_and_grad(params_loss)
     value, grads = grad_fn(optimizer.opt_state, params, x, y)
-    expected_value, expected = grad_fn(nnx.as_pure(optimizer.opt_state), params, x, y)
+    expected_value, expected = grad_fn(_pure(optimizer.opt_state), params, x, y)
     assert float(value) == float(expected_value)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(a, b)
