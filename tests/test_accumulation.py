@@ -1175,7 +1175,16 @@ def test_weighted_float64_window_keeps_float64_precision(use_grad_mean):
         [np.ones((3, 4)), np.array([1.0, np.nan])],
         [np.array([np.inf, 1.0]), np.ones(2)],
         [np.array([-np.inf])],
-        [np.full((2, 2), 3e19), np.ones(3)],  # squares overflow: decided by the exact pass
+        [np.full((2, 2), 3e19), np.ones(3)],  # unscaled, these squares would overflow
+        # The largest finite floats, alone, in a vector, in a matrix of 64k: scaled
+        # squares and their sums stay finite. (A lone element once met XLA rewriting
+        # the square of `x * 2**-e` as `x * x * 2**-2e`.)
+        [np.array([3.4e38], np.float32)],
+        [np.full((257,), -3.4e38, np.float32), np.ones((2, 3))],
+        [np.full((256, 256), 3.4e38, np.float32)],
+        [np.full((256, 256), 3.4e38, np.float32), np.array([0.0, np.nan], np.float32)],
+        [np.full((3, 3), 3e38 + 3e38j, np.complex64)],
+        [np.full((8,), 65504, np.float16), np.array([np.finfo(np.float32).tiny], np.float32)],
         [np.array([3e19, np.nan])],
         [np.zeros((0, 3)), np.ones(2)],
         [],

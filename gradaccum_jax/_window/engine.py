@@ -377,9 +377,17 @@ def close(
     """
     fused = params is not None
 
-    def skip_like(spec, seed, params):
+    # The updates' shapes and dtypes, for the skip branches' zeros. jax.lax.cond
+    # traces its true branch (apply) first, and `step_on` records them there:
+    # tracing the inner update again only for its shapes (jax.eval_shape) took a
+    # third of the trace of an adamw window. The fallback covers a skip branch
+    # traced alone or first.
+    specs: list[Any] = []
+
+    def skip_like(spec_of, seed, params):
         if fused:
             return params
+        spec = specs[0] if specs else spec_of()
         leaves, treedef = jax.tree.flatten(like)
         zeros = [
             gate.zeros_like(g, s.dtype, distinct_zero(seed, i))
@@ -388,7 +396,12 @@ def close(
         return treedef.unflatten(zeros)
 
     def step_on(window, inner_state, params):
-        return step(window, inner_state, params) if fused else step(window, inner_state)
+        out = step(window, inner_state, params) if fused else step(window, inner_state)
+        if not specs:
+            specs.append(
+                jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out[0])
+            )
+        return out
 
     def apply_branch(operand, inner_state, closes, weight, unit, stats, params):
         del closes
@@ -398,20 +411,24 @@ def close(
             return updates, new_inner, jnp.array(True), jnp.array(True)
 
         def nothing(window, inner_state, params):
-            spec = jax.eval_shape(step_on, window, inner_state, params)[0]
-            return skip_like(spec, window.weight > 0, params), inner_state
+            def spec_of():
+                return jax.eval_shape(step_on, window, inner_state, params)[0]
+
+            return skip_like(spec_of, window.weight > 0, params), inner_state
 
         accepted = window.weight > 0
         updates, new_inner = gate.cond(accepted, step_on, nothing, window, inner_state, params)
         return updates, new_inner, jnp.array(True), accepted
 
     operands = (operand, inner_state, closes, weight, unit, stats, params)
-    spec = jax.eval_shape(apply_branch, *operands)[0]
 
     def skip_branch(operand, inner_state, closes, weight, unit, stats, params):
+        def spec_of():
+            return jax.eval_shape(apply_branch, *operands)[0]
+
         del operand, weight, unit, stats
         # A window with nothing accepted still ends on schedule (reset = closes).
-        return skip_like(spec, closes, params), inner_state, closes, jnp.array(False)
+        return skip_like(spec_of, closes, params), inner_state, closes, jnp.array(False)
 
     # On one device a window with nothing accepted is known before the branch
     # and takes the skip branch.
