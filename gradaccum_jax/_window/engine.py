@@ -325,6 +325,10 @@ def distinct_zero(seed: jax.Array, index: int) -> jax.Array:
     return (jnp.abs(seed.astype(jnp.float32)) + index) * 0.0
 
 
+def _shape_dtype(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+
 def close(
     gate: Gate,
     closes: jax.Array,
@@ -398,9 +402,7 @@ def close(
     def step_on(window, inner_state, params):
         out = step(window, inner_state, params) if fused else step(window, inner_state)
         if not specs:
-            specs.append(
-                jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out[0])
-            )
+            specs.append(jax.tree.map(_shape_dtype, out[0]))
         return out
 
     def apply_branch(operand, inner_state, closes, weight, unit, stats, params):
