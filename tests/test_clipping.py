@@ -967,3 +967,57 @@ def test_value_clippers_treat_non_finite_elements_as_optax_clip_and_keep_the_sta
     out, _ = jax.jit(tx.update)({"a": jnp.array([jnp.inf, 4.0])}, state)
     # The infinity is clipped to the element's EMA before this call.
     assert float(out["a"][0]) == pytest.approx(float(state.ema["a"][0]), rel=1e-6)
+
+
+# --------------------------------------------------------------------------- #
+# The rescaling branch stacks vectors of one shape (issue 30)                  #
+# --------------------------------------------------------------------------- #
+
+
+def _global_tree(scale):
+    rng = np.random.default_rng(3)
+    shapes = {"a": (64,), "b": (64,), "c": (64,), "d": (256,), "m": (8, 64), "s": ()}
+    return {k: rng.normal(size=s) * scale for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("scale", [1e25, 1e-25, 1.0])
+def test_global_clip_of_stacked_vectors_equals_the_float64_reference(scale):
+    # 1e25 overflows the squares and 1e-25 flushes them: both take the rescaling
+    # branch, which sums the three 64-vectors as one stacked matrix.
+    tree = _global_tree(scale)
+    tx = ga.clip_norm(1.0)
+    out, _ = jax.jit(tx.update)(jax.tree.map(jnp.float32, tree), tx.init(None))
+    f32 = {k: np.asarray(v, np.float32).astype(np.float64) for k, v in tree.items()}
+    norm = math.sqrt(sum(float(np.sum(v * v)) for v in f32.values()))
+    factor = min(1.0, 1.0 / norm)
+    for k, v in f32.items():
+        np.testing.assert_allclose(out[k], v * factor, rtol=2e-6, atol=0)
+
+
+def test_rescaling_branch_stacks_vectors_of_one_shape():
+    from gradaccum_jax._clipping import measures
+
+    xs = [jnp.ones(64), jnp.ones(64), jnp.ones(256), jnp.ones((4, 4)), jnp.ones(()), jnp.ones(64)]
+    groups = measures._join_vectors(xs)
+    shapes = sorted(g.shape for g in groups)
+    assert shapes == sorted([(), (4, 4), (256,), (3, 64)]), shapes
+    # Beyond the budget (2**16 elements, or a 32nd of all), vectors stay apart.
+    big = [jnp.ones(2**15), jnp.ones(2**15), jnp.ones(2**15)]
+    assert sorted(g.shape for g in measures._join_vectors(big)) == sorted([(2**15,), (2, 2**15)])
+
+
+@pytest.mark.hlo
+def test_stacked_vectors_under_explicit_sharding_need_no_communication():
+    # Vectors of one shape sharded differently are stacked apart: the stack of
+    # vectors sharded alike is sharded like them, so nothing moves between devices.
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    tree = {f"v{i}": jax.device_put(jnp.ones(64), sharded if i % 2 else whole) for i in range(6)}
+    tx = ga.clip_norm(1.0)
+    compiled = jax.jit(lambda g: tx.update(g, tx.init(g))[0]).lower(tree).compile()
+    text = compiled.as_text()
+    for op in ("all-gather", "collective-permute", "all-to-all", "dynamic-slice"):
+        assert f" {op}(" not in text and f" {op}-start(" not in text, op
+    out = jax.jit(lambda g: tx.update(g, tx.init(g))[0])(jax.tree.map(lambda x: x * 1e25, tree))
+    np.testing.assert_allclose(out["v1"], np.full(64, 1 / math.sqrt(6 * 64)), rtol=2e-6)

@@ -60,6 +60,20 @@ def all_finite_of(scalars: Any) -> jax.Array:
     return jnp.all(jnp.isfinite(jnp.stack(list(scalars))))
 
 
+def squares_factor(x: jax.Array) -> jax.Array:
+    """The power of two that `all_finite_by_squares` scales `x` by, in `x`'s compute dtype.
+
+    Elements below `2**maxexp` each (every finite one), scaled by `2**-e` and
+    squared, are below `2**(2 * (maxexp - e))`; with `2 * e >= maxexp + 2 +
+    log2(terms)` the sum of `terms` of them (two per complex element) stays
+    below `2**(maxexp - 2)`.
+    """
+    finfo = jnp.finfo(jnp.promote_types(x.dtype, jnp.float32))
+    terms = x.size * (2 if jnp.iscomplexobj(x) else 1)
+    e = -(-(finfo.maxexp + 2 + math.ceil(math.log2(terms))) // 2)
+    return jnp.asarray(2.0**-e, finfo.dtype)
+
+
 def all_finite_by_squares(tree: Any) -> jax.Array:
     """`all_finite(tree)`, decided by one sum of scaled squares per leaf.
 
@@ -77,14 +91,6 @@ def all_finite_by_squares(tree: Any) -> jax.Array:
     if not leaves:
         return jnp.array(True)
 
-    def factor(x: jax.Array) -> jax.Array:
-        finfo = jnp.finfo(jnp.promote_types(x.dtype, jnp.float32))
-        # Terms below 2**maxexp each, scaled by 2**-e and squared, are below
-        # 2**(2 * (maxexp - e)); `terms` of them stay below 2**(maxexp - 2).
-        terms = x.size * (2 if jnp.iscomplexobj(x) else 1)
-        e = -(-(finfo.maxexp + 2 + math.ceil(math.log2(terms))) // 2)
-        return jnp.asarray(2.0**-e, finfo.dtype)
-
     def scaled_squares(x: jax.Array, f: jax.Array) -> jax.Array:
         x = x.astype(jnp.promote_types(x.dtype, jnp.float32)) * f
         return jnp.square(x.real) + jnp.square(x.imag) if jnp.iscomplexobj(x) else jnp.square(x)
@@ -94,7 +100,7 @@ def all_finite_by_squares(tree: Any) -> jax.Array:
     # one-element leaf), whose first product overflows; and one factor shared
     # by the leaves of a shape is broadcast once and written to memory, a
     # temporary as large as those leaves.
-    factors = jax.lax.optimization_barrier([factor(leaf) for leaf in leaves])
+    factors = jax.lax.optimization_barrier([squares_factor(leaf) for leaf in leaves])
     return all_finite_of(
         jnp.sum(scaled_squares(leaf, f)) for leaf, f in zip(leaves, factors, strict=True)
     )

@@ -209,8 +209,11 @@ def _join_vectors(xs: Sequence[jax.Array]) -> list[jax.Array]:
     `max(2**16, n // 32)` of the `n` elements of `xs` (XLA:CPU fuses it into
     the sum: no temporary at all on the trees of benchmarks/compile_time.py);
     vectors beyond that stay apart. Vectors are stacked only with vectors of
-    the same shape, dtype and (explicit) sharding: a stack of vectors sharded
-    alike is sharded like them, so it needs no communication.
+    the same shape, dtype and explicit sharding: a stack of vectors sharded
+    alike is sharded like them, and needs no communication. Under `jit` with
+    shardings that the types do not show (`AxisType.Auto`), vectors of one
+    shape sharded along different axes are resharded for the stack; this
+    branch runs only for a norm whose squares leave the float range.
     """
     budget = max(1 << 16, sum(x.size for x in xs) // 32)
     out: list[jax.Array] = []
