@@ -316,9 +316,9 @@ class Hlo:
         slice in place and ignores re-reads inside one fusion.
 
         A conditional whose result is one boolean is a test with a fallback (the
-        exact finiteness pass behind a squared norm,
-        `noise_scale.all_finite_given_sq_norm`): it counts its cheaper branch,
-        the one an ordinary step takes, whatever `branch` says.
+        exact finiteness pass behind a quick one, `trees.all_finite_by_squares`):
+        it counts its cheaper branch, the one an ordinary step takes, whatever
+        `branch` says.
         """
         free = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
 

@@ -1175,10 +1175,9 @@ def test_weighted_float64_window_keeps_float64_precision(use_grad_mean):
         [np.ones((3, 4)), np.array([1.0, np.nan])],
         [np.array([np.inf, 1.0]), np.ones(2)],
         [np.array([-np.inf])],
-        [np.full((2, 2), 3e19), np.ones(3)],  # unscaled, these squares would overflow
-        # The largest finite floats, alone, in a vector, in a matrix of 64k: scaled
-        # squares and their sums stay finite. (A lone element once met XLA rewriting
-        # the square of `x * 2**-e` as `x * x * 2**-2e`.)
+        [np.full((2, 2), 3e19), np.ones(3)],  # squares overflow: decided by the exact pass
+        # The largest finite floats, alone, in vectors (stacked by the exact pass), in
+        # a matrix; and a complex element whose modulus overflows though its parts do not.
         [np.array([3.4e38], np.float32)],
         [np.full((257,), -3.4e38, np.float32), np.ones((2, 3))],
         [np.full((256, 256), 3.4e38, np.float32)],
@@ -1202,32 +1201,3 @@ def test_all_finite_by_squares_answers_as_all_finite(leaves):
     assert bool(trees.all_finite(tree)) == expected
     assert bool(trees.all_finite_by_squares(tree)) == expected
     assert bool(jax.jit(trees.all_finite_by_squares)(tree)) == expected
-
-
-@pytest.mark.parametrize(
-    "shape, dtype",
-    [((), np.float32), ((10**6,), np.float32), ((3, 5), np.complex64), ((7,), jnp.bfloat16)],
-)
-def test_squares_factor_keeps_the_largest_elements_sum_finite(shape, dtype):
-    from gradaccum_jax._base import trees
-
-    x = jnp.zeros(shape, dtype)
-    f = trees.squares_factor(x)
-    compute = jnp.promote_types(dtype, jnp.float32)
-    assert f.dtype == jnp.finfo(compute).dtype
-    # A power of two (the scaling is exact) ...
-    assert np.log2(float(f)) == int(np.log2(float(f)))
-    # ... small enough that size * 2 (complex) squares of the largest float stay finite,
-    # and not needlessly smaller: twice the factor could overflow.
-    finfo = jnp.finfo(compute)
-    top, bound = float(finfo.max), 2.0 ** (finfo.maxexp - 2)
-    terms = x.size * (2 if jnp.iscomplexobj(x) else 1)
-    assert terms * (top * float(f)) ** 2 <= bound
-    assert terms * (top * float(f) * 4) ** 2 > bound
-
-
-def test_squares_factor_of_a_million_float32_elements_is_the_documented_one():
-    # docs/accumulate.md and the docstring of all_finite_by_squares quote 2**-75.
-    from gradaccum_jax._base import trees
-
-    assert float(trees.squares_factor(jnp.zeros(10**6, jnp.float32))) == 2.0**-75

@@ -995,15 +995,15 @@ def test_global_clip_of_stacked_vectors_equals_the_float64_reference(scale):
 
 
 def test_rescaling_branch_stacks_vectors_of_one_shape():
-    from gradaccum_jax._clipping import measures
+    from gradaccum_jax._base import trees
 
     xs = [jnp.ones(64), jnp.ones(64), jnp.ones(256), jnp.ones((4, 4)), jnp.ones(()), jnp.ones(64)]
-    groups = measures._join_vectors(xs)
+    groups = trees.stack_vectors(xs)
     shapes = sorted(g.shape for g in groups)
     assert shapes == sorted([(), (4, 4), (256,), (3, 64)]), shapes
     # Beyond the budget (2**16 elements, or a 32nd of all), vectors stay apart.
     big = [jnp.ones(2**15), jnp.ones(2**15), jnp.ones(2**15)]
-    assert sorted(g.shape for g in measures._join_vectors(big)) == sorted([(2**15,), (2, 2**15)])
+    assert sorted(g.shape for g in trees.stack_vectors(big)) == sorted([(2**15,), (2, 2**15)])
 
 
 @pytest.mark.hlo

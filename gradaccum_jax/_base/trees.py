@@ -6,7 +6,7 @@ Nothing here knows about windows, gates or sharding; the window engine
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -26,6 +26,41 @@ def counter() -> jax.Array:
 def increment_if(counter: jax.Array, predicate: jax.Array) -> jax.Array:
     """`counter + 1` where `predicate` holds, saturating at the dtype's maximum."""
     return jnp.where(predicate, optax.safe_increment(counter), counter)
+
+
+def stack_vectors(xs: Sequence[jax.Array]) -> list[jax.Array]:
+    """`xs` with its vectors stacked, one matrix per shape, dtype and sharding, for a reduction.
+
+    XLA:CPU reduces a vector in three kernels (the elementwise part, a
+    windowed reduction, a last one) and a matrix in one. A transformer's
+    norms and biases are two thirds of its leaves; reduced one by one in
+    `clip_norm`'s rescaling branch they made two thirds of that branch's
+    program, and half of `clip_norm`'s compile time. Stacked, each shape
+    costs one reduction. The stack is a temporary, so it holds at most
+    `max(2**16, n // 32)` of the `n` elements of `xs` (XLA:CPU fuses it into
+    the reduction: no temporary at all on the trees of
+    benchmarks/compile_time.py); vectors beyond that stay apart. Vectors
+    are stacked only with vectors of the same shape, dtype and explicit
+    sharding: a stack of vectors sharded alike is sharded like them, and
+    needs no communication. Under `jit` with
+    shardings that the types do not show (`AxisType.Auto`), vectors of one
+    shape sharded along different axes are resharded for the stack: so it is
+    used only in branches that ordinary steps skip (the rescaling of a norm
+    whose squares leave the float range, the exact finite check behind a sum
+    of squares that is not finite).
+    """
+    budget = max(1 << 16, sum(x.size for x in xs) // 32)
+    out: list[jax.Array] = []
+    stacks: dict[Any, list[jax.Array]] = {}
+    used = 0
+    for x in xs:
+        if x.ndim == 1 and used + x.size <= budget:
+            key = (x.shape, x.dtype, str(getattr(jax.typeof(x), "sharding", None)))
+            stacks.setdefault(key, []).append(x)
+            used += x.size
+        else:
+            out.append(x)
+    return out + [jnp.stack(g) if len(g) > 1 else g[0] for g in stacks.values()]
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -60,49 +95,33 @@ def all_finite_of(scalars: Any) -> jax.Array:
     return jnp.all(jnp.isfinite(jnp.stack(list(scalars))))
 
 
-def squares_factor(x: jax.Array) -> jax.Array:
-    """The power of two that `all_finite_by_squares` scales `x` by, in `x`'s compute dtype.
-
-    Elements below `2**maxexp` each (every finite one), scaled by `2**-e` and
-    squared, are below `2**(2 * (maxexp - e))`; with `2 * e >= maxexp + 2 +
-    log2(terms)` the sum of `terms` of them (two per complex element) stays
-    below `2**(maxexp - 2)`.
-    """
-    finfo = jnp.finfo(jnp.promote_types(x.dtype, jnp.float32))
-    terms = x.size * (2 if jnp.iscomplexobj(x) else 1)
-    e = -(-(finfo.maxexp + 2 + math.ceil(math.log2(terms))) // 2)
-    return jnp.asarray(2.0**-e, finfo.dtype)
-
-
 def all_finite_by_squares(tree: Any) -> jax.Array:
-    """`all_finite(tree)`, decided by one sum of scaled squares per leaf.
+    """`all_finite(tree)`, decided in the ordinary case by each leaf's sum of squares.
 
-    Each leaf is multiplied by a power of two small enough that neither the
-    square of its largest finite element nor the sum of all its squares can
-    overflow (`2**-75` for a float32 leaf of a million elements). The sum is
-    then finite exactly when every element is: a NaN or an infinity makes it
-    NaN or infinite, and a finite element cannot. Tiny elements that the
-    factor flushes to zero change nothing about finiteness. The answer is
-    `all_finite`'s in every case, without a second pass or a conditional.
-    XLA:CPU reduces squares faster than `max(|x|)`: 7.4 ms against 9.2 ms
-    over the 168 MB of the transformer tree of benchmarks/fused.py.
+    A sum of squares is finite only if every element is (a NaN or an infinity
+    makes it NaN or infinite); one that is not (a non-finite element, or
+    float32 elements above about 1.8e19 whose squares overflow) is decided by
+    `all_finite` of the leaves with their vectors stacked (`stack_vectors`),
+    in a conditional that the ordinary case skips. The answer is
+    `all_finite`'s in every case. XLA:CPU reduces squares faster than
+    `max(|x|)`: 7.4 ms against 9.2 ms over the 168 MB of the transformer
+    tree of benchmarks/fused.py.
     """
     leaves = [leaf for leaf in jax.tree_util.tree_leaves(tree) if jnp.size(leaf)]
     if not leaves:
         return jnp.array(True)
 
-    def scaled_squares(x: jax.Array, f: jax.Array) -> jax.Array:
-        x = x.astype(jnp.promote_types(x.dtype, jnp.float32)) * f
+    def squares(x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         return jnp.square(x.real) + jnp.square(x.imag) if jnp.iscomplexobj(x) else jnp.square(x)
 
-    # The factors pass a barrier, one for each leaf. Without it XLA rewrites
-    # the square of `x * constant` as `x * x * constant**2` (measured on a
-    # one-element leaf), whose first product overflows; and one factor shared
-    # by the leaves of a shape is broadcast once and written to memory, a
-    # temporary as large as those leaves.
-    factors = jax.lax.optimization_barrier([squares_factor(leaf) for leaf in leaves])
-    return all_finite_of(
-        jnp.sum(scaled_squares(leaf, f)) for leaf, f in zip(leaves, factors, strict=True)
+    quick = all_finite_of(jnp.sum(squares(leaf)) for leaf in leaves)
+    if not isinstance(quick, jax.core.Tracer):
+        return quick if bool(quick) else all_finite(stack_vectors(leaves))
+    # The ordinary case is the false branch (index 0). Both branches compute
+    # from operands, so that they vary alike between replicas in shard_map.
+    return jax.lax.cond(
+        ~quick, lambda g, q: all_finite(stack_vectors(g)), lambda g, q: q, leaves, quick
     )
 
 

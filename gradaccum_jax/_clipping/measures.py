@@ -25,6 +25,8 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gradaccum_jax._base import trees
+
 
 @dataclasses.dataclass(frozen=True)
 class Measure:
@@ -198,37 +200,6 @@ def _scaled(parts: Sequence[Part], m: Measure, count: int, fast: jax.Array) -> S
     return Size(mant, exp + k)
 
 
-def _join_vectors(xs: Sequence[jax.Array]) -> list[jax.Array]:
-    """`xs` with its vectors stacked, one matrix per shape, dtype and sharding, for a sum.
-
-    XLA:CPU sums a vector in three kernels (the elementwise part, a windowed
-    sum, a last sum) and a matrix in one. A transformer's norms and biases
-    are two thirds of its leaves; summed one by one they made two thirds of
-    this branch's program, and half of `clip_norm`'s compile time. Stacked,
-    each shape costs one sum. The stack is a temporary, so it holds at most
-    `max(2**16, n // 32)` of the `n` elements of `xs` (XLA:CPU fuses it into
-    the sum: no temporary at all on the trees of benchmarks/compile_time.py);
-    vectors beyond that stay apart. Vectors are stacked only with vectors of
-    the same shape, dtype and explicit sharding: a stack of vectors sharded
-    alike is sharded like them, and needs no communication. Under `jit` with
-    shardings that the types do not show (`AxisType.Auto`), vectors of one
-    shape sharded along different axes are resharded for the stack; this
-    branch runs only for a norm whose squares leave the float range.
-    """
-    budget = max(1 << 16, sum(x.size for x in xs) // 32)
-    out: list[jax.Array] = []
-    stacks: dict[Any, list[jax.Array]] = {}
-    used = 0
-    for x in xs:
-        if x.ndim == 1 and used + x.size <= budget:
-            key = (x.shape, x.dtype, str(getattr(jax.typeof(x), "sharding", None)))
-            stacks.setdefault(key, []).append(x)
-            used += x.size
-        else:
-            out.append(x)
-    return out + [jnp.stack(g) if len(g) > 1 else g[0] for g in stacks.values()]
-
-
 def _scaled_sum(parts: Sequence[Part], m: Measure, count: int, fast: jax.Array) -> Size:
     """`_scaled` for a measure summed over several parts (a 1- or 2-norm, `mad`, `sum`).
 
@@ -267,7 +238,7 @@ def _scaled_sum(parts: Sequence[Part], m: Measure, count: int, fast: jax.Array) 
     # temporary as large as the largest leaves; measured 9.7 MB on the
     # transformer tree of benchmarks/fused.py, none with the copies).
     factor = pow2(-k, finfo.dtype)
-    groups = _join_vectors([x for x, _ in parts])
+    groups = trees.stack_vectors([x for x, _ in parts])
     factors = jax.lax.optimization_barrier([factor.astype(x.dtype) for x in groups])
     sums = [jnp.sum(fn(x * f)) for x, f in zip(groups, factors, strict=True)]
     total = jnp.sum(jnp.stack(sums))
