@@ -441,6 +441,8 @@ def test_compiled_program_grows_linearly_with_the_leaves(make, fused):
     assert abs(second - first) <= 0.02 * first + 8, counts
     # XLA:CPU compiles each distinct fused computation on its own: more layers of the
     # same shapes must not bring new ones (the accumulator's zeros once did, one per leaf).
-    # (Fewer may come: vectors stacked by shape make stacks of another height.)
+    # Shapes that follow the number of leaves (the stacked vectors of the finite check's
+    # fallback, the vector of per-leaf flags) change a few programs and may make XLA
+    # split a reduction one more way: a few, not one per leaf (two layers add 24).
     programs = [distinct for _, distinct in sizes]
-    assert programs[2] <= programs[1], programs
+    assert programs[2] <= programs[1] + 3, programs
