@@ -111,6 +111,18 @@ class UncountedAccumulateState(AccumulateState):
     __slots__ = ()
 
 
+class CallerClosedAccumulateState(AccumulateState):
+    """An `AccumulateState` whose window the caller ends (`update(..., close=...)`).
+
+    The same fields; `window_length` holds the int32 maximum, never reached. The
+    type records that the window's end is not a count, so whether the next call
+    closes it is the caller's flag, not the state's (`closes_window` refuses the
+    question).
+    """
+
+    __slots__ = ()
+
+
 class LossScaleState(NamedTuple):
     """State of `dynamic_loss_scale` and `static_loss_scale`.
 
