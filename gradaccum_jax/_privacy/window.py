@@ -31,7 +31,7 @@ from gradaccum_jax._window.state import AccumulateState, CallerClosedAccumulateS
 # The window length of a window closed by `close=`: a count it never reaches.
 _NEVER = int(np.iinfo(np.int32).max)
 
-# Arguments of `accumulate` that dp_accumulate refuses, each with why and the fix.
+# The options of `accumulate` that a private window refuses, each with why and the fix.
 _REFUSED = {
     "use_grad_mean": "a mean over micro-steps divides by a count of the data (its "
     "sensitivity is no longer C / B). The window's sum is divided by the public "
@@ -41,20 +41,9 @@ _REFUSED = {
     "one by one; dp_accumulate adds every sum as it is. Drop the argument.",
     "should_skip_update_fn": "it drops whole micro-batches on a test of their values "
     "(sensitivity b * C, not C). Drop it; clipped_grad drops non-finite examples one by one.",
-    "count_skipped_steps": "dp_accumulate drops no micro-step, so there is nothing to count. "
-    "Drop the argument.",
     "weight": "the window's sum is divided by the public expected_batch_size, never by a "
     "weight or count of the data. Mark padding examples with clipped_grad's "
     "is_padding_example= instead.",
-    "compensated": "not supported by the noisy window; use a float32 accumulator "
-    "(accumulator_dtype=None).",
-    "shard_inner_state": "the noisy window is not supported on unreduced (ZeRO-1) windows; "
-    "use axis_name= under jax.shard_map, or jax.jit with global arrays.",
-    "track_noise_scale": "the gradient noise scale reads the clipped sums' norms, a "
-    "statistic of the data released without noise. Drop it.",
-    "micro_batch_size": "it is the noise scale's unit, not used by dp_accumulate; the "
-    "divisor is expected_batch_size.",
-    "check_values": "dp_accumulate has no traced values to check; drop it.",
 }
 
 
@@ -105,6 +94,9 @@ class DPAccumulateState(NamedTuple):
     """
 
     window: AccumulateState
+
+    # Another window around it is refused (`_window/state.py`, holds_outermost_window).
+    outermost_window = True
 
 
 # --- the clip norm the sums were clipped to --------------------------------------------
@@ -241,11 +233,10 @@ def _check_static(**values: Any) -> None:
             )
 
 
-def _refuse_options(options: dict[str, Any]) -> None:
-    for name in options:
-        if name not in _REFUSED:
-            raise TypeError(f"dp_accumulate got an unexpected keyword argument {name!r}.")
-        raise ValueError(f"dp_accumulate does not take {name}=: {_REFUSED[name]}")
+def _refuse_options(**options: Any) -> None:
+    for name, value in options.items():
+        if value is not None:
+            raise ValueError(f"dp_accumulate does not take {name}=: {_REFUSED[name]}")
 
 
 def _check_noise_args(privatizer: Any, noise_multiplier: Any, key: Any) -> None:
@@ -310,7 +301,9 @@ def dp_accumulate(
     privatizer: optax.GradientTransformation | None = None,
     accumulator_dtype: Any = None,
     axis_name: Any = None,
-    **refused: Any,
+    use_grad_mean: None = None,
+    skip_nonfinite: None = None,
+    should_skip_update_fn: None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Sums clipped micro-batch sums over a logical batch and adds DP noise once, at its close.
 
@@ -379,8 +372,10 @@ def dp_accumulate(
         `jax.pmap`, as for `accumulate`: each replica holds its own sum, the
         close adds them across replicas once and draws the noise once.
         `close=` must then be the same on every replica.
-      **refused: Arguments of `accumulate` that a private window refuses; each
-        raises a `ValueError` saying why and what to do.
+      use_grad_mean: Refused (`accumulate`'s mean over micro-steps): any
+        value but `None` raises a `ValueError` saying why and what to do.
+      skip_nonfinite: Refused likewise (it drops whole micro-batches).
+      should_skip_update_fn: Refused likewise (it drops whole micro-batches).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose `update` accepts
@@ -413,7 +408,11 @@ def dp_accumulate(
       Abadi et al., *Deep Learning with Differential Privacy*, 2016,
       https://arxiv.org/abs/1607.00133
     """
-    _refuse_options(refused)
+    _refuse_options(
+        use_grad_mean=use_grad_mean,
+        skip_nonfinite=skip_nonfinite,
+        should_skip_update_fn=should_skip_update_fn,
+    )
     validation.check_gradient_transformation("inner", inner)
     _check_static(
         every_k_schedule=every_k_schedule,

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import optax
 
-from gradaccum_jax._window.state import AccumulateState, LossScaleState
+from gradaccum_jax._window.state import AccumulateState, LossScaleState, refuse_outermost_inside
 
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 _OTHER_WINDOWS = (optax.ApplyEvery, optax.MultiStepsState)
@@ -132,6 +132,9 @@ def check_state(opt_state: Any) -> None:
     """Raises `ValueError` if `opt_state`'s structure shows a transformation in a wrong place."""
     _check_sequence(_walk(opt_state, LossScaleState))
     _refuse_noise_before_window(opt_state)
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, _OTHER_WINDOWS)):
+        if isinstance(node, optax.MultiStepsState):
+            refuse_outermost_inside(node.inner_opt_state, "optax.MultiSteps")
 
 
 def _refuse_noise_before_window(opt_state: Any) -> None:
@@ -141,9 +144,10 @@ def _refuse_noise_before_window(opt_state: Any) -> None:
     parts (`optax.masked`, `multi_transform`) count in their tree order too, which
     may refuse a harmless layout but never passes a noisy one.
     """
-    noisy = (optax.contrib.DifferentiallyPrivateAggregateState, AccumulateState)
+    noise = optax.contrib.DifferentiallyPrivateAggregateState
     seen_noise = False
-    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, noisy)):
+    kinds = (noise, AccumulateState)
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds)):
         if isinstance(node, AccumulateState) and seen_noise:
             raise ValueError(
                 "optax.contrib.differentially_private_aggregate (or optax.contrib.dpsgd) comes "
@@ -155,7 +159,7 @@ def _refuse_noise_before_window(opt_state: Any) -> None:
                 "gradaccum_jax.privacy.dp_accumulate(inner, K, l2_clip_norm=C, "
                 "noise_multiplier=sigma, expected_batch_size=B, key=key)."
             )
-        seen_noise = seen_noise or not isinstance(node, AccumulateState)
+        seen_noise = seen_noise or isinstance(node, noise)
 
 
 # The updates returned by `accumulate`, by identity: id -> a weak reference that

@@ -29,7 +29,7 @@ from gradaccum_jax._base import trees, validation
 from gradaccum_jax._sharding import partials
 from gradaccum_jax._window import engine, loss_scale, noise_scale, placement, routes
 from gradaccum_jax._window.fused import FUSE_KEY
-from gradaccum_jax._window.state import AccumulateState
+from gradaccum_jax._window.state import AccumulateState, refuse_outermost_inside
 
 
 class Plan(NamedTuple):
@@ -186,7 +186,7 @@ def init(plan: Plan, params: optax.Params) -> AccumulateState:
         acc = None
     inner_state = plan.inner.init(inner_params)
     loss_scale.refuse_inside_accumulate(inner_state)
-    _refuse_window_inside(inner_state)
+    refuse_outermost_inside(inner_state, "gradaccum_jax.accumulate")
     skip_state = ()
     if plan.should_skip_update_fn is not None:
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -206,21 +206,6 @@ def init(plan: Plan, params: optax.Params) -> AccumulateState:
         skip_state=skip_state,
         noise_scale=noise_scale.init() if plan.track_noise_scale else None,
     )
-
-
-def _refuse_window_inside(inner_state: Any) -> None:
-    """Raises `ValueError` if the inner transformation holds a window of its own."""
-    found = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, AccumulateState))
-    if any(isinstance(x, AccumulateState) for x in found):
-        raise ValueError(
-            "A window inside a window: the inner transformation of this accumulating "
-            "transformation holds another one (gradaccum_jax.accumulate or "
-            "gradaccum_jax.privacy.dp_accumulate). It would run once per outer window on the "
-            "outer window's reduced gradient, so its own window would span K_outer * K_inner "
-            "micro-steps of a mean of means (and a privacy window would clip and noise the "
-            "wrong sums). Use one window: ga.accumulate(inner, K_outer * K_inner), or "
-            "dp_accumulate alone, outermost."
-        )
 
 
 def receive(
