@@ -9,6 +9,7 @@ float64 NumPy; the noise of window t, leaf j is the documented draw
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import warnings
@@ -67,7 +68,7 @@ def _check_white(z_windows):
             assert abs(leaf.mean()) < 0.01
             assert abs(leaf.std() - 1.0) < 0.01
         assert abs(np.corrcoef(z[0], z[1])[0, 1]) < 0.01  # leaves
-    for a, b in zip(z_windows, z_windows[1:], strict=False):
+    for a, b in itertools.pairwise(z_windows):
         assert abs(np.corrcoef(a[0], b[0])[0, 1]) < 0.01  # successive windows
         assert abs(np.corrcoef(a[1], b[1])[0, 1]) < 0.01
 
@@ -86,9 +87,7 @@ def test_noise_std_once_per_window_of_k(k):
             updates, state = step(grads, state)
             if i < k - 1:  # micro-steps: exact zeros
                 assert not np.any(np.asarray(updates["a"])) and not np.any(updates["b"])
-        z_windows.append(
-            [_standardised(updates[n], k * float(grads[n][0]), b) for n in ("a", "b")]
-        )
+        z_windows.append([_standardised(updates[n], k * float(grads[n][0]), b) for n in ("a", "b")])
     _check_white(z_windows)
     # Noise drawn once per window: K draws of sigma*C/sqrt(K) would have passed the std
     # check too, but not this one: the window's noise is the documented single draw.
@@ -194,9 +193,7 @@ def test_poisson_batches_in_one_compiled_step_equal_a_float64_reference():
                 jnp.asarray(padding[part]),
                 jnp.array(m == micro_steps - 1),
             )
-        reference = _reference_step(
-            reference, data_x[idx], data_y[idx], window, b, lr
-        )
+        reference = _reference_step(reference, data_x[idx], data_y[idx], window, b, lr)
         for name in reference:
             np.testing.assert_allclose(params[name], reference[name], rtol=2e-5, atol=2e-6)
     assert len(traces) == 1
@@ -258,8 +255,7 @@ def test_axis_name_draws_the_noise_once_for_the_reduced_sum_on_every_replica():
     specs = ga.replica_state_specs(jax.eval_shape(tx.init, params), "data")
     rng = np.random.default_rng(1)
     local = [
-        {"w": rng.normal(size=(replicas, 4)), "b": rng.normal(size=(replicas, 3))}
-        for _ in range(4)
+        {"w": rng.normal(size=(replicas, 4)), "b": rng.normal(size=(replicas, 3))} for _ in range(4)
     ]
 
     def body(params, state, g):
@@ -286,16 +282,16 @@ def test_axis_name_draws_the_noise_once_for_the_reduced_sum_on_every_replica():
     state = init(params)
     single = _dp(2, b=32, inner=optax.sgd(1.0))
     single_state = single.init(params)
+    split = jax.sharding.NamedSharding(mesh, P("data"))
     for g in local:
-        split = jax.sharding.NamedSharding(mesh, P("data"))
         g32 = jax.tree.map(lambda x: jax.device_put(x.astype(np.float32), split), g)
         updates, gathered, state = step(params, state, g32)
-        expected, single_state = single.update(
-            jax.tree.map(lambda x: x.sum(0), g32), single_state
-        )
+        expected, single_state = single.update(jax.tree.map(lambda x: x.sum(0), g32), single_state)
         for name in params:
             per_replica = np.asarray(gathered[name])
-            np.testing.assert_array_equal(per_replica, np.broadcast_to(per_replica[0], per_replica.shape))
+            np.testing.assert_array_equal(
+                per_replica, np.broadcast_to(per_replica[0], per_replica.shape)
+            )
             np.testing.assert_allclose(updates[name], expected[name], rtol=1e-5, atol=1e-6)
     assert np.any(np.asarray(updates["w"]))
 
@@ -318,9 +314,7 @@ def test_axis_name_under_typed_shard_map_keeps_updates_replica_invariant():
         )
     )
     step = jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)
-        )
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
     )
     state = init(params)
     x = jax.device_put(
@@ -508,7 +502,7 @@ def test_sums_clipped_to_another_norm_are_refused():
 def test_bad_arguments_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="noise_multiplier= and key="):
         privacy.dp_accumulate(optax.sgd(1.0), 2, l2_clip_norm=1.0, expected_batch_size=4)
-    with pytest.raises(ValueError, match="two\nsources|two sources"):
+    with pytest.raises(ValueError, match="two sources"):
         privacy.dp_accumulate(
             optax.sgd(1.0),
             2,
@@ -523,8 +517,12 @@ def test_bad_arguments_are_refused_with_the_fix():
         _dp(2, b=jnp.array(4))
     with pytest.raises(ValueError, match="l2_clip_norm"):
         privacy.dp_accumulate(
-            optax.sgd(1.0), 2, l2_clip_norm=0.0, noise_multiplier=1.0,
-            expected_batch_size=4, key=KEY,
+            optax.sgd(1.0),
+            2,
+            l2_clip_norm=0.0,
+            noise_multiplier=1.0,
+            expected_batch_size=4,
+            key=KEY,
         )
 
 

@@ -76,7 +76,11 @@ class DPCloseState(NamedTuple):
     inner: Any
 
 
-class DPAccumulateState(NamedTuple):
+class _DPAccumulateFields(NamedTuple):
+    window: AccumulateState
+
+
+class DPAccumulateState(_DPAccumulateFields):
     """State of `dp_accumulate`.
 
     Every leaf keeps its shape and dtype from `init` on (scan-stable, donated,
@@ -93,10 +97,9 @@ class DPAccumulateState(NamedTuple):
         `closes_window` and `has_updated` read it.
     """
 
-    window: AccumulateState
-
     # Another window around it is refused (`_window/state.py`, holds_outermost_window).
     outermost_window = True
+    __slots__ = ()
 
 
 # --- the clip norm the sums were clipped to --------------------------------------------
@@ -129,9 +132,9 @@ def marked_clip_norms(tree: Any) -> set[float]:
     """The clip norms `mark_clip_norm` recorded for the leaves of `tree` (empty: none)."""
     found = set()
     for leaf in jax.tree.leaves(tree):
-        ref, norm = _clip_marks.get(id(leaf), (None, None))
-        if ref is not None and ref() is leaf:
-            found.add(norm)
+        mark = _clip_marks.get(id(leaf))
+        if mark is not None and mark[0]() is leaf:
+            found.add(mark[1])
     return found
 
 
@@ -189,7 +192,7 @@ def _gaussian_noise(stddev: float, key: Any) -> optax.GradientTransformation:
             return (x.astype(wide) + noise).astype(x.dtype)
 
         noisy = [noised(x, k) for x, k in zip(leaves, keys, strict=True)]
-        return treedef.unflatten(noisy), state._replace(num_windows=count)
+        return jax.tree.unflatten(treedef, noisy), state._replace(num_windows=count)
 
     return optax.GradientTransformation(init, update)
 
