@@ -326,6 +326,28 @@ def test_axis_name_under_typed_shard_map_keeps_updates_replica_invariant():
     np.testing.assert_allclose(params["w"], expected, rtol=1e-5)
 
 
+def test_close_that_varies_between_replicas_is_refused():
+    mesh = jax.make_mesh((8,), ("data",))
+    tx = _dp(None, axis_name="data")
+    params = {"w": jnp.zeros(2)}
+    specs = ga.replica_state_specs(jax.eval_shape(tx.init, params), "data")
+
+    def body(state, g):
+        close = g[0] > 0  # from this replica's data: differs between replicas
+        _, state = tx.update({"w": g}, ga.remove_replica_axis(state), close=close)
+        return ga.add_replica_axis(state)
+
+    state = jax.jit(
+        jax.shard_map(
+            lambda p: ga.add_replica_axis(tx.init(p)), mesh=mesh, in_specs=P(), out_specs=specs
+        )
+    )(params)
+    step = jax.shard_map(body, mesh=mesh, in_specs=(specs, P("data")), out_specs=specs)
+    g = jax.device_put(jnp.ones(16), jax.sharding.NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match="close varies between replicas"):
+        jax.jit(step)(state, g)
+
+
 # --- where the random bits are drawn: the closing branch only -------------------------------
 
 _RANDOM = ("threefry", "random_bits", "rng_bit_generator", "rng-bit-generator", "random_split")
@@ -403,6 +425,18 @@ def test_a_non_finite_sum_is_added_not_dropped():
     assert float(state.window.acc_weight) == 1.0 and int(state.window.num_skipped) == 0
     updates, state = tx.update({"w": jnp.array([1.0, 1.0])}, state)
     assert np.isnan(updates["w"][0]) and updates["w"][1] == 0.5
+
+
+def test_apply_gradients_updates_the_params_once_per_window():
+    tx = _dp(2, sigma=0.0, b=4, inner=optax.sgd(1.0))
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    step = jax.jit(lambda g, s, p: ga.apply_gradients(tx, g, s, p))
+    seen = []
+    for _ in range(4):
+        params, state = step({"w": jnp.ones(2)}, state, params)
+        seen.append(float(params["w"][0]))
+    assert seen == [0.0, -0.5, -0.5, -1.0]
 
 
 # --- readers and refusals ----------------------------------------------------------------------

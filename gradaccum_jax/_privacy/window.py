@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax._base import trees, validation
+from gradaccum_jax._base import compat, trees, validation
 from gradaccum_jax._window import stages
 from gradaccum_jax._window.state import AccumulateState, CallerClosedAccumulateState
 
@@ -262,7 +262,7 @@ def _check_noise_args(privatizer: Any, noise_multiplier: Any, key: Any) -> None:
         )
 
 
-def _check_close(close: Any, by_caller: bool) -> jax.Array | None:
+def _check_close(close: Any, by_caller: bool, axis_names: Any) -> jax.Array | None:
     if not by_caller:
         if close is not None:
             raise ValueError(
@@ -280,6 +280,13 @@ def _check_close(close: Any, by_caller: bool) -> jax.Array | None:
     if close.dtype != jnp.bool_ or close.shape != ():
         raise TypeError(
             f"close must be a boolean scalar; got dtype {close.dtype} and shape {close.shape}."
+        )
+    varying = sorted(compat.varying_axes(close) & set(axis_names or ()), key=str)
+    if varying:
+        raise ValueError(
+            f"close varies between replicas along {varying}: replicas would end their "
+            "logical batches at different calls and wait for each other's reduction. Decide "
+            "it from replicated values (the sampled batch's size, known to every replica)."
         )
     return close
 
@@ -467,7 +474,7 @@ def dp_accumulate(
         if "weight" in extra_args:
             raise ValueError(f"dp_accumulate's update does not take weight=: {_REFUSED['weight']}")
         _check_clip_norm(updates, l2_clip_norm)
-        flag = _check_close(close, by_caller)
+        flag = _check_close(close, by_caller, axis_names)
         new_updates, window = stages.update(
             plan, updates, state.window, params, None, extra_args, flag
         )
