@@ -350,11 +350,12 @@ def dp_accumulate(
     params, non-finite, visibly.
 
     Refused with an error that names the fix: `weight=`, `use_grad_mean`,
-    `skip_nonfinite`, `should_skip_update_fn` (see the privacy guide), a window
-    inside `inner`, another `accumulate` or `dp_accumulate` after it in a chain
-    (and around it: an `accumulate` whose inner holds it), sums marked by
-    `clipped_grad` with another `l2_clip_norm`; `gradaccum_jax.optimizer_step`,
-    `closes_window` and `has_updated` refuse a state in which
+    `skip_nonfinite`, `should_skip_update_fn` (see the privacy guide); another
+    `accumulate` or `dp_accumulate` right after it in a chain (at `update`);
+    a window around it (`accumulate` at `init`, `optax.MultiSteps` where a
+    state reader sees it); sums marked by `clipped_grad` with another
+    `l2_clip_norm`. `gradaccum_jax.optimizer_step`, `closes_window` and
+    `has_updated` refuse a state in which
     `optax.contrib.differentially_private_aggregate` or `dpsgd` comes before a
     window.
 
