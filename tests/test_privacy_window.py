@@ -415,6 +415,29 @@ def test_a_privatizer_runs_once_per_window_on_the_sum():
     assert len(calls) == 1
 
 
+@pytest.mark.requires("jax_privacy 2.0 needs optax>=0.2.8", optax="0.2.8")
+def test_a_jax_privacy_privatizer_adds_its_noise_once_per_window():
+    from jax_privacy import noise_addition
+
+    b = 10
+    privatizer = noise_addition.gaussian_privatizer(stddev=SIGMA * C, prng_key=jax.random.key(1))
+    tx = privacy.dp_accumulate(
+        optax.identity(), 2, l2_clip_norm=C, expected_batch_size=b, privatizer=privatizer
+    )
+    state = tx.init({"w": jnp.zeros(N)})
+    step = jax.jit(tx.update)
+    windows = []
+    for i in range(4):
+        updates, state = step({"w": jnp.full(N, 0.5)}, state)
+        if i % 2 == 0:
+            assert not np.any(np.asarray(updates["w"]))
+        else:
+            windows.append(_standardised(updates["w"], 1.0, b))
+    for z in windows:
+        assert abs(z.mean()) < 0.01 and abs(z.std() - 1.0) < 0.01
+    assert abs(np.corrcoef(windows[0], windows[1])[0, 1]) < 0.01
+
+
 # --- nothing is dropped; a non-finite sum shows ------------------------------------------------
 
 
