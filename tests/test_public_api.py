@@ -8,11 +8,13 @@ import sys
 import gradaccum_jax
 import gradaccum_jax.flax
 import gradaccum_jax.losses
+import gradaccum_jax.privacy
 
 NAMESPACES = {
     "gradaccum_jax": gradaccum_jax,
     "gradaccum_jax.flax": gradaccum_jax.flax,
     "gradaccum_jax.losses": gradaccum_jax.losses,
+    "gradaccum_jax.privacy": gradaccum_jax.privacy,
 }
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -46,3 +48,12 @@ def test_losses_is_reached_from_the_package():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout
     assert out.split() == ["clip_loss", "True"]
+
+
+def test_privacy_is_reached_from_the_package():
+    # As losses: `ga.privacy.dp_accumulate(...)` after `import gradaccum_jax as ga` alone.
+    code = "import gradaccum_jax as ga; print(ga.privacy.dp_accumulate.__name__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
+    assert out.split() == ["dp_accumulate"]
