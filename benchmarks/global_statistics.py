@@ -139,7 +139,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         }
         grads = {name: exe(params, opt_state, batch)[2] for name, exe in compiled.items()}
         times = harness.interleaved_medians(
-            {name: functools.partial(exe, params, opt_state, batch) for name, exe in compiled.items()},
+            {
+                name: functools.partial(exe, params, opt_state, batch)
+                for name, exe in compiled.items()
+            },
             reps,
         )
         memory = {name: harness.compiled_memory(exe) for name, exe in compiled.items()}
