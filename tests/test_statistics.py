@@ -262,3 +262,16 @@ def test_statistics_keyword_errors():
     bad = ga.microbatch_value_and_grad(moe_loss, 2, has_aux=True, statistics_fn=strings)
     with pytest.raises(TypeError, match=r"must return numbers.*\['name'\]"):
         bad(PARAMS, BATCH, KEY)
+
+
+def test_nnx_module_with_statistics_fn_names_the_split():
+    from flax import nnx
+
+    model = nnx.Linear(D, 1, rngs=nnx.Rngs(0))
+
+    def loss(model, batch, *, statistics):
+        return jnp.mean(model(batch["x"]) ** 2)
+
+    fn = ga.microbatch_value_and_grad(loss, 2, statistics_fn=lambda m, b: {"n": b["x"].shape[0]})
+    with pytest.raises(TypeError, match=r"statistics_fn.*nnx\.split"):
+        fn(model, BATCH)

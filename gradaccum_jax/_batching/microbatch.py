@@ -726,8 +726,9 @@ def plan_microbatches(
       has_aux: As in `microbatch_value_and_grad`.
       **options: Other keyword options of `microbatch_value_and_grad`
         (`weight_fn`, `sum_and_weight`, `aux_reduction`, `key_argnums`,
-        `carry_argnums`, `accumulator_dtype`). Keyword arguments of `fun`
-        itself cannot be passed here: bind them with `functools.partial`.
+        `carry_argnums`, `accumulator_dtype`, `statistics_fn`, `axis_name`).
+        Keyword arguments of `fun` itself cannot be passed here: bind them
+        with `functools.partial`.
 
     Returns:
       A `MicrobatchPlan`: `num_microbatches`, `microbatch_size`,
