@@ -105,13 +105,6 @@ def train_step(grad_fn: Any, tx: Any) -> Any:
     return jax.jit(step)
 
 
-def _rel_err(a: Any, b: Any) -> float:
-    return max(
-        float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
@@ -157,7 +150,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "temp_bytes": memory[name].temp_bytes,
                     "time_vs_per_micro": times[name] / times[base],
                     "temp_vs_per_micro": memory[name].temp_bytes / memory[base].temp_bytes,
-                    "rel_err_vs_whole_batch": _rel_err(grads[name], expected),
+                    "rel_err_vs_whole_batch": harness.max_relative_error(grads[name], expected),
                 }
             )
     harness.print_rows(f"global-batch statistics: {model}, Adam step, {reps} reps", rows)
