@@ -12,7 +12,10 @@ sequences in K micro-batches, two ways:
 
 It reports the median step time over interleaved repetitions, the compiled
 temporary bytes (``compiled.memory_analysis()``), their ratios to the
-per-micro-batch step at the same K (targets: time <= 1.45x, temp <= 1.2x), and
+per-micro-batch step at the same K (targets: time <= 1.45x, temp <= 1.2x), the
+ratio of the programs' floating-point operations (``compiled.cost_analysis()``,
+which counts a loop's body once: the ratio of one micro-batch's work, and free
+of timing noise), and
 the largest relative gradient difference from ``jax.value_and_grad`` of the whole
 batch's objective. The machine is shared and noisy: compare only the ratios of
 one run.
@@ -105,13 +108,18 @@ def train_step(grad_fn: Any, tx: Any) -> Any:
     return jax.jit(step)
 
 
+def _flops(compiled: Any) -> float:
+    cost = compiled.cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions")
     args = parser.parse_args(argv)
     size = SIZES["quick" if args.quick else "default"]
-    reps = args.reps or (3 if args.quick else 7)
+    reps = args.reps or (3 if args.quick else 9)
     params, batch = init_params(jax.random.key(0), size), make_batch(size)
     tx = optax.adam(1e-3)
     opt_state = tx.init(params)
@@ -139,6 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             reps,
         )
         memory = {name: harness.compiled_memory(exe) for name, exe in compiled.items()}
+        flops = {name: _flops(exe) for name, exe in compiled.items()}
         base = "per micro-batch"
         for name in compiled:
             rows.append(
@@ -150,6 +159,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "temp_bytes": memory[name].temp_bytes,
                     "time_vs_per_micro": times[name] / times[base],
                     "temp_vs_per_micro": memory[name].temp_bytes / memory[base].temp_bytes,
+                    "flops_vs_per_micro": flops[name] / flops[base],
                     "rel_err_vs_whole_batch": harness.max_relative_error(grads[name], expected),
                 }
             )

@@ -528,6 +528,7 @@ FIGURES: dict[str, Callable[[Rows], str]] = {
     # global_statistics benchmark: statistics_fn (MoE balancing over the whole batch)
     "global_statistics.time": lambda r: statistics_ratios(r, "time_vs_per_micro"),
     "global_statistics.temp": lambda r: statistics_ratios(r, "temp_vs_per_micro"),
+    "global_statistics.flops": lambda r: statistics_ratios(r, "flops_vs_per_micro"),
     "global_statistics.err_global": lambda r: statistics_error(r, "global"),
     "global_statistics.err_per_micro": lambda r: statistics_error(r, "per micro-batch"),
     "table.compile_time": compile_time_table,
