@@ -275,3 +275,29 @@ def test_nnx_module_with_statistics_fn_names_the_split():
     fn = ga.microbatch_value_and_grad(loss, 2, statistics_fn=lambda m, b: {"n": b["x"].shape[0]})
     with pytest.raises(TypeError, match=r"statistics_fn.*nnx\.split"):
         fn(model, BATCH)
+
+
+def test_coupled_value_and_grad_balances_from_per_example_routing():
+    # coupled_value_and_grad needs no statistics_fn: its loss sees every row of embed_fn's
+    # output, here each example's mean router probabilities and its expert counts.
+    mask = jnp.ones((B, T, D), bool)
+
+    def embed(params, batch):
+        pred, routing = _forward(params, batch["x"], mask[: batch["x"].shape[0]])
+        return {
+            "pred": pred,
+            "y": batch["y"],
+            "probs": [jnp.mean(probs, axis=1) for probs, _ in routing],
+            "counts": [jnp.sum(chosen, axis=1) for _, chosen in routing],
+        }
+
+    def loss(params, reps):
+        balance = 0.0
+        for probs, counts in zip(reps["probs"], reps["counts"], strict=True):
+            c = jnp.sum(counts, axis=0)
+            balance += EXPERTS * jnp.sum(c / jnp.sum(c) * jnp.mean(probs, axis=0)) / LAYERS
+        return jnp.mean((reps["pred"] - reps["y"]) ** 2) + COEF * balance
+
+    got = jax.jit(ga.coupled_value_and_grad(loss, embed, 4))(PARAMS, BATCH)
+    (value, _), grads = _whole(PARAMS, BATCH, mask)
+    _assert_close(got, (value, grads))
