@@ -122,20 +122,47 @@ def test_k1_passes_the_whole_batch_statistics():
 
 
 def test_auto_plans_the_two_pass_program():
-    fn = ga.microbatch_value_and_grad(
-        moe_loss, "auto", has_aux=True, statistics_fn=moe_statistics, memory_budget=2**40
+    options = {"has_aux": True, "statistics_fn": moe_statistics}
+    whole = ga.plan_microbatches(moe_loss, PARAMS, BATCH, KEY, memory_budget=2**40, **options)
+    assert whole.num_microbatches == 1
+    # A budget just below the whole batch's peak: "auto" splits, and stays exact.
+    budget = whole.peak_bytes - 1
+    plan = ga.plan_microbatches(moe_loss, PARAMS, BATCH, KEY, memory_budget=budget, **options)
+    assert plan.num_microbatches > 1
+    fn = ga.microbatch_value_and_grad(moe_loss, "auto", memory_budget=budget, **options)
+    got = jax.jit(fn)(PARAMS, BATCH, KEY)
+    _assert_close(got, _whole(PARAMS, BATCH, _mask(KEY, B, plan.num_microbatches)))
+
+
+def test_weights_compose_with_statistics():
+    # A masked mean scaled by a whole-batch count: weight_fn and sum_and_weight as usual.
+    kx, ky, km = jax.random.split(jax.random.key(5), 3)
+    batch = {
+        "x": jax.random.normal(kx, (16, 3)),
+        "y": jax.random.normal(ky, (16,)),
+        "m": (jax.random.uniform(km, (16,)) < 0.6).astype(jnp.float32).at[1::4].set(0.0),
+    }
+    w = jnp.array([0.5, -1.0, 2.0])
+
+    def errors(w, batch):
+        return (batch["x"] @ w - batch["y"]) ** 2 * batch["m"]
+
+    def stats(w, batch):
+        return {"kept": jnp.sum(batch["m"] > 0)}  # an integer count
+
+    def masked(w, batch, *, statistics):
+        return jnp.sum(errors(w, batch)) / jnp.sum(batch["m"]) / statistics["kept"]
+
+    def summed(w, batch, *, statistics):
+        return jnp.sum(errors(w, batch)) / statistics["kept"], jnp.sum(batch["m"])
+
+    expected = jax.value_and_grad(lambda w: masked(w, batch, statistics=stats(w, batch)))(w)
+    by_weight = ga.microbatch_value_and_grad(
+        masked, 4, weight_fn=lambda w, b: b["m"], statistics_fn=stats
     )
-    _assert_close(jax.jit(fn)(PARAMS, BATCH, KEY), _whole(PARAMS, BATCH, _mask(KEY, B, 1)))
-    plan = ga.plan_microbatches(
-        moe_loss,
-        PARAMS,
-        BATCH,
-        KEY,
-        has_aux=True,
-        statistics_fn=moe_statistics,
-        memory_budget=2**40,
-    )
-    assert plan.num_microbatches == 1
+    by_sum = ga.microbatch_value_and_grad(summed, 4, sum_and_weight=True, statistics_fn=stats)
+    _assert_close(jax.jit(by_weight)(w, batch), expected)
+    _assert_close(jax.jit(by_sum)(w, batch), expected)
 
 
 def test_counts_past_float32_precision_are_exact():
