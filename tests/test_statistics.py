@@ -328,3 +328,23 @@ def test_coupled_value_and_grad_balances_from_per_example_routing():
     got = jax.jit(ga.coupled_value_and_grad(loss, embed, 4))(PARAMS, BATCH)
     (value, _), grads = _whole(PARAMS, BATCH, mask)
     _assert_close(got, (value, grads))
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_unreduced_value_and_grad_sums_statistics_over_the_batch_axis(k):
+    def loss(params, batch, key, *, statistics):
+        return moe_loss(params, batch, key, statistics=statistics)[0]
+
+    mesh = _mesh()
+    with jax.set_mesh(mesh):
+        step = jax.jit(
+            ga.unreduced_value_and_grad(
+                loss, "data", num_microbatches=k, statistics_fn=moe_statistics
+            )
+        )
+        value, grads = step(jax.device_put(PARAMS, P()), jax.device_put(BATCH, P("data")), KEY)
+        grads = jax.jit(lambda g: jax.sharding.reshard(g, P()))(grads)
+    # Every device folds the same key: its slice's masks are those of one device.
+    mask = jnp.concatenate([_mask(KEY, B // 8, k)] * 8)
+    (expected_value, _), expected_grads = _whole(PARAMS, BATCH, mask)
+    _assert_close((value, grads), (expected_value, expected_grads))
