@@ -348,3 +348,20 @@ def test_unreduced_value_and_grad_sums_statistics_over_the_batch_axis(k):
     mask = jnp.concatenate([_mask(KEY, B // 8, k)] * 8)
     (expected_value, _), expected_grads = _whole(PARAMS, BATCH, mask)
     _assert_close((value, grads), (expected_value, expected_grads))
+
+
+def test_pmap_sums_statistics_over_axis_name():
+    k = 2
+    fn = ga.microbatch_value_and_grad(
+        moe_loss, k, has_aux=True, statistics_fn=moe_statistics, axis_name="devices"
+    )
+
+    def local(params, batch, key):
+        (value, aux), grads = fn(params, batch, key)
+        return jax.lax.pmean((value, aux["balance"], grads), "devices")
+
+    per_device = jax.tree.map(lambda x: x.reshape(8, -1, *x.shape[1:]), BATCH)
+    value, _, grads = jax.pmap(local, "devices", in_axes=(None, 0, None))(PARAMS, per_device, KEY)
+    mask = jnp.concatenate([_mask(KEY, B // 8, k)] * 8)
+    (expected_value, _), expected_grads = _whole(PARAMS, BATCH, mask)
+    _assert_close((value[0], jax.tree.map(lambda g: g[0], grads)), (expected_value, expected_grads))
