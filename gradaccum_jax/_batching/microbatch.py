@@ -519,7 +519,8 @@ def microbatch_value_and_grad(
         devices of `axis_name`) and `fun(*args, statistics=sums)` is then
         called on every micro-batch. No gradient flows through them. Bool
         leaves are counted and integers summed in int32 (exact below 2**31),
-        16-bit floats in float32. Not with `carry_argnums`.
+        16-bit floats in float32. Exact up to top-k ties that the two
+        compiled passes break differently. Not with `carry_argnums`.
       axis_name: Only with `statistics_fn`, inside `jax.shard_map` or
         `jax.pmap`: the axis (or tuple of axes) over whose devices the
         statistics are summed (`jax.lax.psum`).
