@@ -418,6 +418,14 @@ def shard_map_accumulate(tx: Any, params: Any, axes: Any, loss: Callable) -> tup
     return jax.jit(init), jax.jit(step, donate_argnums=(0, 1))
 
 
+def max_relative_error(a: Any, b: Any) -> float:
+    """Largest over the leaves of `max |a - b| / max |b|`: how far tree `a` is from `b`."""
+    return max(
+        float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
 def mlp_host_params(sizes: list[int]) -> list[dict[str, np.ndarray]]:
     """A ReLU MLP's params as host arrays: each candidate puts fresh device arrays of them,
     since the steps donate theirs."""

@@ -30,7 +30,6 @@ from typing import Any
 
 import harness
 import jax
-import jax.numpy as jnp
 import optax
 
 import gradaccum_jax as ga
@@ -95,13 +94,6 @@ def candidates(batch_size: int) -> list[tuple[str, int, Callable[..., Any]]]:
     return rows
 
 
-def _max_error(a: Any, b: Any) -> float:
-    return max(
-        float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
@@ -141,7 +133,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "temp_bytes": harness.compiled_memory(exe).temp_bytes,
                 "time_ms": 1e3 * times[n],
                 "loss": float(out[0]),
-                "rel_err": _max_error(out, reference),
+                "rel_err": harness.max_relative_error(out, reference),
             }
         )
     full_temp, full_time = rows[0]["temp_bytes"], rows[0]["time_ms"]

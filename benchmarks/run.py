@@ -37,6 +37,7 @@ BENCHMARKS = [
     "coupled",
     "contrastive_losses",
     "compile_time",
+    "global_statistics",
 ]
 MARKER = "@@ROWS@@"
 CHILD = (

@@ -508,7 +508,29 @@ def _losses_row(rows: Rows, loss: str = "clip_loss", n: int = 8192) -> dict[str,
     return row(rows, "contrastive_losses", loss=loss, n=n)
 
 
+def statistics_ratios(rows: Rows, key: str) -> str:
+    """The range over K of a ratio of the global-statistics step to the per-micro-batch one."""
+    low, high = (
+        f"{f(r[key] for r in rows['global_statistics'] if r['method'] == 'global'):.2f}"
+        for f in (min, max)
+    )
+    return f"{low}{TIMES}" if low == high else f"{low}{DASH}{high}{TIMES}"
+
+
+def statistics_error(rows: Rows, method: str) -> str:
+    errors = [
+        r["rel_err_vs_whole_batch"] for r in rows["global_statistics"] if r["method"] == method
+    ]
+    return f"{max(errors):.0e}"
+
+
 FIGURES: dict[str, Callable[[Rows], str]] = {
+    # global_statistics benchmark: statistics_fn (MoE balancing over the whole batch)
+    "global_statistics.time": lambda r: statistics_ratios(r, "time_vs_per_micro"),
+    "global_statistics.temp": lambda r: statistics_ratios(r, "temp_vs_per_micro"),
+    "global_statistics.flops": lambda r: statistics_ratios(r, "flops_vs_per_micro"),
+    "global_statistics.err_global": lambda r: statistics_error(r, "global"),
+    "global_statistics.err_per_micro": lambda r: statistics_error(r, "per micro-batch"),
     "table.compile_time": compile_time_table,
     # coupled benchmark: exact micro-batching of a contrastive loss
     "coupled.time": lambda r: times(coupled_step(r, "coupled", 1024, 8)["time_vs_full"]),

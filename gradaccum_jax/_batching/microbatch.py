@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from gradaccum_jax._base import compat, trees, validation
 from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
-from gradaccum_jax._batching import nnx_modules, planning
+from gradaccum_jax._batching import nnx_modules, planning, statistics
 from gradaccum_jax._batching.splitting import (
     _batch_size,
     _carried,
@@ -32,8 +32,8 @@ from gradaccum_jax._batching.splitting import (
     _check_options,
     _check_shards,
     _explicit_shards,
-    _fold_keys,
     _is_choice,
+    _microbatch_inputs,
     _Options,
     _result,
     _split_carry,
@@ -314,31 +314,14 @@ def _scan_microbatches(
     fun: Callable[..., Any], k: int, args: tuple, kwargs: dict, options: _Options
 ) -> Any:
     micro = _batch_size(args, options.batch_nums) // k
-    # (B, ...) -> (B/K, K, ...) moves no data; micro-batch i is column i, so a
-    # sharded leading axis stays the leading axis of every micro-batch.
-    # (optax.microbatching.reshape_batch_axis makes the same split, but its
-    # column-major reshape copies the whole batch.)
-    columns = {
-        j: jax.tree.map(lambda x: x.reshape((micro, k, *x.shape[1:])), args[j])
-        for j in options.batch_nums
-    }
-    whole = {i for i, _ in enumerate(args)} - {n for nums in options.roles.values() for n in nums}
+    inputs = _microbatch_inputs(args, kwargs, k, options)
     value_and_grad = jax.value_and_grad(_micro_loss(fun, options), options.argnums, has_aux=True)
 
     def micro_step(i: jax.Array, carry: Any) -> Any:
         """Value, weight, new carry, aux and gradients of micro-batch `i`."""
-        micro_args = list(args)
-        for j, column in columns.items():
-            micro_args[j] = jax.tree.map(
-                lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), column
-            )
-        for j in options.key_nums:
-            micro_args[j] = _fold_keys(args[j], i, typed_only=False)
-        for j in whole:
-            micro_args[j] = _fold_keys(args[j], i, typed_only=True)
+        micro_args, micro_kwargs = inputs(i)
         if options.carry_nums:
             micro_args = _with_carry(micro_args, carry, options)
-        micro_kwargs = _fold_keys(kwargs, i, typed_only=True)
         return value_and_grad(*micro_args, **micro_kwargs)
 
     carry0 = None
@@ -380,10 +363,16 @@ def _microbatched(fun: Callable[..., Any], k: int, options: _Options) -> Callabl
         _check_call(args, kwargs, options)
         batch_size = _batch_size(args, options.batch_nums)
         _check_divisible(batch_size, k)
+        if k > 1:
+            _check_shards(args, options.batch_nums, batch_size // k)
+        loss = fun
+        if options.statistics_fn is not None:
+            inputs = _microbatch_inputs(args, kwargs, k, options)
+            sums = statistics.global_sums(options.statistics_fn, k, inputs, options.axis_name)
+            loss = statistics.bind(fun, sums, kwargs)
         if k == 1:
-            return _whole_batch(fun, args, kwargs, batch_size, options)
-        _check_shards(args, options.batch_nums, batch_size // k)
-        return _scan_microbatches(fun, k, args, kwargs, options)
+            return _whole_batch(loss, args, kwargs, batch_size, options)
+        return _scan_microbatches(loss, k, args, kwargs, options)
 
     return value_and_grad
 
@@ -401,6 +390,8 @@ def microbatch_value_and_grad(
     key_argnums: int | Sequence[int] = (),
     carry_argnums: int | Sequence[int] = (),
     accumulator_dtype: Any = None,
+    statistics_fn: Callable[..., Any] | None = None,
+    axis_name: Any = None,
     memory_budget: float | None = None,
 ) -> Callable[..., Any]:
     r"""Returns `jax.value_and_grad(fun)` computed over the batch in sequential micro-batches.
@@ -520,6 +511,19 @@ def microbatch_value_and_grad(
         (default) keeps float32 and wider gradients in their dtype and sums
         float16 and bfloat16 gradients in float32. Returned gradients have the
         dtype `jax.value_and_grad` would give.
+      statistics_fn: For a loss that needs sums over the whole batch (the
+        token count of each expert in MoE load balancing; see the
+        global-batch statistics guide). Called like `fun` on each micro-batch
+        (same examples and keys), it returns a pytree of sums over that
+        micro-batch; a first pass adds them over the micro-batches (and the
+        devices of `axis_name`) and `fun(*args, statistics=sums)` is then
+        called on every micro-batch. No gradient flows through them. Bool
+        leaves are counted and integers summed in int32 (exact below 2**31),
+        16-bit floats in float32. Exact up to top-k ties that the two
+        compiled passes break differently. Not with `carry_argnums`.
+      axis_name: Only with `statistics_fn`, inside `jax.shard_map` or
+        `jax.pmap`: the axis (or tuple of axes) over whose devices the
+        statistics are summed (`jax.lax.psum`).
       memory_budget: Bytes, only with `num_microbatches="auto"`; `None` there
         means the device's free memory (see
         `gradaccum_jax.plan_microbatches`).
@@ -581,6 +585,8 @@ def microbatch_value_and_grad(
         key_argnums=key_argnums,
         carry_argnums=carry_argnums,
         accumulator_dtype=accumulator_dtype,
+        statistics_fn=statistics_fn,
+        axis_name=axis_name,
     )
     k = _check_num_microbatches(num_microbatches, memory_budget)
     plain = _built(fun, k, memory_budget, options)
@@ -721,8 +727,9 @@ def plan_microbatches(
       has_aux: As in `microbatch_value_and_grad`.
       **options: Other keyword options of `microbatch_value_and_grad`
         (`weight_fn`, `sum_and_weight`, `aux_reduction`, `key_argnums`,
-        `carry_argnums`, `accumulator_dtype`). Keyword arguments of `fun`
-        itself cannot be passed here: bind them with `functools.partial`.
+        `carry_argnums`, `accumulator_dtype`, `statistics_fn`, `axis_name`).
+        Keyword arguments of `fun` itself cannot be passed here: bind them
+        with `functools.partial`.
 
     Returns:
       A `MicrobatchPlan`: `num_microbatches`, `microbatch_size`,

@@ -52,6 +52,14 @@ def value_and_grad(
             "differentiate params and carry rest (see the Flax NNX section of the "
             "micro-batching guide)."
         )
+    if options.statistics_fn is not None:
+        raise TypeError(
+            f"microbatch_value_and_grad got a flax.nnx module at argnums position(s) "
+            f"{modules} together with statistics_fn: its first pass cannot replay the "
+            "module's carried state (RNG counters). Split the model yourself: graphdef, "
+            "params, rest = nnx.split(model, nnx.Param, ...), and pass params to a loss "
+            "that merges them (see the Flax NNX section of the micro-batching guide)."
+        )
     splits = {i: nnx.split(args[i], nnx.Param, ...) for i in modules}
     rest_at = len(args)  # the modules' other state, appended as one carried argument
 

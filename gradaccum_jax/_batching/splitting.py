@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradaccum_jax._base import validation
+from gradaccum_jax._batching import statistics
 
 _AUX_REDUCTIONS = ("auto", "mean", "sum", "concat")
 
@@ -36,6 +37,8 @@ class _Options(NamedTuple):
     sum_and_weight: bool
     aux_reduction: Any
     accumulator_dtype: Any
+    statistics_fn: Callable[..., Any] | None = None
+    axis_name: tuple[Any, ...] | None = None  # the devices statistics_fn's sums run over
 
     @property
     def weighted(self) -> bool:
@@ -67,6 +70,8 @@ def _check_options(
     key_argnums: Any,
     carry_argnums: Any,
     accumulator_dtype: Any,
+    statistics_fn: Any = None,
+    axis_name: Any = None,
 ) -> _Options:
     if not callable(fun):
         raise TypeError(f"fun must be callable; got {fun!r} of type {type(fun).__name__}.")
@@ -82,6 +87,12 @@ def _check_options(
         sum_and_weight=sum_and_weight,
         aux_reduction=aux_reduction,
         accumulator_dtype=accumulator_dtype,
+    )
+    options = options._replace(
+        statistics_fn=statistics_fn,
+        axis_name=statistics.check_options(
+            statistics_fn, axis_name, options.carry_nums, carry_argnums
+        ),
     )
     seen: dict[int, str] = {}
     for role, nums in options.roles.items():
@@ -221,6 +232,42 @@ def _batch_size(args: tuple[Any, ...], batch_nums: tuple[int, ...]) -> int:
             f"got {sizes}."
         )
     return next(iter(sizes.values()))
+
+
+def _microbatch_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], k: int, options: _Options
+) -> Callable[[jax.Array], tuple[list[Any], dict[str, Any]]]:
+    """`inputs(i)`: micro-batch `i`'s arguments and keyword arguments (`k = 1`: the call's own).
+
+    Micro-batch `i` holds the batch's examples `i, i + K, ...`; its keys are
+    folded with `i` (see `microbatch_value_and_grad`).
+    """
+    if k == 1:
+        return lambda i: (list(args), kwargs)
+    micro = _batch_size(args, options.batch_nums) // k
+    # (B, ...) -> (B/K, K, ...) moves no data; micro-batch i is column i, so a
+    # sharded leading axis stays the leading axis of every micro-batch.
+    # (optax.microbatching.reshape_batch_axis makes the same split, but its
+    # column-major reshape copies the whole batch.)
+    columns = {
+        j: jax.tree.map(lambda x: x.reshape((micro, k, *x.shape[1:])), args[j])
+        for j in options.batch_nums
+    }
+    whole = {i for i, _ in enumerate(args)} - {n for nums in options.roles.values() for n in nums}
+
+    def inputs(i: jax.Array) -> tuple[list[Any], dict[str, Any]]:
+        micro_args = list(args)
+        for j, column in columns.items():
+            micro_args[j] = jax.tree.map(
+                lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), column
+            )
+        for j in options.key_nums:
+            micro_args[j] = _fold_keys(args[j], i, typed_only=False)
+        for j in whole:
+            micro_args[j] = _fold_keys(args[j], i, typed_only=True)
+        return micro_args, _fold_keys(kwargs, i, typed_only=True)
+
+    return inputs
 
 
 def _check_divisible(batch_size: int, k: int) -> None:

@@ -206,10 +206,13 @@ def _value_and_grad_over(
     has_aux: bool,
     argnums: Any,
     batch_argnums: Any,
+    statistics_fn: Callable[..., Any] | None,
+    split: tuple[Any, ...],
 ) -> Callable[..., Any]:
     """`value_and_grad` of `fun / devices`: the gradient comes out of the backward
     pass already scaled (the scalar seeds it), with no pass of its own over the
-    gradient, whose result would be one more parameter-sized buffer per call."""
+    gradient, whose result would be one more parameter-sized buffer per call.
+    `statistics_fn`'s sums run over the devices of `split`, the batch's axes."""
 
     def fun_over_devices(*args: Any, **kwargs: Any) -> Any:
         out = fun(*args, **kwargs)
@@ -217,10 +220,16 @@ def _value_and_grad_over(
             return out[0] / devices, out[1]
         return out / devices
 
-    if k == 1:
+    if k == 1 and statistics_fn is None:
         return jax.value_and_grad(fun_over_devices, argnums, has_aux=has_aux)
     return microbatch_value_and_grad(
-        fun_over_devices, k, has_aux=has_aux, argnums=argnums, batch_argnums=batch_argnums
+        fun_over_devices,
+        k,
+        has_aux=has_aux,
+        argnums=argnums,
+        batch_argnums=batch_argnums,
+        statistics_fn=statistics_fn,
+        axis_name=split if statistics_fn is not None else None,
     )
 
 
@@ -290,6 +299,7 @@ def unreduced_value_and_grad(
     num_microbatches: int = 1,
     reduce_value: bool = True,
     aux_out_specs: Any = None,
+    statistics_fn: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     r"""Returns `jax.value_and_grad(fun)` for global-view `jit`, with gradients left unreduced.
 
@@ -393,6 +403,10 @@ def unreduced_value_and_grad(
         all (JAX >= 0.9.1; see above).
       aux_out_specs: `None` (default: the rule above), or the out specs of the
         aux outputs.
+      statistics_fn: As in `gradaccum_jax.microbatch_value_and_grad`: sums
+        over the batch (such as the token count of each expert in MoE load
+        balancing), here summed over every device's micro-batches before
+        `fun(*args, statistics=sums)` runs on each device.
 
     Returns:
       A function with the signature of `fun` returning `(value, grads)` or
@@ -433,10 +447,12 @@ def unreduced_value_and_grad(
         axis_name, argnums, batch_argnums, num_microbatches, reduce_value, has_aux, aux_out_specs
     )
 
-    def value_and_grad_over(devices: int) -> Callable[..., Any]:
-        return _value_and_grad_over(fun, devices, k, has_aux, argnums, batch_argnums)
+    def value_and_grad_over(devices: int, split: tuple[Any, ...]) -> Callable[..., Any]:
+        return _value_and_grad_over(
+            fun, devices, k, has_aux, argnums, batch_argnums, statistics_fn, split
+        )
 
-    value_and_grad_over(1)  # checks the options now, not at the first call
+    value_and_grad_over(1, axes)  # checks the options now, not at the first call
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         mesh_axes_size(axes, f"unreduced_value_and_grad(..., axis_name={axis_name!r})")
@@ -479,7 +495,7 @@ def unreduced_value_and_grad(
                 local_args[i] = pcast_to_varying(local_args[i], split)
             token = _PER_DEVICE.set((split, k))
             try:
-                out, grads = value_and_grad_over(devices)(*local_args, **kwargs)
+                out, grads = value_and_grad_over(devices, split)(*local_args, **kwargs)
             finally:
                 _PER_DEVICE.reset(token)
             value, aux = out if has_aux else (out, None)
