@@ -25,6 +25,7 @@ import collections
 import re
 import sys
 import weakref
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -200,7 +201,7 @@ def _walk(node: Any, scale_type: type) -> list[_Kind]:
     return _side_by_side(node, children, scale_type)
 
 
-def _side_by_side(node: Any, children: list[Any], scale_type: type) -> list[_Kind]:
+def _side_by_side(node: Any, children: Sequence[Any], scale_type: type) -> list[_Kind]:
     """Parts that run side by side (an element's fields, optax.masked's inner state,
     multi_transform's partitions): each part is checked on its own.
 
