@@ -11,6 +11,7 @@ give the large-batch numbers.
 from __future__ import annotations
 
 import ast
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -396,3 +397,25 @@ def test_state_side_by_side_with_a_window_is_not_refused_but_after_it_is():
         ValueError, match=r"optax\.ema\(\.\.\.\) comes after gradaccum_jax\.accumulate"
     ):
         ga.optimizer_step(after.init(params))
+
+
+class _OutsideWindowState(NamedTuple):
+    count: jax.Array
+
+
+def test_a_window_registered_from_above_gets_the_same_checks():
+    # How a window defined in a package above _window (a privacy window, say) joins in.
+    from gradaccum_jax._window import placement
+
+    placement.register_window(
+        _OutsideWindowState,
+        placement.Window("outside_window", "outside_window(optax.chain(..., {element}), K)"),
+    )
+    outside = _OutsideWindowState(jnp.zeros((), jnp.int32))
+    adam = optax.adam(1.0).init(PARAMS)
+    fix = r"outside_window\(optax\.chain\(\.\.\., optax\.scale_by_adam\(\.\.\.\)\), K\)"
+    with pytest.raises(ValueError, match=r"comes after outside_window.*" + fix):
+        placement.check_state((outside, adam))
+    with pytest.raises(ValueError, match=TWO_WINDOWS):
+        ga.optimizer_step((outside, _acc().init(PARAMS)))
+    placement.check_state((adam, outside))  # before the window: per micro-step, as meant
