@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 from collections.abc import Callable
 
 import harness
@@ -103,6 +104,16 @@ def medians_ms(candidates, repeats: int) -> dict[str, float]:
     return {name: 1e3 * s for name, s in seconds.items()}
 
 
+ZEROS = "floor + zero updates"
+# Ratios to the zero-updates line, with the quartiles of their per-round values.
+AGAINST_ZEROS = {
+    "ratio: micro-step / (floor + zero updates)": "accumulate(adam) micro-step",
+    "ratio: micro-step without the check / (floor + zero updates)": (
+        "accumulate(adam, skip_nonfinite=False) micro-step"
+    ),
+}
+
+
 def transform_step(tx, params):
     def step(state, grads):
         updates, state = tx.update(grads, state, params)
@@ -164,7 +175,8 @@ def optimizer_tables(label: str, params, repeats: int) -> list[dict]:
             (grads,),
         ),
     ]
-    t = medians_ms(candidates, repeats)
+    per_round = harness.interleaved_times({c.name: c for c in candidates}, repeats)
+    t = {name: 1e3 * statistics.median(seconds) for name, seconds in per_round.items()}
     floor = t["floor (donated add)"]
     rows = []
     for c in candidates:
@@ -181,14 +193,18 @@ def optimizer_tables(label: str, params, repeats: int) -> list[dict]:
             "x_floor": round(t["accumulate(adam) boundary step"] / boundary_ref, 2),
         }
     )
-    rows.append(
-        {
-            "model": label,
-            "candidate": "ratio: micro-step / (floor + zero updates)",
-            "ms": round(t["floor + zero updates"], 3),
-            "x_floor": round(t["accumulate(adam) micro-step"] / t["floor + zero updates"], 2),
-        }
-    )
+    for name, candidate in AGAINST_ZEROS.items():
+        median, q1, q3 = harness.ratio_quartiles(per_round[candidate], per_round[ZEROS])
+        rows.append(
+            {
+                "model": label,
+                "candidate": name,
+                "ms": round(t[ZEROS], 3),
+                "x_floor": round(median, 3),
+                "x_floor_q1": round(q1, 3),
+                "x_floor_q3": round(q3, 3),
+            }
+        )
     return rows
 
 

@@ -2,7 +2,7 @@
 
 One place answers the questions both ask of a compiled step:
 
-* `interleaved_medians`: how long each of several callables takes, called in
+* `interleaved_times` / `interleaved_medians`: how long each of several callables takes, called in
   turn (the order reversed every other round) so machine drift hits them alike;
 * `compiled_memory`: temp, argument, output and alias bytes of a compiled
   program, and the peak they imply;
@@ -33,27 +33,45 @@ import numpy as np
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
 
-def interleaved_medians(
+def interleaved_times(
     fns: Mapping[Hashable, Callable[[], Any]], repeats: int, *, warmup: int = 1
-) -> dict[Hashable, float]:
-    """Median wall-clock seconds per call of each callable, measured side by side.
+) -> dict[Hashable, list[float]]:
+    """Wall-clock seconds of each callable in every round, measured side by side.
 
     Every round calls each callable once and waits for its result
     (`jax.block_until_ready`); odd rounds go in reverse order, so neither the
     first nor the last position favours one candidate. `warmup` untimed rounds
-    come first (compilation, first-touch page faults).
+    come first (compilation, first-touch page faults). Round `i` of two
+    candidates ran back to back, so their ratio per round shows the spread.
     """
     for _ in range(warmup):
         for fn in fns.values():
             jax.block_until_ready(fn())
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[Hashable, list[float]] = {name: [] for name in fns}
     for round_ in range(repeats):
         order = list(fns) if round_ % 2 == 0 else list(reversed(list(fns)))
         for name in order:
             start = time.perf_counter()
             jax.block_until_ready(fns[name]())
             times[name].append(time.perf_counter() - start)
+    return times
+
+
+def interleaved_medians(
+    fns: Mapping[Hashable, Callable[[], Any]], repeats: int, *, warmup: int = 1
+) -> dict[Hashable, float]:
+    """Median wall-clock seconds per call of each callable (`interleaved_times`)."""
+    times = interleaved_times(fns, repeats, warmup=warmup)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def ratio_quartiles(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:
+    """Median and quartiles of the per-round ratios of two `interleaved_times` lists."""
+    ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
+    if len(ratios) == 1:
+        return ratios[0], ratios[0], ratios[0]
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return median, q1, q3
 
 
 @dataclasses.dataclass(frozen=True)

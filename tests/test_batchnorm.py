@@ -1326,12 +1326,60 @@ def test_eval_after_commit_exports_with_flax_statistics_and_gives_the_same_outpu
 
 def test_eval_with_the_window_still_checks_and_does_not_export():
     # The statistics as training holds them keep the stale-window check (a host
-    # callback): export refuses them, the flax statistics above are the serving path.
+    # callback): export refuses them outside exportable_eval.
     model, params, stats = _trained_model_for_export()
     variables = {"params": params, "batch_stats": ga.flax.commit_batch_stats(stats)}
     x = _data(7, (5,))[0][0]
     with pytest.raises(NotImplementedError, match="host_callbacks"):
         jax.export.export(jax.jit(lambda v, x: model.apply(v, x, False)))(variables, x)
+
+
+def test_exportable_eval_serializes_the_model_as_trained_and_checks_in_the_program():
+    # Issue 34, item 5: the variables as training left them (window included), exported,
+    # serialized and called after a round trip, give the checked evaluation's output.
+    model, params, stats = _trained_model_for_export()
+    committed = {"params": params, "batch_stats": ga.flax.commit_batch_stats(stats)}
+    x = _data(7, (5,))[0][0]
+    expected = model.apply(committed, x, False)  # checked on the host
+    serve = jax.jit(lambda v, x: model.apply(v, x, False))
+    with ga.flax.exportable_eval():
+        exported = jax.export.export(serve)(committed, x)
+    restored = jax.export.deserialize(exported.serialize())
+    np.testing.assert_allclose(restored.call(committed, x), expected, rtol=1e-6, atol=1e-7)
+    # An uncommitted window is still caught, in the program: NaN instead of stale numbers.
+    stale = {"params": params, "batch_stats": stats}
+    assert np.isnan(np.asarray(restored.call(stale, x))).all()
+    # The program traced inside the context is not reused outside it: the host check stays.
+    with pytest.raises(jax.errors.JaxRuntimeError, match="commit_batch_stats"):
+        jax.block_until_ready(serve(stale, x))
+    with pytest.raises(ValueError, match="commit_batch_stats"):  # concrete values: raised
+        with ga.flax.exportable_eval():
+            model.apply(stale, x, False)
+
+
+def test_exportable_eval_serializes_an_nnx_model_as_trained():
+    layer = NNXAccumBatchNorm(FEATURES, momentum=MOMENTUM, rngs=nnx.Rngs(0))
+    xs, _ = _data(0, (4, 2))
+    for x in xs:
+        layer(x, use_running_average=False)
+    stale_values = nnx.to_pure_dict(nnx.split(layer)[1])
+    layer.commit()
+    x = _data(7, (5,))[0][0]
+    expected = layer(x, use_running_average=True)
+    graphdef, state = nnx.split(layer)
+
+    def serve(values, x):
+        # Plain dicts in the signature: a serialized PyTreeDef cannot name nnx's Variables.
+        filled = jax.tree.map(lambda v: v, state)  # a copy for replace_by_pure_dict to fill
+        nnx.replace_by_pure_dict(filled, values)
+        return nnx.merge(graphdef, filled)(x, use_running_average=True)
+
+    values = nnx.to_pure_dict(state)
+    with ga.flax.exportable_eval():
+        exported = jax.export.export(jax.jit(serve))(values, x)
+    restored = jax.export.deserialize(exported.serialize())
+    np.testing.assert_allclose(restored.call(values, x), expected, rtol=1e-6, atol=1e-6)
+    assert np.isnan(np.asarray(restored.call(stale_values, x))).all()
 
 
 def test_batch_stats_to_flax_refuses_an_uncommitted_window():

@@ -102,6 +102,14 @@ def test_interleaved_medians_alternate_the_order():
     assert set(medians) == {"x", "y"} and all(t >= 0 for t in medians.values())
 
 
+def test_interleaved_times_keep_every_round_and_ratio_quartiles_read_them():
+    times = harness.interleaved_times({"x": lambda: None, "y": lambda: None}, repeats=5)
+    assert {name: len(t) for name, t in times.items()} == {"x": 5, "y": 5}
+    median, q1, q3 = harness.ratio_quartiles([2.0, 4.0, 6.0, 8.0, 10.0], [1.0] * 5)
+    assert (q1, median, q3) == (4.0, 6.0, 8.0)
+    assert harness.ratio_quartiles([3.0], [2.0]) == (1.5, 1.5, 1.5)
+
+
 def test_no_entry_is_an_error():
     with pytest.raises(ValueError, match="ENTRY"):
         harness.Hlo("HloModule empty\n")

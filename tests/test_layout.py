@@ -226,6 +226,15 @@ def test_the_architecture_picture_draws_the_real_arrows():
     assert _package_graph() == DRAWN_ARROWS
 
 
+def test_the_architecture_counts_the_private_packages():
+    # Issue 34, item 4: the page said six private packages when there were five.
+    words = ["no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    said = re.search(r"sits in (\w+) private packages", " ".join(_architecture_section().split()))
+    assert said is not None
+    private = sorted(package for package in SUBPACKAGES if package.startswith("_"))
+    assert said.group(1) == words[len(private)], private
+
+
 def test_the_architecture_table_lists_every_module():
     named = {}
     for row in _architecture_section().splitlines():

@@ -11,6 +11,7 @@ give the large-batch numbers.
 from __future__ import annotations
 
 import ast
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -245,3 +246,176 @@ def test_inject_hyperparams_of_accumulate_names_every_static_argument(every_k):
     params, state = _fused_steps(tx, ONES, 4)
     np.testing.assert_array_equal(params["w"], [-1.0, -1.0])
     assert int(ga.optimizer_step(state)) == 1
+
+
+# ---------------------------------------------------------------------------
+# Issue 34, item 3: a stateful element after the window.
+
+SCHEDULE = optax.linear_schedule(1.0, 0.0, 10)
+STATE_INSIDE = r"ga\.accumulate\(optax\.chain\(\.\.\., {}\), K\)"
+STATEFUL_AFTER = {
+    "scale_by_schedule": (
+        lambda: optax.scale_by_schedule(SCHEDULE),
+        r"optax\.scale_by_schedule\(\.\.\.\)",
+    ),
+    "scale_by_learning_rate": (
+        lambda: optax.scale_by_learning_rate(SCHEDULE),
+        r"optax\.scale_by_schedule\(\.\.\.\)",
+    ),
+    "injected_schedule": (
+        lambda: optax.inject_hyperparams(optax.scale)(step_size=SCHEDULE),
+        r"optax\.inject_hyperparams\(\.\.\.\)\(step_size=schedule\)",
+    ),
+    "adam": (lambda: optax.adam(1.0), r"optax\.scale_by_adam\(\.\.\.\)"),
+    "masked_ema": (
+        lambda: optax.masked(optax.ema(0.9), {"w": True}),
+        r"optax\.ema\(\.\.\.\)",
+    ),
+    "injected_constant_around_momentum": (
+        lambda: optax.inject_hyperparams(optax.sgd)(learning_rate=0.5, momentum=0.9),
+        r"optax\.trace\(\.\.\.\)",
+    ),
+}
+
+
+def _scalar_steps(tx, n, step=None):
+    """`n` steps from w = 1 with gradient 0.5 (the issue's example), by `step`."""
+    params, state = {"w": jnp.ones(())}, tx.init({"w": jnp.ones(())})
+    step = step or jax.jit(lambda p, s, g: ga.apply_gradients(tx, g, s, p))
+    for _ in range(n):
+        params, state = step(params, state, {"w": jnp.full((), 0.5)})
+    return params["w"]
+
+
+@pytest.mark.parametrize("name", sorted(STATEFUL_AFTER))
+def test_stateful_element_after_accumulate_is_refused_naming_the_place_inside(name):
+    after, element = STATEFUL_AFTER[name]
+    inside = STATE_INSIDE.format(element)
+    for tx in (
+        optax.chain(_acc(4), after()),
+        optax.named_chain(("acc", _acc(4)), ("after", after())),
+        optax.chain(optax.chain(optax.clip(5.0), _acc(4)), optax.identity(), after()),
+    ):
+        with pytest.raises(ValueError, match=element + r" comes after gradaccum_jax\.accumulate"):
+            _scalar_steps(tx, 8)
+        state = tx.init(PARAMS)
+        for read in (ga.optimizer_step, ga.closes_window, ga.has_updated):
+            with pytest.raises(ValueError, match=inside):
+                read(state)
+
+
+def test_schedule_after_accumulate_is_refused_and_inside_gives_the_large_batch_step():
+    # The issue's example: after the window the schedule advanced per micro-step (w = 0.50);
+    # inside it advances once per window: 1 - 0.5 * 1.0 - 0.5 * 0.9.
+    after = optax.chain(_acc(4), optax.scale_by_schedule(SCHEDULE))
+    with pytest.raises(ValueError, match=r"a schedule there advances K times per window"):
+        _scalar_steps(after, 8)
+    inside = ga.accumulate(optax.chain(optax.sgd(1.0), optax.scale_by_schedule(SCHEDULE)), 4)
+    np.testing.assert_allclose(_scalar_steps(inside, 8), 0.05, rtol=1e-6)
+
+
+def test_stateful_element_after_accumulate_is_refused_by_the_flax_containers():
+    from flax import nnx
+
+    from gradaccum_jax.flax import Optimizer, TrainState
+
+    tx = optax.chain(_acc(4), optax.scale_by_schedule(SCHEDULE))
+    state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
+    with pytest.raises(
+        ValueError, match=STATE_INSIDE.format(r"optax\.scale_by_schedule\(\.\.\.\)")
+    ):
+        state.apply_gradients(grads={"w": jnp.ones(2)})
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = Optimizer(model, tx, wrt=nnx.Param)
+    grads = nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model)
+    with pytest.raises(ValueError, match=r"optax\.scale_by_schedule\(\.\.\.\) comes after"):
+        optimizer.update(model, grads)
+    with pytest.raises(ValueError, match=r"optax\.scale_by_schedule\(\.\.\.\) comes after"):
+        _ = optimizer.optimizer_step
+
+
+# Each window's update is -0.5 (sgd(1.0) on 0.5), then the element: w after two windows.
+STATELESS_AFTER = {
+    "scale": (lambda: optax.scale(0.5), 0.5),
+    "sgd": (lambda: optax.sgd(0.5), 1.5),
+    "clip_by_global_norm": (lambda: optax.clip_by_global_norm(0.25), 0.5),
+    "injected_constant": (lambda: optax.inject_hyperparams(optax.scale)(step_size=0.5), 0.5),
+    "masked_scale": (lambda: optax.masked(optax.scale(0.5), {"w": True}), 0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATELESS_AFTER))
+def test_stateless_element_after_accumulate_is_not_refused(name):
+    after, expected = STATELESS_AFTER[name]
+    tx = optax.chain(_acc(4), after())
+    np.testing.assert_allclose(_scalar_steps(tx, 8), expected, rtol=1e-6)
+    assert int(ga.optimizer_step(tx.init(PARAMS))) == 0
+
+
+OTHER_WINDOWS_THEN_STATE = {
+    "conditional_accumulate": (
+        lambda: ga.conditional_accumulate(optax.sgd(1.0), 2),
+        r"ga\.conditional_accumulate\(optax\.chain\(\.\.\., optax\.scale_by_adam\(\.\.\.\)\), "
+        r"num_required\)",
+    ),
+    "split_accumulate": (
+        lambda: ga.split_accumulate(2),
+        r"optax\.scale_by_adam\(\.\.\.\) before split_accumulate",
+    ),
+    "apply_every": (lambda: optax.apply_every(2), STATE_INSIDE.format(r"optax\.scale_by_adam.*")),
+    "multisteps": (
+        lambda: optax.MultiSteps(optax.sgd(1.0), 2).gradient_transformation(),
+        STATE_INSIDE.format(r"optax\.scale_by_adam.*"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_WINDOWS_THEN_STATE))
+def test_stateful_element_after_any_window_is_refused(name):
+    window, fix = OTHER_WINDOWS_THEN_STATE[name]
+    tx = optax.chain(window(), optax.adam(1.0))
+    with pytest.raises(ValueError, match=r"keeps state.*" + fix):
+        ga.apply_gradients(tx, ONES, tx.init(PARAMS), PARAMS, local_step=0)
+    # Before the window it runs on every micro-gradient, as meant: not refused.
+    ga.optimizer_step(optax.chain(optax.adam(1.0), _acc()).init(PARAMS))
+
+
+def test_state_side_by_side_with_a_window_is_not_refused_but_after_it_is():
+    parts = {"u": "a", "v": "b"}
+    params = {"u": jnp.zeros(1), "v": jnp.zeros(1)}
+    beside = optax.multi_transform({"a": _acc(), "b": optax.adam(1.0)}, parts)
+    state = beside.init(params)
+    for _ in range(2):
+        params, state = ga.apply_gradients(
+            beside, {"u": jnp.ones(1), "v": jnp.ones(1)}, state, params
+        )
+    np.testing.assert_array_equal(params["u"], [-1.0])
+    after = optax.chain(
+        optax.multi_transform({"a": _acc(), "b": optax.sgd(1.0)}, parts), optax.ema(0.9)
+    )
+    with pytest.raises(
+        ValueError, match=r"optax\.ema\(\.\.\.\) comes after gradaccum_jax\.accumulate"
+    ):
+        ga.optimizer_step(after.init(params))
+
+
+class _OutsideWindowState(NamedTuple):
+    count: jax.Array
+
+
+def test_a_window_registered_from_above_gets_the_same_checks():
+    # How a window defined in a package above _window (a privacy window, say) joins in.
+    from gradaccum_jax._window import placement
+
+    placement.register_window(
+        _OutsideWindowState,
+        placement.Window("outside_window", "outside_window(optax.chain(..., {element}), K)"),
+    )
+    outside = _OutsideWindowState(jnp.zeros((), jnp.int32))
+    adam = optax.adam(1.0).init(PARAMS)
+    fix = r"outside_window\(optax\.chain\(\.\.\., optax\.scale_by_adam\(\.\.\.\)\), K\)"
+    with pytest.raises(ValueError, match=r"comes after outside_window.*" + fix):
+        placement.check_state((outside, adam))
+    with pytest.raises(ValueError, match=TWO_WINDOWS):
+        ga.optimizer_step((outside, _acc().init(PARAMS)))
+    placement.check_state((adam, outside))  # before the window: per micro-step, as meant

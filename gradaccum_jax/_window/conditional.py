@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax._base import trees, validation
-from gradaccum_jax._window import engine
+from gradaccum_jax._window import engine, placement
 
 _REDUCTIONS = ("mean", "sum")
 StalenessWeight = Callable[[jax.Array], Any]
@@ -62,6 +62,15 @@ class ConditionalAccumulateState(NamedTuple):
 
     accumulator: ConditionalAccumulator
     inner_state: optax.OptState
+
+
+placement.register_window(
+    ConditionalAccumulateState,
+    placement.Window(
+        "gradaccum_jax.conditional_accumulate",
+        "ga.conditional_accumulate(optax.chain(..., {element}), num_required)",
+    ),
+)
 
 
 def _unwrap(

@@ -1,9 +1,13 @@
 """Where transformations sit around `accumulate`, checked where the library can see it.
 
-A loss scale, a second window (`accumulate`, `optax.apply_every`, `optax.MultiSteps`)
-or a schedule of an `optax.inject_hyperparams` means one thing before `accumulate` or
-inside it and another after it or around it; the wrong place gives plausible wrong
-numbers. Two checks, both in Python at `init` or trace time, none in the compiled step:
+A loss scale, a second window (`accumulate`, `optax.apply_every`, `optax.MultiSteps`,
+the windows registered with `register_window`), a schedule of an
+`optax.inject_hyperparams`, or any element that keeps state (a schedule's count, an
+EMA, adam's moments) means one thing before a window or inside it and another after
+it or around it: after it, it runs on every micro-step, on the zeros between the
+window's updates too. The wrong place gives plausible wrong numbers. After a window
+only stateless elements (no array in their state) are right. Two checks, both in
+Python at `init` or trace time, none in the compiled step:
 
 - `check_state` reads an optimizer state's structure, element by element in the
   order `optax.chain` and `optax.named_chain` apply them; `apply_gradients` and the
@@ -18,8 +22,11 @@ numbers. Two checks, both in Python at `init` or trace time, none in the compile
 from __future__ import annotations
 
 import collections
+import re
+import sys
 import weakref
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -27,18 +34,57 @@ import optax
 from gradaccum_jax._window.state import AccumulateState, LossScaleState, refuse_outermost_inside
 
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-_OTHER_WINDOWS = (optax.ApplyEvery, optax.MultiStepsState)
 _SCALE_ORDER = "optax.chain(ga.dynamic_loss_scale(), ga.accumulate(inner, K))"
+_SCALE = "a loss scale (dynamic_loss_scale or static_loss_scale)"
 
 
-def _name(node: Any) -> str:
-    if isinstance(node, AccumulateState):
-        return "gradaccum_jax.accumulate"
-    if isinstance(node, optax.ApplyEvery):
-        return "optax.apply_every"
-    if isinstance(node, optax.MultiStepsState):
-        return "optax.MultiSteps"
-    return "a loss scale (dynamic_loss_scale or static_loss_scale)"
+class Window(NamedTuple):
+    """How the errors name a window transformation that `check_state` recognises by its state.
+
+    Attributes:
+      name: The transformation as the user writes it (`"gradaccum_jax.accumulate"`).
+      inside: Where a stateful element found after the window belongs, with
+        `{element}` where its name goes: inside a window, where it runs once per
+        window on the window's gradient.
+    """
+
+    name: str
+    inside: str
+
+
+_INSIDE_ACCUMULATE = "ga.accumulate(optax.chain(..., {element}), K)"
+# Window state types (subclasses included). A window returns zeros on the calls between
+# its updates, so what follows it in a chain runs on those zeros too.
+_WINDOWS: dict[type, Window] = {
+    AccumulateState: Window("gradaccum_jax.accumulate", _INSIDE_ACCUMULATE),
+    optax.ApplyEvery: Window("optax.apply_every", _INSIDE_ACCUMULATE),
+    optax.MultiStepsState: Window("optax.MultiSteps", _INSIDE_ACCUMULATE),
+}
+
+
+def register_window(state_type: type, window: Window) -> None:
+    """Has `check_state` treat `state_type` as a window's state, as `AccumulateState`.
+
+    For windows defined outside this module (other modules of `_window`, and
+    subpackages above it, which this module cannot import): nothing stateful, no
+    loss scale and no second window may follow them in a chain.
+    """
+    _WINDOWS[state_type] = window
+
+
+def _window(node: Any) -> Window | None:
+    for state_type, window in _WINDOWS.items():
+        if isinstance(node, state_type):
+            return window
+    return None
+
+
+class _Kind(NamedTuple):
+    """An element of a chain that `_check_sequence` orders: a window, a scale or state."""
+
+    kind: str  # "window", "scale" or "state"
+    name: str  # how the error names it; "" for state not yet named by its element
+    window: Window | None = None
 
 
 def _two_windows(first: str, second: str) -> ValueError:
@@ -71,61 +117,111 @@ def _scale_after_window(first: str) -> ValueError:
     )
 
 
-def _check_sequence(kinds: list[tuple[str, str]]) -> None:
-    """Raises for a window followed by a loss scale or by another window."""
+def _state_after_window(window: Window, element: str) -> ValueError:
+    return ValueError(
+        f"In the optimizer's chain, {element} comes after {window.name} and keeps state. "
+        "What follows a window runs on every micro-step, on the zeros the window returns "
+        "between its updates too: a schedule there advances K times per window, and a "
+        "count, an EMA or adam's moments take in the zeros. After a window only stateless "
+        "transformations are right (an empty state: optax.scale with a constant, "
+        "clip_by_global_norm, add_decayed_weights). Put it inside the window, where it "
+        "runs once per window on the window's gradient: "
+        + window.inside.format(element=element)
+        + "."
+    )
+
+
+def _check_sequence(kinds: list[_Kind]) -> None:
+    """Raises for a window followed by a loss scale, another window or a stateful element."""
     window = None
-    for kind, name in kinds:
-        if kind == "window":
-            if window is not None:
-                raise _two_windows(window, name)
-            window = name
-        elif window is not None:
-            raise _scale_after_window(window)
+    for kind in kinds:
+        if window is None:
+            window = kind.window
+        elif kind.kind == "window":
+            raise _two_windows(window.name, kind.name)
+        elif kind.kind == "scale":
+            raise _scale_after_window(window.name)
+        else:
+            raise _state_after_window(window, kind.name or "an element with an array as its state")
 
 
-def _walk(node: Any, scale_type: type) -> list[tuple[str, str]]:
-    """The windows and loss scales in `node`, in the order the chain applies them."""
-    if isinstance(node, (AccumulateState, *_OTHER_WINDOWS)):
+def _injected(node: Any, scale_type: type) -> list[_Kind]:
+    """An `optax.inject_hyperparams` state: its inner state's kinds, and its schedules."""
+    kinds = _walk(node.inner_state, scale_type)
+    scheduled = sorted(getattr(node, "hyperparams_states", None) or {})
+    if not scheduled:
+        # Its count and constant hyperparameters change nothing the updates depend on.
+        return kinds
+    if any(kind.window for kind in kinds):
+        raise ValueError(
+            f"optax.inject_hyperparams evaluates its schedules ({', '.join(scheduled)}) "
+            "outside gradaccum_jax.accumulate, once per update call: per micro-step, not "
+            "once per window as the inner optimizer's own schedules. Give the schedule to "
+            "the optimizer inside accumulate, where it advances once per window: "
+            "ga.accumulate(optax.sgd(schedule), K), or ga.accumulate("
+            "optax.inject_hyperparams(optax.sgd)(learning_rate=schedule), K) to keep "
+            "the injected hyperparameters (in opt_state.inner_state.hyperparams). A "
+            "schedule written in micro-steps becomes lambda step: schedule(step * K)."
+        )
+    hypers = ", ".join(f"{name}=schedule" for name in scheduled)
+    return [_Kind("state", f"optax.inject_hyperparams(...)({hypers})"), *kinds]
+
+
+def _element(state_type: type) -> str:
+    """The factory of `state_type` where its name says it (`ScaleByAdamState`:
+    `optax.scale_by_adam`), else the state type."""
+    package = state_type.__module__.split(".")[0]
+    stem = state_type.__qualname__.removesuffix("State")
+    factory = re.sub(r"(?<!^)(?=[A-Z])", "_", stem).lower()
+    if callable(getattr(sys.modules.get(package), factory, None)):
+        return f"{package}.{factory}(...)"
+    return f"the element whose state is {package}.{state_type.__qualname__}"
+
+
+def _walk(node: Any, scale_type: type) -> list[_Kind]:
+    """The windows, loss scales and stateful elements in `node`, in the order applied."""
+    window = _window(node)
+    if window is not None:
         # What is inside a window runs on the window's gradient; accumulate refuses a
         # loss scale there itself.
-        return [("window", _name(node))]
+        return [_Kind("window", window.name, window)]
     if isinstance(node, scale_type):
-        return [("scale", _name(node))]
+        return [_Kind("scale", _SCALE)]
     if isinstance(node, _INJECTED):
-        kinds = _walk(node.inner_state, scale_type)
-        scheduled = sorted(getattr(node, "hyperparams_states", None) or {})
-        if scheduled and any(kind == "window" for kind, _ in kinds):
-            raise ValueError(
-                f"optax.inject_hyperparams evaluates its schedules ({', '.join(scheduled)}) "
-                "outside gradaccum_jax.accumulate, once per update call: per micro-step, not "
-                "once per window as the inner optimizer's own schedules. Give the schedule to "
-                "the optimizer inside accumulate, where it advances once per window: "
-                "ga.accumulate(optax.sgd(schedule), K), or ga.accumulate("
-                "optax.inject_hyperparams(optax.sgd)(learning_rate=schedule), K) to keep "
-                "the injected hyperparameters (in opt_state.inner_state.hyperparams). A "
-                "schedule written in micro-steps becomes lambda step: schedule(step * K)."
-            )
-        return kinds
+        return _injected(node, scale_type)
     children = list(node.values()) if isinstance(node, dict) else node
     if not isinstance(children, tuple | list):
-        return []
+        # A leaf: an array is state (EmptyState, () and None have no leaves).
+        return [_Kind("state", "")] if hasattr(node, "shape") else []
     if type(node) is tuple or isinstance(node, collections.OrderedDict):
         # optax.chain (a plain tuple) and optax.named_chain (an OrderedDict), in order.
         kinds = [kind for child in children for kind in _walk(child, scale_type)]
         _check_sequence(kinds)
         return kinds
-    # Side by side (optax.masked's inner state, multi_transform's partitions, other
-    # NamedTuples): each part is checked on its own; the parts together count as one
-    # element holding the kinds found, scales before a window (an order that cannot
-    # be wrong), so that what follows in an outer chain is still checked.
-    found: list[tuple[str, str]] = []
+    return _side_by_side(node, children, scale_type)
+
+
+def _side_by_side(node: Any, children: Sequence[Any], scale_type: type) -> list[_Kind]:
+    """Parts that run side by side (an element's fields, optax.masked's inner state,
+    multi_transform's partitions): each part is checked on its own.
+
+    The parts together count as one element holding the kinds found, scales and state
+    before a window (an order that cannot be wrong), so that what follows in an outer
+    chain is still checked. State not yet named takes the name of this element's type.
+    """
+    found: list[_Kind] = []
     for child in children:
         kinds = _walk(child, scale_type)
         _check_sequence(kinds)
         found.extend(kind for kind in kinds if kind not in found)
-    scales = [kind for kind in found if kind[0] == "scale"]
-    windows = [kind for kind in found if kind[0] == "window"]
-    return scales + windows[:1]
+    if hasattr(node, "_fields"):  # a NamedTuple: an element's state
+        label = _element(type(node))
+        found = [kind._replace(name=label) if kind.name == "" else kind for kind in found]
+        found = list(dict.fromkeys(found))
+    scales = [kind for kind in found if kind.kind == "scale"]
+    state = [kind for kind in found if kind.kind == "state"]
+    windows = [kind for kind in found if kind.window]
+    return scales + state + windows[:1]
 
 
 def check_state(opt_state: Any) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 from gradaccum_jax._base import compat, trees, validation
-from gradaccum_jax._window import engine
+from gradaccum_jax._window import engine, placement
 
 _RUNNING_REDUCTIONS = ("sum", "mean", "max", "min", "geometric_mean")
 _REDUCTIONS = (*_RUNNING_REDUCTIONS, "median")
@@ -55,6 +55,18 @@ class SplitAccumulateState(NamedTuple):
     positive_count: jax.Array
     negative_count: jax.Array
     num_skipped: jax.Array
+
+
+# split_accumulate has no inner transformation: what should see the window's update
+# once goes into an accumulate instead.
+placement.register_window(
+    SplitAccumulateState,
+    placement.Window(
+        "gradaccum_jax.split_accumulate",
+        "ga.accumulate(optax.chain(..., {element}), K) in place of split_accumulate, "
+        "or {element} before split_accumulate to run it on every micro-step's update",
+    ),
+)
 
 
 def _positive_part(x: jax.Array) -> jax.Array:

@@ -15,6 +15,7 @@ from gradaccum_jax.flax._train_state import (
     Optimizer,
     TrainState,
 )
+from gradaccum_jax.flax._window_stats import exportable_eval
 
 __all__ = [
     "AccumBatchNorm",
@@ -25,4 +26,5 @@ __all__ = [
     "batch_stats_to_flax",
     "commit_batch_stats",
     "commit_nnx_batch_stats",
+    "exportable_eval",
 ]

@@ -20,6 +20,7 @@ from gradaccum_jax.flax._window_stats import (
     _check_closes,
     _check_committed,
     _check_input,
+    _evaluation_stats,
     _fold_windows,
     _momentum_pair,
     _normalize,
@@ -101,9 +102,11 @@ class AccumBatchNorm(nn.Module):
     does on every micro-step.
 
     To serve or export (`jax.export` refuses the check's host callback),
-    evaluate with the statistics `batch_stats_to_flax` returns: with `mean`
-    and `var` alone the layer normalises without the check, which
-    `batch_stats_to_flax` ran once, refusing an uncommitted window.
+    trace the export inside `exportable_eval`, which puts the check into
+    the program (an uncommitted window gives NaN), or evaluate with the
+    statistics `batch_stats_to_flax` returns: with `mean` and `var` alone
+    the layer normalises without the check, which `batch_stats_to_flax`
+    ran once, refusing an uncommitted window.
 
     Extra variables in `batch_stats` (all `float32`; `F` is the feature
     shape): `window_count[F]` (entries seen in the window),
@@ -269,7 +272,13 @@ class AccumBatchNorm(nn.Module):
         if use_running_average:
             mean, var = ra_mean.value, ra_var.value
             if not self.is_initializing():
-                _check_committed(window_vars.count.value, pending.value, where)  # type: ignore[attr-defined]
+                mean, var = _evaluation_stats(
+                    mean,
+                    var,
+                    window_vars.count.value,  # type: ignore[attr-defined]
+                    pending.value,
+                    where,
+                )
         else:
             window = _Window(*(v.value for v in window_vars))  # type: ignore[attr-defined]
             initializing = self.is_initializing()

@@ -22,6 +22,7 @@ from gradaccum_jax.flax._window_stats import (
     _check_closes,
     _check_committed,
     _check_input,
+    _evaluation_stats,
     _fold_windows,
     _normalize,
     _partial_window_axes,
@@ -207,7 +208,9 @@ class NNXAccumBatchNorm(nnx.Module):
             (x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype
         )
         if use_running_average:
-            _check_committed(self.window_count[...], self.window_pending[...], "NNXAccumBatchNorm")
+            mean, var = _evaluation_stats(
+                mean, var, self.window_count[...], self.window_pending[...], "NNXAccumBatchNorm"
+            )
         else:
             mean, var, window = _train_call(
                 x,

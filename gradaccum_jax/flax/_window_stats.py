@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -113,6 +114,12 @@ def _uncommitted_message(where: str, reading: str) -> str:
     )
 
 
+def _stale(window_count: jax.Array, pending: jax.Array) -> jax.Array:
+    """Whether the window holds training calls that no commit call has seen."""
+    # Per-device windows (global view) are summed first: an evaluation call, not the hot path.
+    return jnp.any(partials.reduced(window_count) > 0) & jnp.any(pending > 0)
+
+
 def _check_committed(
     window_count: jax.Array,
     pending: jax.Array,
@@ -125,9 +132,7 @@ def _check_committed(
     host callback under `jit`/`pmap` (only on the failing path), where the
     error surfaces as a `jax.errors.JaxRuntimeError` carrying this message.
     """
-    # Per-device windows (global view) are summed first: an evaluation call, not the hot path.
-    window_count = partials.reduced(window_count)
-    stale = jnp.any(window_count > 0) & jnp.any(pending > 0)
+    stale = _stale(window_count, pending)
     message = _uncommitted_message(where, reading)
 
     def raise_if_stale(flag):
@@ -141,6 +146,57 @@ def _check_committed(
         lax.cond(stale, lambda f: jax.debug.callback(raise_if_stale, f), lambda f: None, stale)
     else:
         raise_if_stale(stale)
+
+
+# True inside `exportable_eval`. A jit cache key (jax.make_user_context): a program
+# traced inside is never reused outside it, nor the reverse.
+_CHECK_IN_PROGRAM = jax.make_user_context(default_value=False)
+
+
+@contextlib.contextmanager
+def exportable_eval() -> Iterator[None]:
+    """Traces evaluation calls with the stale-window check inside the program.
+
+    By default an evaluation call (`use_running_average=True`) of
+    `AccumBatchNorm` or `NNXAccumBatchNorm` traced under `jit` checks for
+    an uncommitted window through a host callback, which `jax.export`
+    cannot serialize. Traced inside this context, the check is part of the
+    program instead: a layer whose window holds training calls no commit
+    has seen returns NaN everywhere rather than raising. The program then
+    holds no host callback, and a function evaluating the model with the
+    `batch_stats` collection as training left it (window included) exports
+    and serializes. Calls with concrete values still raise the
+    `ValueError`, and programs traced outside the context keep the host
+    callback (the context is part of `jax.jit`'s cache key).
+
+    Yields:
+      Nothing; use it as `with gradaccum_jax.flax.exportable_eval(): ...`
+      around `jax.export.export(...)(...)`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import gradaccum_jax as ga
+      >>> bn = ga.flax.AccumBatchNorm(use_running_average=True)
+      >>> variables = bn.init(jax.random.key(0), jnp.ones((4, 3)))
+      >>> serve = jax.jit(bn.apply)
+      >>> with ga.flax.exportable_eval():
+      ...     exported = jax.export.export(serve)(variables, jnp.ones((4, 3)))
+      >>> exported.call(variables, jnp.ones((4, 3))).shape
+      (4, 3)
+    """
+    with _CHECK_IN_PROGRAM(True):
+        yield
+
+
+def _evaluation_stats(
+    mean: jax.Array, var: jax.Array, window_count: jax.Array, pending: jax.Array, where: str
+) -> tuple[jax.Array, jax.Array]:
+    """`mean` and `var` to normalise with, after the stale-window check of an evaluation call."""
+    if not (_CHECK_IN_PROGRAM.value and isinstance(window_count, jax.core.Tracer)):
+        _check_committed(window_count, pending, where)
+        return mean, var
+    stale = _stale(window_count, pending)
+    return jnp.where(stale, jnp.nan, mean), jnp.where(stale, jnp.nan, var)
 
 
 def _stats_dtype(dtype: Dtype | None, x: jax.Array) -> jnp.dtype:
