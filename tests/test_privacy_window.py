@@ -529,6 +529,18 @@ def test_a_window_after_it_or_before_it_is_refused(order):
         jax.jit(tx.update)(params, tx.init(params))
 
 
+def test_a_stateful_element_after_it_is_refused_naming_dp_accumulate():
+    # What follows the window runs on its zeros between closes (issue 34, item 3).
+    params = {"w": jnp.ones(2)}
+    after = optax.chain(_dp(2), optax.scale_by_adam())
+    with pytest.raises(
+        ValueError, match=r"ga\.privacy\.dp_accumulate\(optax\.chain\(\.\.\., optax"
+    ):
+        ga.apply_gradients(after, params, after.init(params), params)
+    stateless = optax.chain(_dp(2), optax.scale(-1.0))
+    ga.apply_gradients(stateless, params, stateless.init(params), params)
+
+
 def test_optax_dpsgd_before_a_window_is_refused_from_the_state():
     with warnings.catch_warnings():  # optax 0.2.8 deprecates seed=, 0.2.6 has no key=
         warnings.simplefilter("ignore", DeprecationWarning)

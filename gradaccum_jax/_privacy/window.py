@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from gradaccum_jax._base import compat, trees, validation
-from gradaccum_jax._window import stages
+from gradaccum_jax._window import placement, stages
 from gradaccum_jax._window.state import AccumulateState, CallerClosedAccumulateState
 
 # The window length of a window closed by `close=`: a count it never reaches.
@@ -100,6 +100,18 @@ class DPAccumulateState(_DPAccumulateFields):
     # Another window around it is refused (`_window/state.py`, holds_outermost_window).
     outermost_window = True
     __slots__ = ()
+
+
+# What follows dp_accumulate in a chain runs on every micro-step, on its zeros too:
+# the placement checks name this window, and its own factory, in their errors.
+placement.register_window(
+    DPAccumulateState,
+    placement.Window(
+        "gradaccum_jax.privacy.dp_accumulate",
+        "ga.privacy.dp_accumulate(optax.chain(..., {element}), K, l2_clip_norm=C, "
+        "noise_multiplier=sigma, expected_batch_size=B, key=key)",
+    ),
+)
 
 
 # --- the clip norm the sums were clipped to --------------------------------------------

@@ -228,8 +228,9 @@ def check_state(opt_state: Any) -> None:
     """Raises `ValueError` if `opt_state`'s structure shows a transformation in a wrong place."""
     _check_sequence(_walk(opt_state, LossScaleState))
     _refuse_noise_before_window(opt_state)
-    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, _OTHER_WINDOWS)):
-        if isinstance(node, optax.MultiStepsState):
+    multi_steps = optax.MultiStepsState
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, multi_steps)):
+        if isinstance(node, multi_steps):
             refuse_outermost_inside(node.inner_opt_state, "optax.MultiSteps")
 
 
