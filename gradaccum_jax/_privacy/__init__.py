@@ -1,0 +1,1 @@
+"""Differential privacy: per-example clipping, the noisy window, accounting."""
