@@ -127,6 +127,7 @@ def measure(widths: tuple[int, ...], batch: int, micro: int, reps: int) -> list[
     return [
         {
             **common,
+            "measure": "clipped_sum",
             "candidate": "clipped sum: gradaccum_jax / jax_privacy",
             "ms": 1e3 * times["ours"],
             "ms_reference": 1e3 * times["jax_privacy"],
@@ -134,6 +135,7 @@ def measure(widths: tuple[int, ...], batch: int, micro: int, reps: int) -> list[
         },
         {
             **common,
+            "measure": "clipped_sum_half_padding",
             "candidate": "clipped sum, half padding: gradaccum_jax / jax_privacy",
             "ms": 1e3 * times["ours, half padding"],
             "ms_reference": 1e3 * times["jax_privacy, half padding"],
@@ -141,6 +143,7 @@ def measure(widths: tuple[int, ...], batch: int, micro: int, reps: int) -> list[
         },
         {
             **common,
+            "measure": "dp_step",
             "candidate": f"DP step ({dp_name}) / non-private step",
             "ms": 1e3 * times["dp step"],
             "ms_reference": 1e3 * times["plain step"],

@@ -23,7 +23,7 @@ The non-private run takes as many Adam steps at batch `B` (one
 `jax.value_and_grad` per step). Both runs' test accuracy is printed per epoch
 and, with `--plot`, drawn.
 
-    python examples/dp_digits.py [--epochs 40] [--plot dp_digits.png] [--quick]
+    python examples/dp_digits.py [--epochs 30] [--plot dp_digits.png] [--quick]
 """
 
 from __future__ import annotations
@@ -174,18 +174,18 @@ def train_plain(args, train_set, test_set) -> list[float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch", type=int, default=256, help="B, the expected logical batch")
     parser.add_argument("--micro", type=int, default=32, help="m, examples per micro-step")
     parser.add_argument("--clip-norm", type=float, default=1.0, help="C")
-    parser.add_argument("--sigma", type=float, default=1.0, help="noise multiplier")
+    parser.add_argument("--sigma", type=float, default=2.5, help="noise multiplier")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, help="write the figure to this path")
     parser.add_argument("--quick", action="store_true", help="a reduced run for the tests")
     args = parser.parse_args(argv)
     if args.quick:
-        args.epochs = 4
+        args.epochs = 6
     train_set, test_set = load_data(args.seed)
     private = train_private(args, train_set, test_set)
     plain = train_plain(args, train_set, test_set)

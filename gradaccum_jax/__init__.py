@@ -8,6 +8,7 @@ each importing only from those below it (docs/concepts.md, "Architecture", has t
 - `_window`: the window engine (`engine.py`) and the transformations built on it.
 - `_batching`: micro-batching inside a step, the planner, per-device unreduced gradients.
 - `_clipping`: overflow-free measures and the clipping families.
+- `_privacy`: per-example clipping, the noisy window, accounting (`gradaccum_jax.privacy`).
 - `flax`: the Flax layers (linen, NNX, their shared window statistics) and containers.
 
 Reading order: `_base/trees.py`, `_window/engine.py`, `_window/routes.py` with
@@ -19,6 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 # The tiled contrastive losses: a public submodule, reached as gradaccum_jax.losses.<name>.
 from gradaccum_jax import losses as losses
+
+# Differential privacy: a public submodule, reached as gradaccum_jax.privacy.<name>.
+from gradaccum_jax import privacy as privacy
 from gradaccum_jax._batching.coupled import (
     coupled_value_and_grad,
 )

@@ -21,20 +21,27 @@ class _StandInState(NamedTuple):
     acc: Any
     key: jax.Array
     window: jax.Array
+    micro_step: jax.Array
     inner: Any
 
 
 def _stand_in_dp_accumulate(
     inner, every_k_schedule, *, l2_clip_norm, noise_multiplier, expected_batch_size, key
 ):
-    """The rule of SPEC section 13 written out, for branches without privacy.dp_accumulate."""
-    assert every_k_schedule is None
+    """The rule of SPEC section 13 written out, for branches without privacy.dp_accumulate.
+
+    A window closes after `every_k_schedule` (an int) micro-steps, or where `close=` says.
+    """
+    assert every_k_schedule is None or isinstance(every_k_schedule, int)
 
     def init(params):
         zeros = jax.tree.map(jnp.zeros_like, params)
-        return _StandInState(zeros, key, jnp.zeros((), jnp.int32), inner.init(params))
+        count = jnp.zeros((), jnp.int32)
+        return _StandInState(zeros, key, count, count, inner.init(params))
 
-    def update(grads, state, params=None, *, close, **extra_args):
+    def update(grads, state, params=None, *, close=None, **extra_args):
+        if close is None:
+            close = state.micro_step + 1 == every_k_schedule
         acc = jax.tree.map(jnp.add, state.acc, grads)
         zeros = jax.tree.map(jnp.zeros_like, acc)
 
@@ -49,10 +56,11 @@ def _stand_in_dp_accumulate(
             updates, inner_state = inner.update(
                 jax.tree.unflatten(treedef, noisy), state.inner, params
             )
-            return updates, _StandInState(zeros, state.key, state.window + 1, inner_state)
+            count = jnp.zeros((), jnp.int32)
+            return updates, _StandInState(zeros, state.key, state.window + 1, count, inner_state)
 
         def open_window():
-            return zeros, state._replace(acc=acc)
+            return zeros, state._replace(acc=acc, micro_step=state.micro_step + 1)
 
         return jax.lax.cond(close, closing, open_window)
 
@@ -75,8 +83,8 @@ def test_quick_run(capsys, monkeypatch):
     # Poisson logical batches: their sizes vary around B = 256.
     assert min(out["sizes"]) < 256 < max(out["sizes"])
     # epsilon counts logical batches (windows), one per Poisson batch, not micro-steps.
-    assert out["windows"] == len(out["sizes"]) == 4 * round(1 / out["q"])
-    want = privacy.epsilon(1.0, out["q"], out["windows"], 1e-5, sampling="poisson")
+    assert out["windows"] == len(out["sizes"]) == 6 * round(1 / out["q"])
+    want = privacy.epsilon(2.5, out["q"], out["windows"], 1e-5, sampling="poisson")
     assert out["epsilon"] == want
     # The point of micro-batches: per-example gradients of m examples, not of B.
     assert out["temp_bytes"][256] > 4 * out["temp_bytes"][32]

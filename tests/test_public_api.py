@@ -8,11 +8,13 @@ import sys
 import gradaccum_jax
 import gradaccum_jax.flax
 import gradaccum_jax.losses
+import gradaccum_jax.privacy
 
 NAMESPACES = {
     "gradaccum_jax": gradaccum_jax,
     "gradaccum_jax.flax": gradaccum_jax.flax,
     "gradaccum_jax.losses": gradaccum_jax.losses,
+    "gradaccum_jax.privacy": gradaccum_jax.privacy,
 }
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

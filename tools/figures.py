@@ -508,8 +508,21 @@ def _losses_row(rows: Rows, loss: str = "clip_loss", n: int = 8192) -> dict[str,
     return row(rows, "contrastive_losses", loss=loss, n=n)
 
 
+def _privacy(rows: Rows, measure: str) -> dict[str, Any]:
+    return row(rows, "privacy", measure=measure)
+
+
 FIGURES: dict[str, Callable[[Rows], str]] = {
     "table.compile_time": compile_time_table,
+    # privacy benchmark: per-example clipped sums (MLP, float32) and the DP step
+    "privacy.model": lambda r: (
+        f"{_privacy(r, 'clipped_sum')['params'] / 1e3:.0f}k parameters, batch "
+        f"{_privacy(r, 'clipped_sum')['batch']}, chunks of "
+        f"{_privacy(r, 'clipped_sum')['microbatch_size']}"
+    ),
+    "privacy.vs_jax_privacy": lambda r: times(_privacy(r, "clipped_sum")["ratio"]),
+    "privacy.half_padding": lambda r: times(_privacy(r, "clipped_sum_half_padding")["ratio"]),
+    "privacy.dp_vs_plain": lambda r: times(_privacy(r, "dp_step")["ratio"], 0),
     # coupled benchmark: exact micro-batching of a contrastive loss
     "coupled.time": lambda r: times(coupled_step(r, "coupled", 1024, 8)["time_vs_full"]),
     "coupled.temp": lambda r: f"{coupled_step(r, 'coupled', 1024, 8)['temp_vs_full']:.2f}",
