@@ -155,12 +155,13 @@ def test_all_padding_chunks_are_not_computed():
     assert len(calls) == 4
 
 
-def test_non_finite_example_is_dropped_whole():
-    def loss_with_log(params, batch):
-        x, _ = batch
-        # log of a negative number: NaN in the gradient of "b1" only, for that example.
-        return loss(params, batch) + jnp.sum(jnp.log(x[:, 0] + 10.0) * params["b1"][0])
+def loss_with_log(params, batch):
+    x, _ = batch
+    # For x[:, 0] < -10, log of a negative number: NaN in the gradient of "b1" only.
+    return loss(params, batch) + jnp.sum(jnp.log(x[:, 0] + 10.0) * params["b1"][0])
 
+
+def test_non_finite_example_is_dropped_whole():
     params, (x, y) = init(), data()
     x = x.at[5, 0].set(-20.0)
     grads_5 = jax.grad(loss_with_log)(params, (x[5:6], y[5:6]))
@@ -285,3 +286,37 @@ def test_trace_errors_name_the_fix():
         privacy.clipped_grad(loss, C)(params, (x, y[:3]))
     with pytest.raises(ValueError, match="called with 1 positional"):
         privacy.clipped_grad(loss, C)(params)
+
+
+@pytest.mark.parametrize("extra", ["huge", "nan_in_one_leaf", "inf", "zero", "ordinary"])
+def test_one_example_moves_the_sum_by_at_most_the_clip_norm(extra):
+    # Add/remove neighbours: the same batch with and without example 0, whatever it holds.
+    params, (x, y) = init(), data()
+    values = {"huge": 1e6, "nan_in_one_leaf": -20.0, "inf": jnp.inf, "zero": 0.0, "ordinary": 0.3}
+    x = x.at[0].set(values[extra])
+    if extra == "zero":
+        x, y = x.at[0].set(0.0), y.at[0].set(0.0)
+    fn = jax.jit(privacy.clipped_grad(loss_with_log, C, num_microbatches=4))
+    _, with_it = fn(params, (x, y))
+    _, without = fn(params, (x, y), is_padding_example=np.arange(N) == 0)
+    moved = np.sqrt(
+        sum(
+            np.sum((np.asarray(a) - np.asarray(b)) ** 2)
+            for a, b in zip(jax.tree.leaves(with_it), jax.tree.leaves(without), strict=True)
+        )
+    )
+    assert np.isfinite(moved)
+    assert moved <= C * (1 + 1e-5)
+    if extra == "huge":  # clipped to norm C, not dropped
+        assert moved > 0.9 * C
+
+
+def test_raw_uint32_keys_are_split_too():
+    params, batch = init(), data()
+    raw = jax.random.PRNGKey(5)
+    typed = jax.random.wrap_key_data(raw)
+    fn = jax.jit(privacy.clipped_grad(dropout_loss, C, batch_argnums=2, prng_argnum=1))
+    _, from_raw = fn(params, raw, batch)
+    _, from_typed = fn(params, typed, batch)
+    for a, b in zip(jax.tree.leaves(from_raw), jax.tree.leaves(from_typed), strict=True):
+        np.testing.assert_array_equal(a, b)
