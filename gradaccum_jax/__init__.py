@@ -8,7 +8,8 @@ each importing only from those below it (docs/concepts.md, "Architecture", has t
 - `_window`: the window engine (`engine.py`) and the transformations built on it.
 - `_batching`: micro-batching inside a step, the planner, per-device unreduced gradients.
 - `_clipping`: overflow-free measures and the clipping families.
-- `_privacy`: per-example clipping, the noisy window, accounting (`gradaccum_jax.privacy`).
+- `_privacy`: differential privacy (per-example clipping, the noisy window
+  `dp_accumulate`, accounting), behind the public namespace `gradaccum_jax.privacy`.
 - `flax`: the Flax layers (linen, NNX, their shared window statistics) and containers.
 
 Reading order: `_base/trees.py`, `_window/engine.py`, `_window/routes.py` with
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 # The tiled contrastive losses: a public submodule, reached as gradaccum_jax.losses.<name>.
 from gradaccum_jax import losses as losses
 
-# Differential privacy: a public submodule, reached as gradaccum_jax.privacy.<name>.
+# Differential privacy (clipping per example, the noisy window): gradaccum_jax.privacy.<name>.
 from gradaccum_jax import privacy as privacy
 from gradaccum_jax._batching.coupled import (
     coupled_value_and_grad,

@@ -49,17 +49,31 @@ ADAM = optax.adam(1e-2)
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    name: str  # the factory, a name in gradaccum_jax.__all__
+    name: str  # the factory, a name in gradaccum_jax.__all__ (or "namespace.name")
     kwargs: dict[str, Any]  # its arguments
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # update's extra arguments
     accumulates: bool = False  # windows of 2 calls; the train step must not copy
     static: tuple[str, ...] = ()  # float arguments that must be Python floats (not injectable)
 
+    @property
+    def factory(self) -> Any:
+        return _factory(self.name)
+
     def make(self, **overrides: Any) -> optax.GradientTransformation:
-        return getattr(ga, self.name)(**{**self.kwargs, **overrides})
+        return self.factory(**{**self.kwargs, **overrides})
+
+
+# Public namespaces whose transformations need rows too, besides gradaccum_jax itself.
+NAMESPACES = ("privacy",)
+
+
+def _factory(name: str) -> Any:
+    namespace, _, attribute = name.rpartition(".")
+    return getattr(getattr(ga, namespace) if namespace else ga, attribute)
 
 
 LOSS_SCALE_FLOATS = ("initial_scale", "growth_factor", "backoff_factor", "min_scale")
+DP = dict(l2_clip_norm=1.0, noise_multiplier=0.5, expected_batch_size=4, key=jax.random.key(3))
 # fmt: off
 ROWS = [
     Row("accumulate", dict(inner=ADAM, every_k_schedule=2), accumulates=True, static=("noise_scale_decay",)),  # noqa: E501
@@ -78,6 +92,7 @@ ROWS = [
     Row("normalize", dict(norm_value=0.5)),
     Row("normalize_by_ema", dict(beta=0.5)),
     Row("static_loss_scale", dict(loss_scale=128.0), static=("loss_scale",)),
+    Row("privacy.dp_accumulate", dict(inner=ADAM, every_k_schedule=2, **DP), accumulates=True, static=("l2_clip_norm", "noise_multiplier")),  # noqa: E501
 ]
 # fmt: on
 BY_NAME = {row.name: row for row in ROWS}
@@ -164,8 +179,9 @@ def _scan_and_cond(tx, extra):
 
 def _public_transformations() -> set[str]:
     names = set()
-    for name in ga.__all__:
-        obj = getattr(ga, name)
+    qualified = [*ga.__all__, *(f"{ns}.{n}" for ns in NAMESPACES for n in getattr(ga, ns).__all__)]
+    for name in qualified:
+        obj = _factory(name)
         if inspect.isfunction(obj):
             annotation = inspect.signature(obj).return_annotation
             assert annotation is not inspect.Signature.empty, f"{name} has no return annotation"
@@ -256,7 +272,7 @@ def _masked_expectation(row):
 
 def _injectable(row: Row) -> tuple[list[str], list[str]]:
     """(static, injected) arguments: floats are injected unless the row keeps them static."""
-    bound = inspect.signature(getattr(ga, row.name)).bind(**row.kwargs)
+    bound = inspect.signature(row.factory).bind(**row.kwargs)
     bound.apply_defaults()
     floats = [k for k, v in bound.arguments.items() if isinstance(v, float)]
     injected = [k for k in floats if k not in row.static]
@@ -265,7 +281,7 @@ def _injectable(row: Row) -> tuple[list[str], list[str]]:
 
 def _injected(row: Row) -> optax.GradientTransformation:
     static, _ = _injectable(row)
-    return optax.inject_hyperparams(getattr(ga, row.name), static_args=static)(**row.kwargs)
+    return optax.inject_hyperparams(row.factory, static_args=static)(**row.kwargs)
 
 
 @row_ids
@@ -303,7 +319,7 @@ def test_static_float_arguments_refused_with_the_fix(row):
     # A float that must stay a Python float, injected anyway: the error names the fix.
     static, _ = _injectable(row)
     static = [k for k in static if k not in row.static]
-    tx = optax.inject_hyperparams(getattr(ga, row.name), static_args=static)(**row.kwargs)
+    tx = optax.inject_hyperparams(row.factory, static_args=static)(**row.kwargs)
     with pytest.raises((TypeError, ValueError), match="static_args"):
         jax.eval_shape(lambda p, g: _step(tx, row.extra)((p, tx.init(p)), g), PARAMS, GRADS[0])
 
@@ -359,9 +375,11 @@ def test_donated_train_step_copies_no_parameter(row):
     )
     hlo = harness.Hlo(compiled)
     shapes = {p.shape for p in jax.tree.leaves(params)}
+    # Float buffers: the noise of privacy.dp_accumulate draws parameter-shaped uint32 random
+    # bits, which XLA's threefry loop copies inside the window's close; no state buffer.
     copies = [
         f"{c.computation}: {c.line} (of a {hlo.source(c)})"
         for c in hlo.copies(1)
-        if any(dims in shapes for _, dims in c.types)
+        if any(dims in shapes and dtype.startswith(("f", "bf")) for dtype, dims in c.types)
     ]
     assert copies == []

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from gradaccum_jax import privacy
@@ -255,6 +256,31 @@ def test_keeps_the_clip_norm_for_the_noisy_window():
     assert fn.l2_clip_norm == 2.0 and isinstance(fn.l2_clip_norm, float)
     assert fn.loss_fn is loss
     assert "l2_clip_norm=2.0" in repr(fn)
+
+
+@pytest.mark.parametrize("window_clip", [C, 2 * C])
+def test_noisy_window_refuses_sums_clipped_to_another_norm(window_clip):
+    params, batch = init(), data()
+    clipped = privacy.clipped_grad(loss, C)
+    tx = privacy.dp_accumulate(
+        optax.sgd(0.1),
+        2,
+        l2_clip_norm=window_clip,
+        noise_multiplier=1.0,
+        expected_batch_size=N,
+        key=jax.random.key(0),
+    )
+
+    @jax.jit
+    def step(params, state, batch):
+        _, grad_sum = clipped(params, batch)
+        return tx.update(grad_sum, state, params)
+
+    if window_clip == C:
+        jax.block_until_ready(step(params, tx.init(params), batch))
+    else:
+        with pytest.raises(ValueError, match=r"clipped to l2_clip_norm=0.5 \(by clipped_grad\)"):
+            step(params, tx.init(params), batch)
 
 
 @pytest.mark.parametrize(

@@ -48,3 +48,12 @@ def test_losses_is_reached_from_the_package():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout
     assert out.split() == ["clip_loss", "True"]
+
+
+def test_privacy_is_reached_from_the_package():
+    # As losses: `ga.privacy.dp_accumulate(...)` after `import gradaccum_jax as ga` alone.
+    code = "import gradaccum_jax as ga; print(ga.privacy.dp_accumulate.__name__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
+    assert out.split() == ["dp_accumulate"]

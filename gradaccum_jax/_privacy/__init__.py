@@ -1,1 +1,1 @@
-"""Differential privacy: per-example clipping, the noisy window, accounting."""
+"""Differential privacy with accumulation: per-example clipping, the noisy window, accounting."""

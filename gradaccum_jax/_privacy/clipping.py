@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._base import trees, validation
+from gradaccum_jax._privacy.window import mark_clip_norm
 
 
 class ClippedGradFn:
@@ -238,6 +239,8 @@ def clipped_grad(
             return jax.lax.cond(jnp.all(chunk[1]), skip_chunk, add_chunk, carry, chunk)
 
         (loss_sum, grad_sum), aux = jax.lax.scan(step, sums, xs)
+        # dp_accumulate, given these leaves in the same trace, checks its noise uses this C.
+        mark_clip_norm(grad_sum, clip)
         if has_aux:
             aux = jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), aux)
             return (loss_sum, aux), grad_sum

@@ -14,6 +14,7 @@ from gradaccum_jax._window import noise_scale, placement, stages
 from gradaccum_jax._window.state import (
     AccumulateState,
     AxisName,
+    CallerClosedAccumulateState,
     UncountedAccumulateState,
 )
 
@@ -513,6 +514,13 @@ def closes_window(opt_state: optax.OptState, *removed: Any) -> jax.Array:
             "closes_window(opt_state)."
         )
     state = _find_accumulate_state(opt_state)
+    if isinstance(state, CallerClosedAccumulateState):
+        raise ValueError(
+            "closes_window cannot answer for a window that the caller closes with "
+            "update(..., close=...) (gradaccum_jax.privacy.dp_accumulate built with "
+            "every_k_schedule=None): the next call closes it exactly when you pass close=True. "
+            "Use that flag, or read has_updated(opt_state) after the update."
+        )
     if isinstance(state, UncountedAccumulateState):
         raise ValueError(
             "closes_window cannot answer for an accumulate built with "

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import optax
 
-from gradaccum_jax._window.state import AccumulateState, LossScaleState
+from gradaccum_jax._window.state import AccumulateState, LossScaleState, refuse_outermost_inside
 
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 _OTHER_WINDOWS = (optax.ApplyEvery, optax.MultiStepsState)
@@ -131,6 +131,35 @@ def _walk(node: Any, scale_type: type) -> list[tuple[str, str]]:
 def check_state(opt_state: Any) -> None:
     """Raises `ValueError` if `opt_state`'s structure shows a transformation in a wrong place."""
     _check_sequence(_walk(opt_state, LossScaleState))
+    _refuse_noise_before_window(opt_state)
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, _OTHER_WINDOWS)):
+        if isinstance(node, optax.MultiStepsState):
+            refuse_outermost_inside(node.inner_opt_state, "optax.MultiSteps")
+
+
+def _refuse_noise_before_window(opt_state: Any) -> None:
+    """Raises if optax's per-step DP noise (`dpsgd`) comes before a window, in leaf order.
+
+    Leaf order is the order in which `optax.chain` applies its elements; side-by-side
+    parts (`optax.masked`, `multi_transform`) count in their tree order too, which
+    may refuse a harmless layout but never passes a noisy one.
+    """
+    noise = optax.contrib.DifferentiallyPrivateAggregateState
+    seen_noise = False
+    kinds = (noise, AccumulateState)
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds)):
+        if isinstance(node, AccumulateState) and seen_noise:
+            raise ValueError(
+                "optax.contrib.differentially_private_aggregate (or optax.contrib.dpsgd) comes "
+                "before an accumulating window in the optimizer's chain: it clips and adds "
+                "noise on every micro-step, K draws per window (sqrt(K) times the noise "
+                "calibrated for the logical batch, or its sum scaled by K), and its mean "
+                "divides by the micro-batch. Clip per example with "
+                "gradaccum_jax.privacy.clipped_grad and put the noise in the window's close: "
+                "gradaccum_jax.privacy.dp_accumulate(inner, K, l2_clip_norm=C, "
+                "noise_multiplier=sigma, expected_batch_size=B, key=key)."
+            )
+        seen_noise = seen_noise or isinstance(node, noise)
 
 
 # The updates returned by `accumulate`, by identity: id -> a weak reference that

@@ -29,7 +29,7 @@ from gradaccum_jax._base import trees, validation
 from gradaccum_jax._sharding import partials
 from gradaccum_jax._window import engine, loss_scale, noise_scale, placement, routes
 from gradaccum_jax._window.fused import FUSE_KEY
-from gradaccum_jax._window.state import AccumulateState
+from gradaccum_jax._window.state import AccumulateState, refuse_outermost_inside
 
 
 class Plan(NamedTuple):
@@ -76,6 +76,7 @@ class Micro(NamedTuple):
     receipt: Any  # the fused path's Receipt, or None
     vouched: jax.Array | None  # the finiteness flag the receipt holds for `grads`, or None
     extra_args: dict[str, Any]  # passed on to the inner transformation
+    ends: jax.Array | None = None  # bool[]: the caller ends the window here (None: the count)
 
 
 class Accepted(NamedTuple):
@@ -185,6 +186,7 @@ def init(plan: Plan, params: optax.Params) -> AccumulateState:
         acc = None
     inner_state = plan.inner.init(inner_params)
     loss_scale.refuse_inside_accumulate(inner_state)
+    refuse_outermost_inside(inner_state, "gradaccum_jax.accumulate")
     skip_state = ()
     if plan.should_skip_update_fn is not None:
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -336,7 +338,11 @@ def add(plan: Plan, micro: Micro, state: AccumulateState, acc: Accepted, w: Weig
     )
     counted = jnp.array(True) if plan.count_skipped_steps else acc.accepted
     step = (jnp.int32(0) if plan.bare else state.micro_step) + counted.astype(jnp.int32)
-    closes = counted & (step >= (jnp.int32(1) if plan.bare else state.window_length))
+    if micro.ends is None:
+        closes = counted & (step >= (jnp.int32(1) if plan.bare else state.window_length))
+    else:
+        # The caller ends the window (a Poisson-sampled logical batch of any length).
+        closes = counted & micro.ends
     if plan.bare:
 
         def window_of(grads):
@@ -473,10 +479,15 @@ def update(
     params: optax.Params | None,
     weight: Any,
     extra_args: dict[str, Any],
+    ends: jax.Array | None = None,
 ) -> tuple[optax.Updates, AccumulateState]:
-    """One micro-step: accept, weigh, add, close (the gate), write."""
+    """One micro-step: accept, weigh, add, close (the gate), write.
+
+    `ends` (a boolean scalar, or `None` to follow the window's length) ends the
+    window on this call when true, whatever its length says.
+    """
     placement.refuse_window_output(updates, "gradaccum_jax.accumulate")
-    micro = receive(plan, updates, state, params, weight, extra_args)
+    micro = receive(plan, updates, state, params, weight, extra_args)._replace(ends=ends)
     acc = accept(plan, micro, state, weight)
     w = weigh(plan, micro, state, acc)
     added = add(plan, micro, state, acc, w)

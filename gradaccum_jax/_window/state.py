@@ -111,6 +111,42 @@ class UncountedAccumulateState(AccumulateState):
     __slots__ = ()
 
 
+def holds_outermost_window(tree: Any) -> bool:
+    """Whether `tree` holds the state of a window that must be outermost (`dp_accumulate`'s).
+
+    Such a state type has the class attribute `outermost_window = True`. Windows of
+    windows are allowed otherwise (an `accumulate` inside another's inner
+    transformation is a window of windows); a private window inside another window
+    would clip and noise the outer window's reduced gradient, not the micro-batches.
+    """
+    marked = lambda x: getattr(type(x), "outermost_window", False)  # noqa: E731
+    return any(marked(x) for x in jax.tree.leaves(tree, is_leaf=marked))
+
+
+def refuse_outermost_inside(inner_state: Any, outer: str) -> None:
+    """Raises `ValueError` if `inner_state`, the state inside `outer`'s window, holds one."""
+    if holds_outermost_window(inner_state):
+        raise ValueError(
+            f"gradaccum_jax.privacy.dp_accumulate is inside another window ({outer}): it would "
+            "receive the outer window's reduced gradient once per outer window, and clip, sum "
+            "and noise that instead of the micro-batches' clipped sums. Use dp_accumulate "
+            "alone, outermost, with the whole logical batch as its window: "
+            "dp_accumulate(inner, K_outer * K_inner, ...)."
+        )
+
+
+class CallerClosedAccumulateState(AccumulateState):
+    """An `AccumulateState` whose window the caller ends (`update(..., close=...)`).
+
+    The same fields; `window_length` holds the int32 maximum, never reached. The
+    type records that the window's end is not a count, so whether the next call
+    closes it is the caller's flag, not the state's (`closes_window` refuses the
+    question).
+    """
+
+    __slots__ = ()
+
+
 class LossScaleState(NamedTuple):
     """State of `dynamic_loss_scale` and `static_loss_scale`.
 
