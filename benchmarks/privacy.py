@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         widths, batch, micro, reps = (64, 32, 10), 32, 8, 3
     else:
-        widths, batch, micro, reps = (64, 256, 256, 10), 256, 32, 11
+        widths, batch, micro, reps = (64, 256, 256, 10), 256, 32, 21
     rows = measure(widths, batch, micro, reps)
     print(
         f"privacy: MLP {widths} ({rows[0]['params'] / 1e3:.0f}k float32 parameters), "

@@ -156,13 +156,11 @@ def clipped_grad(
             "Give at most one of num_microbatches and microbatch_size; got "
             f"{num_microbatches=} and {microbatch_size=}."
         )
-    chunking = (
-        ("num_microbatches", validation.check_int("num_microbatches", num_microbatches))
-        if num_microbatches is not None
-        else ("microbatch_size", validation.check_int("microbatch_size", microbatch_size))
-        if microbatch_size is not None
-        else None
-    )
+    chunking = None
+    if num_microbatches is not None:
+        chunking = ("num_microbatches", validation.check_int("num_microbatches", num_microbatches))
+    elif microbatch_size is not None:
+        chunking = ("microbatch_size", validation.check_int("microbatch_size", microbatch_size))
     diff = validation.check_index_tuple("argnums", argnums, allow_empty=False)
     batched = validation.check_index_tuple("batch_argnums", batch_argnums, allow_empty=False)
     if set(diff) & set(batched):
@@ -199,20 +197,7 @@ def clipped_grad(
             ]
             out, grads = value_and_grad(*full, **kwargs)
             loss, aux = out if has_aux else (out, ())
-            # float32 at least: a 16-bit sum of squares overflows at gradients of ~256.
-            squares = sum(
-                jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
-                for g in jax.tree.leaves(grads)
-            )
-            keep = ~pad & jnp.isfinite(squares) & jnp.isfinite(loss)
-            norm = jnp.sqrt(squares)
-            # min(1, C/0) = 1: a zero gradient stays zero.
-            scale = jnp.minimum(1.0, clip / norm)
-            grads = jax.tree.map(
-                lambda g: jnp.where(keep, g * scale.astype(g.dtype), jnp.zeros_like(g)), grads
-            )
-            zero_if_dropped = lambda x: jnp.where(keep, x, jnp.zeros_like(x))  # noqa: E731
-            return jnp.where(keep, loss, 0.0), jax.tree.map(zero_if_dropped, aux), grads
+            return _clip_example(loss, aux, grads, pad, clip)
 
         per_chunk = jax.vmap(one_example)
         xs = (_chunked(mapped, chunks), padding.reshape(chunks, n // chunks))
@@ -249,26 +234,46 @@ def clipped_grad(
     return ClippedGradFn(loss_fn, clip, call)
 
 
+def _clip_example(loss: jax.Array, aux: Any, grads: Any, pad: jax.Array, clip: float) -> Any:
+    """One example's `(loss, aux, clipped gradient)`, all zero if it is padding or not finite."""
+    # float32 at least: a 16-bit sum of squares overflows at gradients of ~256.
+    squares = sum(
+        jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
+        for g in jax.tree.leaves(grads)
+    )
+    keep = ~pad & jnp.isfinite(squares) & jnp.isfinite(loss)
+    # min(1, C/0) = 1: a zero gradient stays zero.
+    scale = jnp.minimum(1.0, clip / jnp.sqrt(squares))
+
+    def kept(x: jax.Array) -> jax.Array:
+        # A select, not a product: NaN or inf in a dropped example does not leak through.
+        return jnp.where(keep, x, jnp.zeros_like(x))
+
+    grads = jax.tree.map(lambda g: kept(g * scale.astype(g.dtype)), grads)
+    return kept(loss), jax.tree.map(kept, aux), grads
+
+
 def _batch_size(args: tuple[Any, ...], batched: tuple[int, ...]) -> int:
     if max(batched) >= len(args):
         raise ValueError(
             f"batch_argnums={batched} names argument {max(batched)}, but the function was "
             f"called with {len(args)} positional arguments."
         )
+    # A scalar leaf has no batch axis: size 0, refused with the empty batch.
     sizes = {
-        jax.tree_util.keystr(path): jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
+        jax.tree_util.keystr(path): jnp.shape(leaf)[0] if jnp.ndim(leaf) else 0
         for i in batched
         for path, leaf in jax.tree_util.tree_leaves_with_path(args[i])
     }
     distinct = set(sizes.values())
-    if len(distinct) != 1 or None in distinct or 0 in distinct:
+    if len(distinct) != 1 or 0 in distinct:
         raise ValueError(
             "Every leaf of the batch arguments (batch_argnums) must carry the batch on its "
             "leading axis, all of one size > 0 (pad an empty micro-batch and mark it with "
             f"is_padding_example=); got leading sizes {sizes}."
         )
     (size,) = distinct
-    return int(size or 0)
+    return int(size)
 
 
 def _padding_mask(is_padding_example: Any, n: int) -> jax.Array:
