@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import privacy
 
@@ -346,3 +347,27 @@ def test_raw_uint32_keys_are_split_too():
     _, from_typed = fn(params, typed, batch)
     for a, b in zip(jax.tree.leaves(from_raw), jax.tree.leaves(from_typed), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_inside_shard_map_each_device_clips_its_own_examples():
+    # Replicated params: shard_map's transpose would sum each parameter gradient over the
+    # devices, mixing one example of every device before clipping. The psum of the
+    # devices' clipped sums must equal the clipped sum of the whole batch.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params, batch = init(), data(n=32)
+    padding = np.arange(32) % 5 == 0
+    fn = privacy.clipped_grad(loss, C, microbatch_size=2)
+
+    @jax.jit
+    def sharded(params, batch, padding):
+        def body(params, batch, padding):
+            loss_sum, grad_sum = fn(params, batch, is_padding_example=padding)
+            return jax.lax.psum((loss_sum, grad_sum), "data")
+
+        specs = (P(), P("data"), P("data"))
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P())(params, batch, padding)
+
+    loss_sum, grad_sum = sharded(params, batch, padding)
+    want_loss, want = reference(params, batch, ~padding)
+    np.testing.assert_allclose(loss_sum, want_loss, rtol=1e-5)
+    assert_tree_close(grad_sum, want, rtol=1e-5, atol=1e-6)

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._base import trees, validation
+from gradaccum_jax._base import compat, trees, validation
 from gradaccum_jax._privacy.window import mark_clip_norm
 
 
@@ -185,6 +185,17 @@ def clipped_grad(
     def call(args: tuple[Any, ...], kwargs: dict[str, Any], is_padding_example: Any) -> Any:
         n = _batch_size(args, batched)
         padding = _padding_mask(is_padding_example, n)
+        # Inside shard_map the scan carry and both branches of the cond must have one type:
+        # everything varies along the mesh axes that any input varies along.
+        axes = frozenset().union(*map(compat.varying_axes, jax.tree.leaves((args, padding))))
+
+        def vary(tree: Any) -> Any:
+            return jax.tree.map(lambda x: _vary(x, axes), tree)
+
+        # The gradient of a replicated (invariant) parameter is summed over the devices by
+        # shard_map's transpose rule: each "example" would mix one example of every device,
+        # before clipping. Differentiated at a varying copy, each gradient stays local.
+        args = tuple(vary(arg) if i in diff else arg for i, arg in enumerate(args))
         chunks = _num_chunks(chunking, n)
         mapped = {i: args[i] for i in batched}
         if prng_argnum is not None:
@@ -204,21 +215,23 @@ def clipped_grad(
         shapes = jax.eval_shape(
             per_chunk, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
         )
-        sums = (
-            jnp.zeros((), jnp.promote_types(shapes[0].dtype, jnp.float32)),
-            jax.tree.map(
-                lambda g: jnp.zeros(g.shape[1:], trees.accumulator_dtype(g, dtype)), shapes[2]
-            ),
+        sums = vary(
+            (
+                jnp.zeros((), jnp.promote_types(shapes[0].dtype, jnp.float32)),
+                jax.tree.map(
+                    lambda g: jnp.zeros(g.shape[1:], trees.accumulator_dtype(g, dtype)), shapes[2]
+                ),
+            )
         )
 
         def add_chunk(carry: Any, chunk: tuple[Any, jax.Array]) -> Any:
             loss_sum, grad_sum = carry
             losses, aux, grads = per_chunk(*chunk)
             grad_sum = jax.tree.map(lambda s, g: s + jnp.sum(g, 0, dtype=s.dtype), grad_sum, grads)
-            return (loss_sum + jnp.sum(losses, dtype=loss_sum.dtype), grad_sum), aux
+            return vary(((loss_sum + jnp.sum(losses, dtype=loss_sum.dtype), grad_sum), aux))
 
         def skip_chunk(carry: Any, chunk: tuple[Any, jax.Array]) -> Any:
-            return carry, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[1])
+            return carry, vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[1]))
 
         def step(carry: Any, chunk: tuple[Any, jax.Array]) -> Any:
             return jax.lax.cond(jnp.all(chunk[1]), skip_chunk, add_chunk, carry, chunk)
@@ -232,6 +245,11 @@ def clipped_grad(
         return loss_sum, grad_sum
 
     return ClippedGradFn(loss_fn, clip, call)
+
+
+def _vary(x: jax.Array, axes: frozenset) -> jax.Array:
+    missing = axes - compat.varying_axes(x)
+    return compat.pcast_to_varying(x, tuple(sorted(missing))) if missing else x
 
 
 def _clip_example(loss: jax.Array, aux: Any, grads: Any, pad: jax.Array, clip: float) -> Any:
