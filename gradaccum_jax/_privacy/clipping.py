@@ -96,7 +96,11 @@ def clipped_grad(
       both keep the bound, the whole-example rule does not let a half-broken
       gradient steer the model;
     * the chunks are contiguous (examples `[j m, (j+1) m)` form chunk `j`), and
-      a chunk whose examples are all padding is not computed.
+      a chunk whose examples are all padding is not computed;
+    * inside `jax.shard_map` each device clips its own examples: the
+      differentiated arguments are cast to vary along the batch's mesh axes,
+      since the gradient of a replicated parameter would otherwise be summed
+      over the devices (one example of each) before the clipping.
 
     Args:
         loss_fn: The loss, `loss_fn(*args, **kwargs)` returning a scalar (or
