@@ -33,6 +33,7 @@ BENCHMARKS = [
     "mixed_precision",
     "clipping",
     "noise_scale",
+    "privacy",
     "fused",
     "coupled",
     "contrastive_losses",

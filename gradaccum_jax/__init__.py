@@ -8,8 +8,8 @@ each importing only from those below it (docs/concepts.md, "Architecture", has t
 - `_window`: the window engine (`engine.py`) and the transformations built on it.
 - `_batching`: micro-batching inside a step, the planner, per-device unreduced gradients.
 - `_clipping`: overflow-free measures and the clipping families.
-- `_privacy`: differential privacy (the noisy window `dp_accumulate`), behind the
-  public namespace `gradaccum_jax.privacy`.
+- `_privacy`: differential privacy (per-example clipping, the noisy window
+  `dp_accumulate`, accounting), behind the public namespace `gradaccum_jax.privacy`.
 - `flax`: the Flax layers (linen, NNX, their shared window statistics) and containers.
 
 Reading order: `_base/trees.py`, `_window/engine.py`, `_window/routes.py` with

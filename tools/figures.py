@@ -533,6 +533,10 @@ def statistics_error(rows: Rows, method: str) -> str:
     return f"{max(errors):.0e}"
 
 
+def _privacy(rows: Rows, measure: str) -> dict[str, Any]:
+    return row(rows, "privacy", measure=measure)
+
+
 FIGURES: dict[str, Callable[[Rows], str]] = {
     # global_statistics benchmark: statistics_fn (MoE balancing over the whole batch)
     "global_statistics.time": lambda r: statistics_ratios(r, "time_vs_per_micro"),
@@ -541,6 +545,15 @@ FIGURES: dict[str, Callable[[Rows], str]] = {
     "global_statistics.err_global": lambda r: statistics_error(r, "global"),
     "global_statistics.err_per_micro": lambda r: statistics_error(r, "per micro-batch"),
     "table.compile_time": compile_time_table,
+    # privacy benchmark: per-example clipped sums (MLP, float32) and the DP step
+    "privacy.model": lambda r: (
+        f"{_privacy(r, 'clipped_sum')['params'] / 1e3:.0f}k parameters, batch "
+        f"{_privacy(r, 'clipped_sum')['batch']}, chunks of "
+        f"{_privacy(r, 'clipped_sum')['microbatch_size']}"
+    ),
+    "privacy.vs_jax_privacy": lambda r: times(_privacy(r, "clipped_sum")["ratio"]),
+    "privacy.half_padding": lambda r: times(_privacy(r, "clipped_sum_half_padding")["ratio"]),
+    "privacy.dp_vs_plain": lambda r: times(_privacy(r, "dp_step")["ratio"], 0),
     # coupled benchmark: exact micro-batching of a contrastive loss
     "coupled.time": lambda r: times(coupled_step(r, "coupled", 1024, 8)["time_vs_full"]),
     "coupled.temp": lambda r: f"{coupled_step(r, 'coupled', 1024, 8)['temp_vs_full']:.2f}",
