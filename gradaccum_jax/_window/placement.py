@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import re
 import sys
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -173,7 +174,14 @@ def _element(state_type: type) -> str:
     package = state_type.__module__.split(".")[0]
     stem = state_type.__qualname__.removesuffix("State")
     factory = re.sub(r"(?<!^)(?=[A-Z])", "_", stem).lower()
-    if callable(getattr(sys.modules.get(package), factory, None)):
+    with warnings.catch_warnings():
+        # A package may warn of (or refuse) a deprecated factory of that name.
+        warnings.simplefilter("ignore")
+        try:
+            found = getattr(sys.modules.get(package), factory, None)
+        except Exception:
+            found = None
+    if callable(found):
         return f"{package}.{factory}(...)"
     return f"the element whose state is {package}.{state_type.__qualname__}"
 
