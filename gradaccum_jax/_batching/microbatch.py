@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._base import compat, trees, validation
+from gradaccum_jax._base import compat, reduce_rules, trees, validation
 from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
-from gradaccum_jax._batching import nnx_modules, planning
+from gradaccum_jax._batching import nnx_modules, planning, seeding
 from gradaccum_jax._batching.splitting import (
     _batch_size,
     _carried,
@@ -103,9 +103,13 @@ def _zeros(like: jax.ShapeDtypeStruct, dtype: Any) -> jax.Array:
 
 
 def _mean_accumulator(
-    like: jax.ShapeDtypeStruct, dtype: Any, *, scaled: bool, masked: bool
+    like: jax.ShapeDtypeStruct, dtype: Any, *, scaled: bool, masked: bool, divided: bool = True
 ) -> _Accumulator:
-    """Sum of (weight ×) output over micro-batches, divided by the total weight."""
+    """Sum of (weight ×) output over micro-batches, divided by the total weight.
+
+    Not `divided`: the plain sum, for gradients whose backward was seeded with
+    the micro-batch's share of the loss (`seeding`).
+    """
 
     def update(total: jax.Array, x: Any, weight: jax.Array, keep: jax.Array) -> tuple[Any, None]:
         term = jnp.asarray(x).astype(dtype)
@@ -118,9 +122,28 @@ def _mean_accumulator(
         return total + term, None
 
     def finalize(total: jax.Array, _: None, weight_sum: jax.Array) -> jax.Array:
-        return (total / weight_sum.astype(dtype)).astype(like.dtype)
+        return (total / weight_sum.astype(dtype) if divided else total).astype(like.dtype)
 
     return _Accumulator(lambda: _zeros(like, dtype), update, finalize, lambda x: x)
+
+
+def _max_accumulator(like: jax.ShapeDtypeStruct, *, masked: bool) -> _Accumulator:
+    """Elementwise max over micro-batches (fp8 metadata: `_base/reduce_rules.py`)."""
+    dtype = reduce_rules.float_dtype(like.dtype)
+
+    def update(total: jax.Array, x: Any, weight: jax.Array, keep: jax.Array) -> tuple[Any, None]:
+        term = reduce_rules.as_float(jnp.asarray(x))
+        if masked:
+            term = jnp.where(keep, term, total)
+        return jnp.maximum(total, term), None
+
+    def finalize(total: jax.Array, _: None, weight_sum: jax.Array) -> jax.Array:
+        return jax.lax.convert_element_type(total, like.dtype)
+
+    def init() -> jax.Array:
+        return _zeros(like, dtype) + reduce_rules.max_identity(dtype)
+
+    return _Accumulator(init, update, finalize, lambda x: x)
 
 
 def _sum_accumulator(like: jax.ShapeDtypeStruct) -> _Accumulator:
@@ -213,23 +236,35 @@ def _aux_spec(aux: Any, micro_size: int, options: _Options) -> Any:
     return jax.tree_util.tree_unflatten(treedef, accumulators)
 
 
-def _output_spec(value: Any, grads: Any, aux: Any, micro_size: int, options: _Options) -> Any:
-    """The accumulators of `(value, grads, aux)`, shaped like those outputs."""
+def _output_spec(
+    value: Any, grads: Any, aux: Any, micro_size: int, options: _Options, max_mask: Any = None
+) -> Any:
+    """The accumulators of `(value, grads, aux)`, shaped like those outputs.
+
+    With a `max_mask` (seeded backwards, see `seeding`) the marked gradient
+    leaves take the max over micro-batches and the others their plain sum.
+    """
     # With weight_fn, fun returns a weighted mean: scale it by its weight. With
     # sum_and_weight it returns a sum already; unweighted, every weight is 1.
     scaled, masked = options.weight_fn is not None, options.weighted
     value_dtype = jnp.promote_types(value.dtype, jnp.float32)
+    seeded = max_mask is not None
+
+    def grad_accumulator(g: jax.ShapeDtypeStruct, maxed: bool) -> _Accumulator:
+        if maxed:
+            return _max_accumulator(g, masked=masked)
+        return _mean_accumulator(
+            g,
+            trees.accumulator_dtype(g, options.accumulator_dtype),
+            scaled=scaled and not seeded,
+            masked=masked,
+            divided=not seeded,
+        )
+
+    mask = max_mask if seeded else jax.tree.map(lambda _: False, grads)
     return (
         _mean_accumulator(value, value_dtype, scaled=scaled, masked=masked),
-        jax.tree.map(
-            lambda g: _mean_accumulator(
-                g,
-                trees.accumulator_dtype(g, options.accumulator_dtype),
-                scaled=scaled,
-                masked=masked,
-            ),
-            grads,
-        ),
+        jax.tree.map(grad_accumulator, grads, mask),
         _aux_spec(aux, micro_size, options),
     )
 
@@ -323,10 +358,13 @@ def _scan_microbatches(
         for j in options.batch_nums
     }
     whole = {i for i, _ in enumerate(args)} - {n for nums in options.roles.values() for n in nums}
-    value_and_grad = jax.value_and_grad(_micro_loss(fun, options), options.argnums, has_aux=True)
+    micro_loss = _micro_loss(fun, options)
+    value_and_grad = jax.value_and_grad(micro_loss, options.argnums, has_aux=True)
+    seeded_value_and_grad = jax.value_and_grad(
+        seeding.seeded(micro_loss), options.argnums, has_aux=True
+    )
 
-    def micro_step(i: jax.Array, carry: Any) -> Any:
-        """Value, weight, new carry, aux and gradients of micro-batch `i`."""
+    def micro_inputs(i: jax.Array, carry: Any) -> tuple[list[Any], dict[str, Any]]:
         micro_args = list(args)
         for j, column in columns.items():
             micro_args[j] = jax.tree.map(
@@ -338,8 +376,14 @@ def _scan_microbatches(
             micro_args[j] = _fold_keys(args[j], i, typed_only=True)
         if options.carry_nums:
             micro_args = _with_carry(micro_args, carry, options)
-        micro_kwargs = _fold_keys(kwargs, i, typed_only=True)
-        return value_and_grad(*micro_args, **micro_kwargs)
+        return micro_args, _fold_keys(kwargs, i, typed_only=True)
+
+    def micro_step(i: jax.Array, carry: Any, seed: jax.Array | None = None) -> Any:
+        """Value, weight, new carry, aux and gradients of micro-batch `i`."""
+        micro_args, micro_kwargs = micro_inputs(i, carry)
+        if seed is None:
+            return value_and_grad(*micro_args, **micro_kwargs)
+        return seeded_value_and_grad(*micro_args, seed, **micro_kwargs)
 
     carry0 = None
     if options.carry_nums:
@@ -352,11 +396,24 @@ def _scan_microbatches(
     if options.carry_nums:
         _check_carry(carry_shape, carry0, _carry_argnums(options))
         carry0 = jax.tree.map(_match_varying, carry0, carry_shape)
-    accumulator = _compose(_output_spec(value_shape, grad_shape, aux_shape, micro, options))
+    max_mask = seeding.needs_seeds(grad_shape, options)
+    accumulator = _compose(
+        _output_spec(value_shape, grad_shape, aux_shape, micro, options, max_mask)
+    )
+    seeds = None
+    if max_mask is not None:
+
+        def weight_of(i: jax.Array) -> jax.Array:
+            micro_args, micro_kwargs = micro_inputs(i, carry0)
+            weights = options.weight_fn(*micro_args, **micro_kwargs)  # type: ignore[misc]
+            return jnp.sum(jnp.asarray(weights, jnp.float32))
+
+        seeds = seeding.seeds(k, weight_of, options)
 
     def body(state: Any, i: jax.Array) -> Any:
         carry, totals, weight_sum = state
-        (value, (weight, new_carry, aux)), grads = micro_step(i, carry)
+        seed = None if seeds is None else seeds[i]
+        (value, (weight, new_carry, aux)), grads = micro_step(i, carry, seed)
         totals, emitted = accumulator.update(totals, (value, grads, aux), weight, weight > 0)
         if options.carry_nums:
             # Same dtypes, checked above; astype drops a weak type scan would reject.
@@ -402,6 +459,7 @@ def microbatch_value_and_grad(
     carry_argnums: int | Sequence[int] = (),
     accumulator_dtype: Any = None,
     memory_budget: float | None = None,
+    max_leaves: Any = "auto",
 ) -> Callable[..., Any]:
     r"""Returns `jax.value_and_grad(fun)` computed over the batch in sequential micro-batches.
 
@@ -472,6 +530,18 @@ def microbatch_value_and_grad(
       the micro-batches as a carry and written back into the module, so each
       micro-batch draws its own dropout mask. `weight_fn` then receives the
       params' state in the module's place. Not with `carry_argnums`.
+    * fp8 delayed scaling: Flax's fp8 layers (`flax.linen.fp8_ops`, also
+      under `nnx.bridge`) return the new scales and amax histories as the
+      "gradients" of their `_overwrite_with_gradient` variables. Those
+      leaves come back as `jax.value_and_grad` on the full batch gives them:
+      the elementwise max over micro-batches (the new amax slot is the
+      batch's amax; the rest of the history rolls once), with each
+      micro-batch's backward seeded with its share of the loss (`1/K`, or
+      its weight over the total under `weight_fn`, which is then first
+      evaluated on every micro-batch), so that the output-gradient amax has
+      the full batch's scale. The other gradients are then the sum of the
+      seeded ones. A `flax.nnx` module's variables of that collection are
+      differentiated with its params. See `max_leaves`.
 
     Args:
       fun: The function to differentiate, `fun(*args, **kwargs)`, returning a
@@ -523,6 +593,12 @@ def microbatch_value_and_grad(
       memory_budget: Bytes, only with `num_microbatches="auto"`; `None` there
         means the device's free memory (see
         `gradaccum_jax.plan_microbatches`).
+      max_leaves: The gradient leaves combined by their elementwise max over
+        micro-batches rather than averaged: `"auto"` (default) takes Flax's
+        fp8 metadata (see "fp8 delayed scaling" above), `None` none, or a
+        callable `(path, leaf) -> bool` on the gradient's key paths and
+        shapes. When any leaf is taken, every micro-batch's backward is
+        seeded with its share of the loss; not with `sum_and_weight`.
 
     Returns:
       A function with the signature of `fun` returning what
@@ -581,6 +657,7 @@ def microbatch_value_and_grad(
         key_argnums=key_argnums,
         carry_argnums=carry_argnums,
         accumulator_dtype=accumulator_dtype,
+        max_leaves=max_leaves,
     )
     k = _check_num_microbatches(num_microbatches, memory_budget)
     plain = _built(fun, k, memory_budget, options)

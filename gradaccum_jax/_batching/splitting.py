@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradaccum_jax._base import validation
+from gradaccum_jax._base import reduce_rules, validation
 
 _AUX_REDUCTIONS = ("auto", "mean", "sum", "concat")
 
@@ -36,6 +36,7 @@ class _Options(NamedTuple):
     sum_and_weight: bool
     aux_reduction: Any
     accumulator_dtype: Any
+    max_leaves: Any = "auto"  # gradient leaves combined by max (see _base/reduce_rules.py)
 
     @property
     def weighted(self) -> bool:
@@ -67,6 +68,7 @@ def _check_options(
     key_argnums: Any,
     carry_argnums: Any,
     accumulator_dtype: Any,
+    max_leaves: Any = "auto",
 ) -> _Options:
     if not callable(fun):
         raise TypeError(f"fun must be callable; got {fun!r} of type {type(fun).__name__}.")
@@ -82,6 +84,7 @@ def _check_options(
         sum_and_weight=sum_and_weight,
         aux_reduction=aux_reduction,
         accumulator_dtype=accumulator_dtype,
+        max_leaves=reduce_rules.check_max_leaves(max_leaves),
     )
     seen: dict[int, str] = {}
     for role, nums in options.roles.items():
