@@ -14,12 +14,13 @@ import difflib
 from typing import Any
 
 import jax
-from flax import nnx
+from flax import nnx, struct
 from flax.training import train_state
 
 from gradaccum_jax._base import compat
 from gradaccum_jax._window import accumulate as _accumulation
 from gradaccum_jax._window.fused import apply_gradients
+from gradaccum_jax.flax import _fp8
 
 
 class TrainState(train_state.TrainState):
@@ -33,6 +34,19 @@ class TrainState(train_state.TrainState):
     `step` still counts calls (micro-steps); read the `optimizer_step` property
     for optimizer steps. Keywords of `apply_gradients` that name no field of
     the state (`weight=`, `value=`) go to `tx.update`.
+
+    Flax's fp8 metadata (the `overwrite_with_gradient` collection of
+    `flax.linen.fp8_ops` layers: scales and amax histories) are not handed to
+    `tx`. Flax overwrites them on every call; under `accumulate` they are
+    held as they were when the window opened, the calls' new values are
+    combined by their elementwise max in `overwrite_max`, and the max is
+    written when the window closes: the history rolls once per optimizer
+    step, and every micro-step of a window is quantized with the same scales.
+
+    Attributes:
+      overwrite_max: The running max of the current window's new fp8 metadata,
+        shaped like `params["_overwrite_with_gradient"]` (float32); `None`
+        when the params hold no such collection. Keyword-only, set by `create`.
 
     The same in one line on Flax's own class, for a subclass of your own:
     `params, opt_state = gradaccum_jax.apply_gradients(state.tx, grads,
@@ -51,6 +65,17 @@ class TrainState(train_state.TrainState):
       >>> state.params["w"]  # 1 - 0.5 * mean([1, 3])
       Array([0., 0.], dtype=float32)
     """
+
+    overwrite_max: Any = struct.field(pytree_node=True, default=None, kw_only=True)
+
+    @classmethod
+    def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> TrainState:
+        """Flax's `create`; with fp8 metadata in `params`, an empty `overwrite_max` as well."""
+        overwrite = train_state.OVERWRITE_WITH_GRADIENT
+        if isinstance(params, dict) and overwrite in params and "overwrite_max" not in kwargs:
+            kwargs["overwrite_max"] = _fp8.window_start(params[overwrite])
+        state: TrainState = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        return state
 
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
         """Updates `step`, `params` and `opt_state`, as Flax's; other keywords: fields or `tx`'s.
@@ -104,7 +129,15 @@ class TrainState(train_state.TrainState):
             new_params, new_opt_state = apply_gradients(
                 self.tx, grads["params"], self.opt_state, self.params["params"], **extra_args
             )
-            new_params = {"params": new_params, overwrite: grads[overwrite]}
+            meta, running = _fp8.hold_for_window(
+                self.params[overwrite],
+                self.overwrite_max,
+                grads[overwrite],
+                self.opt_state,
+                new_opt_state,
+            )
+            new_params = {"params": new_params, overwrite: meta}
+            to_replace.setdefault("overwrite_max", running)
         else:
             new_params, new_opt_state = apply_gradients(
                 self.tx, grads, self.opt_state, self.params, **extra_args
