@@ -71,7 +71,9 @@ def test_seeded_calls_with_a_summed_window_are_exact():
     tx = ga.accumulate(optax.sgd(0.1), K, use_grad_mean=False)
     for ours, big in _windows(tx, loss, 1.0 / K):
         assert_metadata_equal(ours[META], big[META])
-        for a, b in zip(jax.tree.leaves(ours["params"]), jax.tree.leaves(big["params"])):
+        for a, b in zip(
+            jax.tree.leaves(ours["params"]), jax.tree.leaves(big["params"]), strict=True
+        ):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 

@@ -36,7 +36,7 @@ def test_fp8_meta_leaves_are_compared_as_floats():
 
 def test_check_max_leaves_names_the_choices():
     assert reduce_rules.check_max_leaves("auto") == "auto"
-    with pytest.raises(ValueError, match="'auto'.*None.*callable"):
+    with pytest.raises(ValueError, match=r"'auto'.*None.*callable"):
         reduce_rules.check_max_leaves("max")
 
 

@@ -14,11 +14,14 @@ from flax import nnx
 from flax.linen import fp8_ops
 
 import gradaccum_jax as ga
+from gradaccum_jax._batching.splitting import _check_options
 
 
 def _check(grads, ref, *, meta_rtol=0.0):
     assert_metadata_equal(grads[META], ref[META], rtol=meta_rtol)
-    for got, want in zip(jax.tree.leaves(grads["params"]), jax.tree.leaves(ref["params"])):
+    for got, want in zip(
+        jax.tree.leaves(grads["params"]), jax.tree.leaves(ref["params"]), strict=True
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -65,33 +68,36 @@ def test_weighted_microbatches_seed_their_share():
     _check(grads, ref, meta_rtol=1e-6)
 
 
-def test_seeds_are_the_shares_and_zero_for_an_empty_window():
+def test_seeds_are_the_shares_and_zero_for_an_empty_batch():
     from gradaccum_jax._batching import seeding
 
-    unweighted = seeding.seeds(4, lambda i: jnp.float32(1), _options(weight_fn=None))
+    def inputs(weights):
+        return lambda i, carry: ((None, {"w": weights[i]}), {})
+
+    def options(weight_fn):
+        return _check_options(
+            lambda *a: 0.0,
+            has_aux=False,
+            argnums=0,
+            batch_argnums=1,
+            weight_fn=weight_fn,
+            sum_and_weight=False,
+            aux_reduction="auto",
+            key_argnums=(),
+            carry_argnums=(),
+            accumulator_dtype=None,
+        )
+
+    def weight_fn(params, batch):
+        return batch["w"]
+
+    unweighted = seeding.seeds(4, inputs(jnp.ones(4)), None, options(None))
     np.testing.assert_array_equal(unweighted, np.full(4, 0.25, np.float32))
     weights = jnp.array([1.0, 3.0, 0.0, 4.0])
-    shares = seeding.seeds(4, lambda i: weights[i], _options(weight_fn=lambda *a: 0))
+    shares = seeding.seeds(4, inputs(weights), None, options(weight_fn))
     np.testing.assert_allclose(shares, weights / 8.0)
-    empty = seeding.seeds(2, lambda i: jnp.float32(0), _options(weight_fn=lambda *a: 0))
+    empty = seeding.seeds(2, inputs(jnp.zeros(2)), None, options(weight_fn))
     np.testing.assert_array_equal(empty, [0.0, 0.0])
-
-
-def _options(weight_fn):
-    from gradaccum_jax._batching.splitting import _check_options
-
-    return _check_options(
-        lambda *a: 0.0,
-        has_aux=False,
-        argnums=0,
-        batch_argnums=1,
-        weight_fn=weight_fn,
-        sum_and_weight=False,
-        aux_reduction="auto",
-        key_argnums=(),
-        carry_argnums=(),
-        accumulator_dtype=None,
-    )
 
 
 def test_nnx_bridge_fp8_metadata_equal_the_large_batch():
@@ -161,7 +167,10 @@ def test_sum_and_weight_is_refused_with_metadata_and_max_leaves_none_averages():
     # max_leaves=None: the old rule, a mean of the new values.
     _, grads = ga.microbatch_value_and_grad(loss, 2, max_leaves=None)(variables, data)
     ref = jax.grad(loss)(variables, data)
-    history = lambda g: g[META]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
+
+    def history(g):
+        return g[META]["Dense_0"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
+
     assert float(history(grads)[0]) < float(history(ref)[0])
 
 

@@ -31,8 +31,10 @@ FP8_COLLECTION = "_overwrite_with_gradient"
 
 def check_max_leaves(max_leaves: Any) -> Any:
     """`max_leaves` if it is `"auto"`, `None` or a callable; else a `ValueError` that says so."""
-    if max_leaves is None or callable(max_leaves) or (
-        isinstance(max_leaves, str) and max_leaves == "auto"
+    if (
+        max_leaves is None
+        or callable(max_leaves)
+        or (isinstance(max_leaves, str) and max_leaves == "auto")
     ):
         return max_leaves
     raise ValueError(
@@ -132,10 +134,11 @@ def max_identity(dtype: Any) -> jax.Array:
 def as_float(x: jax.Array) -> jax.Array:
     """`x`, or its float view if it has Flax's fp8 meta dtype (which has no arithmetic)."""
     if is_fp8_meta_dtype(x.dtype):
-        return jax.lax.convert_element_type(x, x.dtype.float_dtype)
+        return jax.lax.convert_element_type(x, float_dtype(x.dtype))
     return x
 
 
 def float_dtype(dtype: Any) -> Any:
     """The dtype in which a leaf of `dtype` is compared: its float dtype for fp8 meta."""
-    return dtype.float_dtype if is_fp8_meta_dtype(dtype) else dtype
+    # The fp8 meta dtype is a JAX extended dtype holding its float dtype.
+    return getattr(dtype, "float_dtype", dtype) if is_fp8_meta_dtype(dtype) else dtype

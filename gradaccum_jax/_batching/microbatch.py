@@ -41,15 +41,6 @@ from gradaccum_jax._batching.splitting import (
     _with_carry,
 )
 
-# --- options ------------------------------------------------------------------
-
-
-# --- checks of a call ---------------------------------------------------------
-
-
-# --- what fun returns ---------------------------------------------------------
-
-
 # --- accumulators -------------------------------------------------------------
 
 
@@ -105,11 +96,7 @@ def _zeros(like: jax.ShapeDtypeStruct, dtype: Any) -> jax.Array:
 def _mean_accumulator(
     like: jax.ShapeDtypeStruct, dtype: Any, *, scaled: bool, masked: bool, divided: bool = True
 ) -> _Accumulator:
-    """Sum of (weight ×) output over micro-batches, divided by the total weight.
-
-    Not `divided`: the plain sum, for gradients whose backward was seeded with
-    the micro-batch's share of the loss (`seeding`).
-    """
+    """Sum of (weight ×) output over micro-batches, divided by the total weight (if `divided`)."""
 
     def update(total: jax.Array, x: Any, weight: jax.Array, keep: jax.Array) -> tuple[Any, None]:
         term = jnp.asarray(x).astype(dtype)
@@ -137,13 +124,12 @@ def _max_accumulator(like: jax.ShapeDtypeStruct, *, masked: bool) -> _Accumulato
             term = jnp.where(keep, term, total)
         return jnp.maximum(total, term), None
 
-    def finalize(total: jax.Array, _: None, weight_sum: jax.Array) -> jax.Array:
-        return jax.lax.convert_element_type(total, like.dtype)
-
-    def init() -> jax.Array:
-        return _zeros(like, dtype) + reduce_rules.max_identity(dtype)
-
-    return _Accumulator(init, update, finalize, lambda x: x)
+    return _Accumulator(
+        lambda: _zeros(like, dtype) + reduce_rules.max_identity(dtype),
+        update,
+        lambda total, _, weight_sum: jax.lax.convert_element_type(total, like.dtype),
+        lambda x: x,
+    )
 
 
 def _sum_accumulator(like: jax.ShapeDtypeStruct) -> _Accumulator:
@@ -239,11 +225,7 @@ def _aux_spec(aux: Any, micro_size: int, options: _Options) -> Any:
 def _output_spec(
     value: Any, grads: Any, aux: Any, micro_size: int, options: _Options, max_mask: Any = None
 ) -> Any:
-    """The accumulators of `(value, grads, aux)`, shaped like those outputs.
-
-    With a `max_mask` (seeded backwards, see `seeding`) the marked gradient
-    leaves take the max over micro-batches and the others their plain sum.
-    """
+    """The accumulators of `(value, grads, aux)`; with a `max_mask`, of seeded backwards."""
     # With weight_fn, fun returns a weighted mean: scale it by its weight. With
     # sum_and_weight it returns a sum already; unweighted, every weight is 1.
     scaled, masked = options.weight_fn is not None, options.weighted
@@ -358,11 +340,7 @@ def _scan_microbatches(
         for j in options.batch_nums
     }
     whole = {i for i, _ in enumerate(args)} - {n for nums in options.roles.values() for n in nums}
-    micro_loss = _micro_loss(fun, options)
-    value_and_grad = jax.value_and_grad(micro_loss, options.argnums, has_aux=True)
-    seeded_value_and_grad = jax.value_and_grad(
-        seeding.seeded(micro_loss), options.argnums, has_aux=True
-    )
+    value_and_grad = seeding.value_and_grad(_micro_loss(fun, options), options.argnums)
 
     def micro_inputs(i: jax.Array, carry: Any) -> tuple[list[Any], dict[str, Any]]:
         micro_args = list(args)
@@ -381,9 +359,7 @@ def _scan_microbatches(
     def micro_step(i: jax.Array, carry: Any, seed: jax.Array | None = None) -> Any:
         """Value, weight, new carry, aux and gradients of micro-batch `i`."""
         micro_args, micro_kwargs = micro_inputs(i, carry)
-        if seed is None:
-            return value_and_grad(*micro_args, **micro_kwargs)
-        return seeded_value_and_grad(*micro_args, seed, **micro_kwargs)
+        return value_and_grad(*micro_args, seed, **micro_kwargs)
 
     carry0 = None
     if options.carry_nums:
@@ -400,15 +376,7 @@ def _scan_microbatches(
     accumulator = _compose(
         _output_spec(value_shape, grad_shape, aux_shape, micro, options, max_mask)
     )
-    seeds = None
-    if max_mask is not None:
-
-        def weight_of(i: jax.Array) -> jax.Array:
-            micro_args, micro_kwargs = micro_inputs(i, carry0)
-            weights = options.weight_fn(*micro_args, **micro_kwargs)  # type: ignore[misc]
-            return jnp.sum(jnp.asarray(weights, jnp.float32))
-
-        seeds = seeding.seeds(k, weight_of, options)
+    seeds = None if max_mask is None else seeding.seeds(k, micro_inputs, carry0, options)
 
     def body(state: Any, i: jax.Array) -> Any:
         carry, totals, weight_sum = state
@@ -530,18 +498,8 @@ def microbatch_value_and_grad(
       the micro-batches as a carry and written back into the module, so each
       micro-batch draws its own dropout mask. `weight_fn` then receives the
       params' state in the module's place. Not with `carry_argnums`.
-    * fp8 delayed scaling: Flax's fp8 layers (`flax.linen.fp8_ops`, also
-      under `nnx.bridge`) return the new scales and amax histories as the
-      "gradients" of their `_overwrite_with_gradient` variables. Those
-      leaves come back as `jax.value_and_grad` on the full batch gives them:
-      the elementwise max over micro-batches (the new amax slot is the
-      batch's amax; the rest of the history rolls once), with each
-      micro-batch's backward seeded with its share of the loss (`1/K`, or
-      its weight over the total under `weight_fn`, which is then first
-      evaluated on every micro-batch), so that the output-gradient amax has
-      the full batch's scale. The other gradients are then the sum of the
-      seeded ones. A `flax.nnx` module's variables of that collection are
-      differentiated with its params. See `max_leaves`.
+    * Flax fp8 metadata (scales and amax histories, the "gradients" of `flax.linen.fp8_ops`
+      layers, also under `nnx.bridge`) come back as on the full batch. See `max_leaves`.
 
     Args:
       fun: The function to differentiate, `fun(*args, **kwargs)`, returning a
@@ -593,12 +551,9 @@ def microbatch_value_and_grad(
       memory_budget: Bytes, only with `num_microbatches="auto"`; `None` there
         means the device's free memory (see
         `gradaccum_jax.plan_microbatches`).
-      max_leaves: The gradient leaves combined by their elementwise max over
-        micro-batches rather than averaged: `"auto"` (default) takes Flax's
-        fp8 metadata (see "fp8 delayed scaling" above), `None` none, or a
-        callable `(path, leaf) -> bool` on the gradient's key paths and
-        shapes. When any leaf is taken, every micro-batch's backward is
-        seeded with its share of the loss; not with `sum_and_weight`.
+      max_leaves: Gradient leaves taken as their max over micro-batches: `"auto"` (Flax's
+        fp8 metadata), `None`, or a callable `(path, leaf) -> bool`. If any, micro-batch
+        `i`'s backward is seeded with `1/K` (`W_i / W` with `weight_fn`; not `sum_and_weight`).
 
     Returns:
       A function with the signature of `fun` returning what

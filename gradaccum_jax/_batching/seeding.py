@@ -43,15 +43,19 @@ def _scale_bwd(seed: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
 scale_cotangent.defvjp(_scale_fwd, _scale_bwd)
 
 
-def seeded(micro_loss: Callable[..., Any]) -> Callable[..., Any]:
-    """`micro_loss` taking its seed as one more, last, positional argument."""
+def value_and_grad(micro_loss: Callable[..., Any], argnums: Any) -> Callable[..., Any]:
+    """`jax.value_and_grad` of `micro_loss` (returning `(value, rest)`), seeded.
+
+    The seed is one more, last, positional argument (`None`: not seeded); the
+    value is returned unscaled.
+    """
 
     def loss(*args_and_seed: Any, **kwargs: Any) -> Any:
         *args, seed = args_and_seed
         value, rest = micro_loss(*args, **kwargs)
-        return scale_cotangent(value, seed), rest
+        return (value if seed is None else scale_cotangent(value, seed)), rest
 
-    return loss
+    return jax.value_and_grad(loss, argnums, has_aux=True)
 
 
 def needs_seeds(grad_shape: Any, options: _Options) -> Any:
@@ -76,15 +80,22 @@ def needs_seeds(grad_shape: Any, options: _Options) -> Any:
     return mask
 
 
-def seeds(k: int, weight_of: Callable[[jax.Array], jax.Array], options: _Options) -> jax.Array:
+def seeds(k: int, micro_inputs: Callable[..., Any], carry0: Any, options: _Options) -> jax.Array:
     """`float32[k]`: micro-batch `i`'s share of the loss, `1/K` or `W_i / sum_j W_j`.
 
-    With `weight_fn`, a first pass evaluates it on every micro-batch (with the
-    carry as it enters the step, so it must not read the carry). A window of
-    zero total weight seeds every backward with zero.
+    With `weight_fn`, a first pass evaluates it on every micro-batch, whose
+    arguments are `micro_inputs(i, carry0)`: with the carry as it enters the
+    step, so `weight_fn` must not read the carry. A batch of zero total
+    weight seeds every backward with zero.
     """
-    if options.weight_fn is None:
+    weight_fn = options.weight_fn
+    if weight_fn is None:
         return jnp.full((k,), 1.0 / k, jnp.float32)
+
+    def weight_of(i: jax.Array) -> jax.Array:
+        args, kwargs = micro_inputs(i, carry0)
+        return jnp.sum(jnp.asarray(weight_fn(*args, **kwargs), jnp.float32))
+
     weights = jax.lax.map(weight_of, jnp.arange(k, dtype=jnp.int32))
     total = jnp.sum(weights)
     return jnp.where(total > 0, weights / jnp.where(total > 0, total, 1.0), 0.0)

@@ -20,7 +20,7 @@ from flax.training import train_state
 from gradaccum_jax._base import compat
 from gradaccum_jax._window import accumulate as _accumulation
 from gradaccum_jax._window.fused import apply_gradients
-from gradaccum_jax.flax import _fp8
+from gradaccum_jax.flax._fp8 import hold_for_window, window_start
 
 
 class TrainState(train_state.TrainState):
@@ -73,7 +73,7 @@ class TrainState(train_state.TrainState):
         """Flax's `create`; with fp8 metadata in `params`, an empty `overwrite_max` as well."""
         overwrite = train_state.OVERWRITE_WITH_GRADIENT
         if isinstance(params, dict) and overwrite in params and "overwrite_max" not in kwargs:
-            kwargs["overwrite_max"] = _fp8.window_start(params[overwrite])
+            kwargs["overwrite_max"] = window_start(params[overwrite])
         state: TrainState = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         return state
 
@@ -129,7 +129,7 @@ class TrainState(train_state.TrainState):
             new_params, new_opt_state = apply_gradients(
                 self.tx, grads["params"], self.opt_state, self.params["params"], **extra_args
             )
-            meta, running = _fp8.hold_for_window(
+            meta, running = hold_for_window(
                 self.params[overwrite],
                 self.overwrite_max,
                 grads[overwrite],
