@@ -27,6 +27,9 @@ import jax.numpy as jnp
 from gradaccum_jax._base import reduce_rules, validation
 from gradaccum_jax._window.state import AccumulateState
 
+#: The collection of `TrainState.params` that holds the window's running max of the metadata.
+WINDOW_MAX = "_overwrite_with_gradient_max"
+
 
 def _accumulate_state(opt_state: Any) -> AccumulateState | None:
     found = [

@@ -14,13 +14,13 @@ import difflib
 from typing import Any
 
 import jax
-from flax import nnx, struct
+from flax import nnx
 from flax.training import train_state
 
 from gradaccum_jax._base import compat
 from gradaccum_jax._window import accumulate as _accumulation
 from gradaccum_jax._window.fused import apply_gradients
-from gradaccum_jax.flax._fp8 import hold_for_window, window_start
+from gradaccum_jax.flax._fp8 import WINDOW_MAX, hold_for_window, window_start
 
 
 class TrainState(train_state.TrainState):
@@ -35,18 +35,15 @@ class TrainState(train_state.TrainState):
     for optimizer steps. Keywords of `apply_gradients` that name no field of
     the state (`weight=`, `value=`) go to `tx.update`.
 
-    Flax's fp8 metadata (the `overwrite_with_gradient` collection of
+    Flax's fp8 metadata (the `_overwrite_with_gradient` collection of
     `flax.linen.fp8_ops` layers: scales and amax histories) are not handed to
     `tx`. Flax overwrites them on every call; under `accumulate` they are
     held as they were when the window opened, the calls' new values are
-    combined by their elementwise max in `overwrite_max`, and the max is
-    written when the window closes: the history rolls once per optimizer
-    step, and every micro-step of a window is quantized with the same scales.
-
-    Attributes:
-      overwrite_max: The running max of the current window's new fp8 metadata,
-        shaped like `params["_overwrite_with_gradient"]` (float32); `None`
-        when the params hold no such collection. Keyword-only, set by `create`.
+    combined by their elementwise max in the collection
+    `params["_overwrite_with_gradient_max"]` (added by `create`, shaped like
+    the metadata; the model ignores it), and the max is written when the
+    window closes: the history rolls once per optimizer step, and every
+    micro-step of a window is quantized with the same scales.
 
     The same in one line on Flax's own class, for a subclass of your own:
     `params, opt_state = gradaccum_jax.apply_gradients(state.tx, grads,
@@ -66,14 +63,14 @@ class TrainState(train_state.TrainState):
       Array([0., 0.], dtype=float32)
     """
 
-    overwrite_max: Any = struct.field(pytree_node=True, default=None, kw_only=True)
-
     @classmethod
     def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> TrainState:
-        """Flax's `create`; with fp8 metadata in `params`, an empty `overwrite_max` as well."""
+        """Flax's `create`; with fp8 metadata in `params`, their window's running max as well."""
         overwrite = train_state.OVERWRITE_WITH_GRADIENT
-        if isinstance(params, dict) and overwrite in params and "overwrite_max" not in kwargs:
-            kwargs["overwrite_max"] = window_start(params[overwrite])
+        if isinstance(params, dict) and overwrite in params and WINDOW_MAX not in params:
+            # A collection beside the metadata rather than a field: checkpoints of
+            # states without fp8 layers keep Flax's structure.
+            params = {**params, WINDOW_MAX: window_start(params[overwrite])}
         state: TrainState = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         return state
 
@@ -131,13 +128,14 @@ class TrainState(train_state.TrainState):
             )
             meta, running = hold_for_window(
                 self.params[overwrite],
-                self.overwrite_max,
+                self.params.get(WINDOW_MAX),
                 grads[overwrite],
                 self.opt_state,
                 new_opt_state,
             )
             new_params = {"params": new_params, overwrite: meta}
-            to_replace.setdefault("overwrite_max", running)
+            if running is not None:
+                new_params[WINDOW_MAX] = running
         else:
             new_params, new_opt_state = apply_gradients(
                 self.tx, grads, self.opt_state, self.params, **extra_args
