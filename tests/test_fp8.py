@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from _fp8_common import META, Mlp, assert_metadata_equal, batch, loss_fn, warm_variables
 
 import gradaccum_jax as ga
@@ -99,3 +100,17 @@ def test_running_max_is_scan_stable():
     # Held through each window; the window's max written at its close.
     np.testing.assert_array_equal(held, [[0, 0, 0], [0, 0, 0], [3, 5, 2], [3, 5, 2]])
     np.testing.assert_array_equal(state.params[META]["amax"], [1.0, 1.0, 1.0])
+
+
+def test_nnx_optimizer_with_fp8_metadata_in_wrt_is_refused_by_accumulate():
+    from flax import nnx
+
+    model = nnx.bridge.ToNNX(Mlp(), rngs=nnx.Rngs(0))
+    nnx.bridge.lazy_init(model, batch()[0])
+
+    def is_meta(path, value):
+        return type(value).__name__ == META
+
+    wrt = nnx.Any(nnx.Param, is_meta)
+    with pytest.raises(ValueError, match=r"wrt=nnx\.Param"):
+        ga.flax.Optimizer(model, ga.accumulate(optax.sgd(0.1), 2), wrt=wrt)

@@ -119,7 +119,8 @@ def refuse_max_leaves(tree: Any, who: str) -> None:
             "optimizer would step them, which under-estimates the amax. Keep them out of the "
             "optimizer: give it variables['params'] only, and write the metadata beside it; "
             "gradaccum_jax.flax.TrainState does both (it keeps the window's running max and "
-            "writes it when the window closes)."
+            "writes it when the window closes). With flax.nnx, build the optimizer with "
+            "wrt=nnx.Param and write the metadata from the gradients into the model."
         )
 
 
