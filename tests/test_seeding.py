@@ -68,6 +68,23 @@ def test_weighted_microbatches_seed_their_share():
     _check(grads, ref, meta_rtol=1e-6)
 
 
+def test_a_micro_batch_of_zero_weight_still_counts_its_forward_amax():
+    model = Mlp()
+    variables, (x, y) = warm_variables(model), batch()
+    x = x.at[15].multiply(10.0)  # the batch's amax sits in a padding row
+    mask = jnp.ones(16).at[jnp.array([3, 7, 11, 15])].set(0.0)  # micro-batch 3: padding
+
+    def loss(variables, data):
+        x, y, mask = data
+        err = jnp.mean((model.apply(variables, x) - y) ** 2, axis=1)
+        return jnp.sum(err * mask) / jnp.sum(mask)  # 0/0 on micro-batch 3
+
+    ref = jax.grad(loss)(variables, (x, y, mask))
+    mb = ga.microbatch_value_and_grad(loss, 4, weight_fn=lambda v, data: data[2])
+    _, grads = jax.jit(mb)(variables, (x, y, mask))
+    _check(grads, ref, meta_rtol=1e-6)
+
+
 def test_seeds_are_the_shares_and_zero_for_an_empty_batch():
     from gradaccum_jax._batching import seeding
 

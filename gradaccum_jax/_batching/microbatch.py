@@ -120,9 +120,9 @@ def _max_accumulator(like: jax.ShapeDtypeStruct, *, masked: bool) -> _Accumulato
 
     def update(total: jax.Array, x: Any, weight: jax.Array, keep: jax.Array) -> tuple[Any, None]:
         term = reduce_rules.as_float(jnp.asarray(x))
-        if masked:
-            term = jnp.where(keep, term, total)
-        return jnp.maximum(total, term), None
+        # A micro-batch of zero weight ran its forward (its amaxes count); its backward may be 0/0.
+        kept = jnp.where(keep, jnp.maximum(total, term), jnp.fmax(total, term))
+        return (kept if masked else jnp.maximum(total, term)), None
 
     return _Accumulator(
         lambda: _zeros(like, dtype) + reduce_rules.max_identity(dtype),
