@@ -46,3 +46,13 @@ def test_accumulate_refuses_fp8_metadata_and_names_the_fix():
     with pytest.raises(ValueError, match=r"variables\['params'\].*TrainState"):
         tx.init(variables)
     tx.init(variables["params"])
+
+
+def test_unreduced_value_and_grad_refuses_fp8_metadata():
+    variables = {"params": {"w": jnp.ones(2)}, META: {"input_scale": jnp.ones(1)}}
+
+    def loss(variables, x):
+        return jnp.mean(x @ variables["params"]["w"]) * variables[META]["input_scale"][0]
+
+    with pytest.raises(ValueError, match="microbatch_value_and_grad in the global-view jit"):
+        ga.unreduced_value_and_grad(loss, "data")(variables, jnp.ones((8, 2)))

@@ -108,19 +108,24 @@ def max_paths(mask: Any) -> list[str]:
     ]
 
 
-def refuse_max_leaves(tree: Any, who: str) -> None:
-    """Raises a `ValueError` if `tree` holds fp8 metadata, which `who` would average."""
+_WINDOW_FIX = (
+    "A window would average them and the inner optimizer would step them, which "
+    "under-estimates the amax. Keep them out of the optimizer: give it variables['params'] "
+    "only, and write the metadata beside it; gradaccum_jax.flax.TrainState does both (it "
+    "keeps the window's running max and writes it when the window closes). With flax.nnx, "
+    "build the optimizer with wrt=nnx.Param and write the metadata from the gradients into "
+    "the model."
+)
+
+
+def refuse_max_leaves(tree: Any, who: str, why_and_fix: str = _WINDOW_FIX) -> None:
+    """Raises a `ValueError` if `tree` holds fp8 metadata, which `who` would get wrong."""
     paths = max_paths(max_mask(tree))
     if paths:
         shown = ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
         raise ValueError(
             f"{who} got fp8 metadata leaves ({shown}): Flax's scales and amax histories, whose "
-            "'gradient' is their new value. A window would average them and the inner "
-            "optimizer would step them, which under-estimates the amax. Keep them out of the "
-            "optimizer: give it variables['params'] only, and write the metadata beside it; "
-            "gradaccum_jax.flax.TrainState does both (it keeps the window's running max and "
-            "writes it when the window closes). With flax.nnx, build the optimizer with "
-            "wrt=nnx.Param and write the metadata from the gradients into the model."
+            f"'gradient' is their new value. {why_and_fix}"
         )
 
 
