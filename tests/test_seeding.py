@@ -204,3 +204,16 @@ def test_explicit_max_leaves_rule():
     np.testing.assert_allclose(grads["w"], jax.grad(loss)(params, x)["w"], rtol=1e-6)
     with pytest.raises(ValueError, match="max_leaves"):
         ga.microbatch_value_and_grad(loss, 2, max_leaves="max")
+
+
+def test_global_view_jit_over_a_sharded_batch():
+    # XLA takes each amax over the whole sharded micro-batch: the metadata are the
+    # large batch's, as on one device.
+    model = Mlp()
+    variables, data = warm_variables(model), batch()
+    loss = loss_fn(model)
+    ref = jax.grad(loss)(variables, data)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = jax.device_put(data, jax.NamedSharding(mesh, jax.P("data")))
+    _, grads = jax.jit(ga.microbatch_value_and_grad(loss, 2))(variables, sharded)
+    _check(grads, ref)
