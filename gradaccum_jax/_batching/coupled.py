@@ -26,9 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._base import trees, validation
+from gradaccum_jax._base import reduce_rules, trees, validation
 from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
-from gradaccum_jax._batching import microbatch, planning, splitting
+from gradaccum_jax._batching import combining, planning, splitting
 
 # --- options ------------------------------------------------------------------
 
@@ -169,14 +169,14 @@ def _embed_all(embedder: _Embedder, params: Any, carry0: Any) -> tuple[Any, Any]
         return _thread(new_carry, carry), reps
 
     carry, stacked = jax.lax.scan(body, carry0, jnp.arange(embedder.group.k, dtype=jnp.int32))
-    return jax.tree.map(microbatch._interleave, stacked), carry
+    return jax.tree.map(combining.interleave, stacked), carry
 
 
 def _thread(new_carry: Any, carry: Any) -> Any:
     if carry is None:
         return None
     return jax.tree.map(
-        lambda n, c: microbatch._match_varying(n.astype(c.dtype), c), new_carry, carry
+        lambda n, c: combining.match_varying(n.astype(c.dtype), c), new_carry, carry
     )
 
 
@@ -185,9 +185,18 @@ def _float_part(tree: Any) -> list[Any]:
 
 
 def _pull_back(
-    embedder: _Embedder, params: Any, cotangent: Any, carry0: Any, totals: Any, dtypes: Any
+    embedder: _Embedder,
+    params: Any,
+    cotangent: Any,
+    carry0: Any,
+    totals: Any,
+    dtypes: Any,
+    max_mask: Any,
 ) -> Any:
-    """Pass 2: `totals` plus the parameter gradients of every micro-batch's embeddings."""
+    """Pass 2: `totals` plus the parameter gradients of every micro-batch's embeddings.
+
+    The leaves of `max_mask` (fp8 metadata, `_base/reduce_rules.py`) take the max instead.
+    """
     k = embedder.group.k
 
     def grads_of(i: jax.Array, carry: Any, rows: list[Any]) -> tuple[Any, Any]:
@@ -200,7 +209,13 @@ def _pull_back(
         return grads, new_carry
 
     def add(totals: Any, grads: Any) -> Any:
-        return jax.tree.map(lambda t, g, d: t + g.astype(d), totals, grads, dtypes)
+        return jax.tree.map(
+            lambda t, g, d, m: jnp.maximum(t, g.astype(d)) if m else t + g.astype(d),
+            totals,
+            grads,
+            dtypes,
+            max_mask,
+        )
 
     if k == 1:
         grads, _ = grads_of(jnp.int32(0), carry0, cotangent)
@@ -271,7 +286,7 @@ def _embedders(
         _check_embeddings(shape[0], e.micro, e.group.k)
         if options.carry_nums:
             splitting._check_carry(shape[1], carry0, splitting._carry_argnums(options))
-            carry0 = jax.tree.map(microbatch._match_varying, carry0, shape[1])
+            carry0 = jax.tree.map(combining.match_varying, carry0, shape[1])
     return embedders, whole_shape, carry0
 
 
@@ -344,8 +359,9 @@ def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
             lambda g: trees.accumulator_dtype(g, options.accumulator_dtype), loss_grads
         )
         totals = jax.tree.map(lambda g, d: g.astype(d), loss_grads, dtypes)
+        max_mask = _max_mask(spec, loss_grads)
         for e, cotangent in zip(embedders, cotangents, strict=True):
-            totals = _pull_back(e, params, cotangent, carry0, totals, dtypes)
+            totals = _pull_back(e, params, cotangent, carry0, totals, dtypes, max_mask)
         grads = jax.tree.map(lambda t, g: t.astype(jnp.result_type(g)), totals, loss_grads)
 
         value, aux = out if options.has_aux else (out, None)
@@ -354,6 +370,27 @@ def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
         return (value, aux) if options.has_aux else value, grads
 
     return value_and_grad
+
+
+def _max_mask(spec: _Spec, loss_grads: Any) -> Any:
+    """The gradient leaves that take the max over micro-batches (fp8 metadata).
+
+    The embeddings' cotangents are the whole batch's, so every micro-batch's
+    backward has the large batch's scale already. The loss's own gradient of
+    such a leaf (zero where `loss_fn` does not use that layer) is part of the
+    max, which is harmless for amax values and scales (never negative).
+    """
+    mask = reduce_rules.max_mask(loss_grads, spec.options.max_leaves)
+    if spec.axis_name is not None and reduce_rules.any_max(mask):
+        shown = ", ".join(reduce_rules.max_paths(mask)[:2])
+        raise ValueError(
+            f"coupled_value_and_grad got gradient leaves combined by max ({shown}, ...: fp8 "
+            f"metadata) with axis_name={spec.axis_name!r}; each device's cotangents are "
+            "scaled for combining the devices' gradients, which would scale the "
+            "output-gradient amax as well. Call it without axis_name (global-view jit), or "
+            "pass max_leaves=None and combine the metadata yourself."
+        )
+    return mask
 
 
 def _varying(tree: Any) -> frozenset:
@@ -392,6 +429,7 @@ def coupled_value_and_grad(
     gather_embeddings: bool = True,
     grad_reduction: str = "mean",
     memory_budget: float | None = None,
+    max_leaves: Any = "auto",
 ) -> Callable[..., Any]:
     r"""Returns the value and gradient of a batch-coupled loss, computed in micro-batches.
 
@@ -500,6 +538,14 @@ def coupled_value_and_grad(
         `out_specs=P(unreduced={axis})` for `accumulate`'s unreduced route
         under global-view `jax.jit`). The value is the same either way.
       memory_budget: Bytes, only with `num_microbatches="auto"`.
+      max_leaves: The gradient leaves combined by their max over micro-batches
+        rather than summed: `"auto"` (default) takes Flax's fp8 metadata (the
+        scales and amax histories of `flax.linen.fp8_ops` layers, whose
+        "gradient" is their new value), `None` none, or a callable
+        `(path, leaf) -> bool`, as in `microbatch_value_and_grad`. Each
+        micro-batch's backward runs against its rows of the whole batch's
+        cotangent, so the metadata equal the whole batch's. Not with
+        `axis_name`.
 
     Returns:
       A function `f(params, batch, *args, **kwargs)` returning
@@ -557,6 +603,7 @@ def coupled_value_and_grad(
         key_argnums=key_argnums,
         carry_argnums=carry_argnums,
         accumulator_dtype=accumulator_dtype,
+        max_leaves=max_leaves,
     )
     options = options._replace(has_aux=has_aux)
     names = None if axis_name is None else validation.check_axis_name("axis_name", axis_name)

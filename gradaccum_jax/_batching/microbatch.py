@@ -4,12 +4,11 @@ How it reads: `microbatch_value_and_grad` checks its options once
 (`_check_options`); the function it returns splits the batch, evaluates one
 micro-batch per iteration of a `jax.lax.scan` (`_micro_step`), and hands each
 output (the loss, every gradient leaf, every aux leaf) to its own
-`_Accumulator`, chosen by the output spec (`_output_spec`).
+`combining.Accumulator`, chosen by the output spec (`combining.output_spec`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -18,9 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._base import compat, trees, validation
-from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
-from gradaccum_jax._batching import nnx_modules, planning, statistics
+from gradaccum_jax._base import validation
+from gradaccum_jax._batching import combining, nnx_modules, planning, seeding, statistics
 from gradaccum_jax._batching.splitting import (
     _batch_size,
     _carried,
@@ -40,230 +38,6 @@ from gradaccum_jax._batching.splitting import (
     _split_output,
     _with_carry,
 )
-
-# --- options ------------------------------------------------------------------
-
-
-# --- checks of a call ---------------------------------------------------------
-
-
-# --- what fun returns ---------------------------------------------------------
-
-
-# --- accumulators -------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Accumulator:
-    """How one output of `fun` is combined over the micro-batches.
-
-    With `K` micro-batches, the result is
-
-        total = init()
-        for i in range(K):
-            total, emitted[i] = update(total, output_i, weight_i, keep_i)
-        result = finalize(total, stack(emitted), sum_i weight_i)
-
-    where `keep_i` says that micro-batch `i` has a positive weight. Reductions
-    keep a running total and emit `None`; per-micro-batch outputs are emitted
-    and stacked by the scan, so they keep the batch's sharding. `whole(output)`
-    is the result when the batch is a single micro-batch.
-    """
-
-    init: Callable[[], Any]
-    update: Callable[[Any, Any, jax.Array, jax.Array], tuple[Any, Any]]
-    finalize: Callable[[Any, Any, jax.Array], Any]
-    whole: Callable[[Any], Any]
-
-
-def _match_varying(x: jax.Array, like: Any) -> jax.Array:
-    # Inside shard_map a scan carry must keep its varying axes from one
-    # iteration to the next: widen an initial value to those of its successor.
-    missing = varying_axes(like) - varying_axes(x)
-    return pcast_to_varying(x, tuple(missing)) if missing else x
-
-
-def _explicit_spec(like: jax.ShapeDtypeStruct) -> Any:
-    """The `PartitionSpec` of `like` if it names a mesh axis (explicit sharding), else `None`."""
-    spec = getattr(getattr(like, "sharding", None), "spec", None)
-    if spec is None or not (
-        any(part is not None for part in compat.partitions(spec))
-        or getattr(spec, "unreduced", None)
-    ):
-        return None
-    return spec
-
-
-def _zeros(like: jax.ShapeDtypeStruct, dtype: Any) -> jax.Array:
-    # On a mesh with explicit sharding the sharding is part of the type: a
-    # total that starts replicated while the params (and so their gradients)
-    # are sharded, as under FSDP, would change type in the scan carry.
-    zeros = jnp.zeros(like.shape, dtype, out_sharding=_explicit_spec(like))
-    return _match_varying(zeros, like)
-
-
-def _mean_accumulator(
-    like: jax.ShapeDtypeStruct, dtype: Any, *, scaled: bool, masked: bool
-) -> _Accumulator:
-    """Sum of (weight ×) output over micro-batches, divided by the total weight."""
-
-    def update(total: jax.Array, x: Any, weight: jax.Array, keep: jax.Array) -> tuple[Any, None]:
-        term = jnp.asarray(x).astype(dtype)
-        if scaled:
-            term = term * weight.astype(dtype)
-        if masked:
-            # A micro-batch of zero weight (all padding) may hold 0/0 = NaN:
-            # select it away, since 0 * NaN would still be NaN.
-            term = jnp.where(keep, term, jnp.zeros_like(term))
-        return total + term, None
-
-    def finalize(total: jax.Array, _: None, weight_sum: jax.Array) -> jax.Array:
-        return (total / weight_sum.astype(dtype)).astype(like.dtype)
-
-    return _Accumulator(lambda: _zeros(like, dtype), update, finalize, lambda x: x)
-
-
-def _sum_accumulator(like: jax.ShapeDtypeStruct) -> _Accumulator:
-    # Booleans are counted, as jnp.sum would; at every K, so the dtype does not depend on K.
-    dtype = jnp.dtype(jnp.int32) if like.dtype == jnp.bool_ else like.dtype
-
-    def update(total: jax.Array, x: Any, weight: jax.Array, keep: jax.Array) -> tuple[Any, None]:
-        return total + jnp.asarray(x).astype(dtype), None
-
-    return _Accumulator(
-        lambda: _zeros(like, dtype),
-        update,
-        lambda total, _, weight_sum: total,
-        lambda x: jnp.asarray(x).astype(dtype),
-    )
-
-
-def _stacking_accumulator(reduce: Callable[[Any], Any]) -> _Accumulator:
-    """Emits every micro-batch's output; `reduce` gets them stacked (leading axis K)."""
-    return _Accumulator(
-        lambda: None,
-        lambda total, x, weight, keep: (None, x),
-        lambda total, stacked, weight_sum: reduce(stacked),
-        lambda x: reduce(x[None]),
-    )
-
-
-def _interleave(stacked: jax.Array) -> jax.Array:
-    # Micro-batch i holds examples i, i + K, ...: (K, B/K, ...) back to batch order.
-    return jnp.swapaxes(stacked, 0, 1).reshape((-1, *stacked.shape[2:]))
-
-
-def _concat_accumulator() -> _Accumulator:
-    return dataclasses.replace(_stacking_accumulator(_interleave), whole=lambda x: x)
-
-
-def _aux_accumulator(
-    choice: Any, path: Any, like: jax.ShapeDtypeStruct, micro_size: int, options: _Options
-) -> _Accumulator:
-    where = f"the aux leaf at {jax.tree_util.keystr(path)!r}"
-    if callable(choice):
-        return _stacking_accumulator(choice)
-    per_example = like.ndim >= 1 and like.shape[0] == micro_size
-    if choice == "concat" or (choice == "auto" and per_example):
-        if like.ndim == 0:
-            raise ValueError(
-                f"aux_reduction 'concat' needs a leading batch axis, but {where} is a "
-                "scalar; use 'mean', 'sum' or a callable for it."
-            )
-        return _concat_accumulator()
-    if choice == "sum":
-        return _sum_accumulator(like)
-    if not jnp.issubdtype(like.dtype, jnp.inexact):
-        rule = (
-            "'auto' (the default) averages every leaf that is not per-example"
-            if choice == "auto"
-            else "'mean' averages"
-        )
-        raise TypeError(
-            f"aux_reduction {rule}, which needs floating-point values; {where} is "
-            f"{like.dtype}{list(like.shape)}. Choose 'sum', 'concat' or a callable for it, "
-            "e.g. aux_reduction={'count': 'sum', 'acc': 'auto'}."
-        )
-    return _mean_accumulator(
-        like, jnp.promote_types(like.dtype, jnp.float32), scaled=True, masked=options.weighted
-    )
-
-
-def _aux_spec(aux: Any, micro_size: int, options: _Options) -> Any:
-    """One accumulator per aux leaf, from `aux_reduction` (a pytree prefix of `aux`)."""
-    try:
-        choices = jax.tree.map(
-            lambda r, sub: jax.tree.map(lambda _: r, sub),
-            options.aux_reduction,
-            aux,
-            is_leaf=_is_choice,
-        )
-    except ValueError as err:
-        raise ValueError(
-            "aux_reduction must be one choice or a pytree prefix of the aux output; "
-            f"aux_reduction={options.aux_reduction!r} does not match the aux structure "
-            f"{jax.tree_util.tree_structure(aux)}."
-        ) from err
-    flat_choices = jax.tree_util.tree_leaves(choices, is_leaf=_is_choice)
-    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(aux)
-    accumulators = [
-        _aux_accumulator(choice, path, like, micro_size, options)
-        for choice, (path, like) in zip(flat_choices, paths_and_leaves, strict=True)
-    ]
-    return jax.tree_util.tree_unflatten(treedef, accumulators)
-
-
-def _output_spec(value: Any, grads: Any, aux: Any, micro_size: int, options: _Options) -> Any:
-    """The accumulators of `(value, grads, aux)`, shaped like those outputs."""
-    # With weight_fn, fun returns a weighted mean: scale it by its weight. With
-    # sum_and_weight it returns a sum already; unweighted, every weight is 1.
-    scaled, masked = options.weight_fn is not None, options.weighted
-    value_dtype = jnp.promote_types(value.dtype, jnp.float32)
-    return (
-        _mean_accumulator(value, value_dtype, scaled=scaled, masked=masked),
-        jax.tree.map(
-            lambda g: _mean_accumulator(
-                g,
-                trees.accumulator_dtype(g, options.accumulator_dtype),
-                scaled=scaled,
-                masked=masked,
-            ),
-            grads,
-        ),
-        _aux_spec(aux, micro_size, options),
-    )
-
-
-def _is_accumulator(x: Any) -> bool:
-    return isinstance(x, _Accumulator)
-
-
-def _compose(spec: Any) -> _Accumulator:
-    """One accumulator over a pytree of outputs, from a pytree of accumulators."""
-    accumulators, treedef = jax.tree_util.tree_flatten(spec, is_leaf=_is_accumulator)
-
-    def update(totals: list[Any], outputs: Any, weight: jax.Array, keep: jax.Array) -> Any:
-        values = treedef.flatten_up_to(outputs)  # type: ignore[attr-defined]
-        pairs = [
-            a.update(t, x, weight, keep)
-            for a, t, x in zip(accumulators, totals, values, strict=True)
-        ]
-        return [total for total, _ in pairs], [emitted for _, emitted in pairs]
-
-    def finalize(totals: list[Any], emitted: list[Any], weight_sum: jax.Array) -> Any:
-        results = [
-            a.finalize(t, e, weight_sum)
-            for a, t, e in zip(accumulators, totals, emitted, strict=True)
-        ]
-        return jax.tree_util.tree_unflatten(treedef, results)
-
-    def whole(outputs: Any) -> Any:
-        values = treedef.flatten_up_to(outputs)  # type: ignore[attr-defined]
-        results = [a.whole(x) for a, x in zip(accumulators, values, strict=True)]
-        return jax.tree_util.tree_unflatten(treedef, results)
-
-    return _Accumulator(lambda: [a.init() for a in accumulators], update, finalize, whole)
-
 
 # --- the micro-batched function -------------------------------------------------
 
@@ -289,7 +63,7 @@ def _whole_batch(
     if options.carry_nums:
         _check_carry(new_carry, _carried(args, options), _carry_argnums(options))
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), aux)
-    aux = _compose(_aux_spec(shapes, batch_size, options)).whole(aux)
+    aux = combining.compose(combining.aux_spec(shapes, batch_size, options)).whole(aux)
     return _result(value, grads, new_carry, aux, options)
 
 
@@ -315,14 +89,18 @@ def _scan_microbatches(
 ) -> Any:
     micro = _batch_size(args, options.batch_nums) // k
     inputs = _microbatch_inputs(args, kwargs, k, options)
-    value_and_grad = jax.value_and_grad(_micro_loss(fun, options), options.argnums, has_aux=True)
+    value_and_grad = seeding.value_and_grad(_micro_loss(fun, options), options.argnums)
 
-    def micro_step(i: jax.Array, carry: Any) -> Any:
-        """Value, weight, new carry, aux and gradients of micro-batch `i`."""
+    def micro_inputs(i: jax.Array, carry: Any) -> tuple[list[Any], dict[str, Any]]:
         micro_args, micro_kwargs = inputs(i)
         if options.carry_nums:
             micro_args = _with_carry(micro_args, carry, options)
-        return value_and_grad(*micro_args, **micro_kwargs)
+        return micro_args, micro_kwargs
+
+    def micro_step(i: jax.Array, carry: Any, seed: jax.Array | None = None) -> Any:
+        """Value, weight, new carry, aux and gradients of micro-batch `i`."""
+        micro_args, micro_kwargs = micro_inputs(i, carry)
+        return value_and_grad(*micro_args, seed, **micro_kwargs)
 
     carry0 = None
     if options.carry_nums:
@@ -334,17 +112,22 @@ def _scan_microbatches(
     (value_shape, (_, carry_shape, aux_shape)), grad_shape = shapes
     if options.carry_nums:
         _check_carry(carry_shape, carry0, _carry_argnums(options))
-        carry0 = jax.tree.map(_match_varying, carry0, carry_shape)
-    accumulator = _compose(_output_spec(value_shape, grad_shape, aux_shape, micro, options))
+        carry0 = jax.tree.map(combining.match_varying, carry0, carry_shape)
+    max_mask = seeding.needs_seeds(grad_shape, options)
+    accumulator = combining.compose(
+        combining.output_spec(value_shape, grad_shape, aux_shape, micro, options, max_mask)
+    )
+    seeds = None if max_mask is None else seeding.seeds(k, micro_inputs, carry0, options)
 
     def body(state: Any, i: jax.Array) -> Any:
         carry, totals, weight_sum = state
-        (value, (weight, new_carry, aux)), grads = micro_step(i, carry)
+        seed = None if seeds is None else seeds[i]
+        (value, (weight, new_carry, aux)), grads = micro_step(i, carry, seed)
         totals, emitted = accumulator.update(totals, (value, grads, aux), weight, weight > 0)
         if options.carry_nums:
             # Same dtypes, checked above; astype drops a weak type scan would reject.
             new_carry = jax.tree.map(
-                lambda n, c: _match_varying(n.astype(c.dtype), c), new_carry, carry
+                lambda n, c: combining.match_varying(n.astype(c.dtype), c), new_carry, carry
             )
         return (new_carry, totals, weight_sum + weight), emitted
 
@@ -393,6 +176,7 @@ def microbatch_value_and_grad(
     statistics_fn: Callable[..., Any] | None = None,
     axis_name: Any = None,
     memory_budget: float | None = None,
+    max_leaves: Any = "auto",
 ) -> Callable[..., Any]:
     r"""Returns `jax.value_and_grad(fun)` computed over the batch in sequential micro-batches.
 
@@ -463,6 +247,8 @@ def microbatch_value_and_grad(
       the micro-batches as a carry and written back into the module, so each
       micro-batch draws its own dropout mask. `weight_fn` then receives the
       params' state in the module's place. Not with `carry_argnums`.
+    * Flax fp8 metadata (scales and amax histories, the "gradients" of `flax.linen.fp8_ops`
+      layers, also under `nnx.bridge`) come back as on the full batch. See `max_leaves`.
 
     Args:
       fun: The function to differentiate, `fun(*args, **kwargs)`, returning a
@@ -527,6 +313,9 @@ def microbatch_value_and_grad(
       memory_budget: Bytes, only with `num_microbatches="auto"`; `None` there
         means the device's free memory (see
         `gradaccum_jax.plan_microbatches`).
+      max_leaves: Gradient leaves taken as their max over micro-batches: `"auto"` (Flax's
+        fp8 metadata), `None`, or a callable `(path, leaf) -> bool`. If any, micro-batch
+        `i`'s backward is seeded with `1/K` (`W_i / W` with `weight_fn`; not `sum_and_weight`).
 
     Returns:
       A function with the signature of `fun` returning what
@@ -587,6 +376,7 @@ def microbatch_value_and_grad(
         accumulator_dtype=accumulator_dtype,
         statistics_fn=statistics_fn,
         axis_name=axis_name,
+        max_leaves=max_leaves,
     )
     k = _check_num_microbatches(num_microbatches, memory_budget)
     plain = _built(fun, k, memory_budget, options)

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from gradaccum_jax._base import reduce_rules
 from gradaccum_jax._batching.splitting import _carry_argnums, _Options
 
 
@@ -21,6 +22,19 @@ def module_positions(args: tuple[Any, ...], options: _Options) -> tuple[int, ...
     if nnx is None:
         return ()
     return tuple(i for i in options.grad_nums if i < len(args) and isinstance(args[i], nnx.Module))
+
+
+def differentiated(nnx: Any, options: _Options) -> Any:
+    """The filter of a module's differentiated state: `nnx.Param`, and fp8 metadata.
+
+    Flax's fp8 layers (linen, under `nnx.bridge`) update their scales and amax
+    histories through the gradients of their `_overwrite_with_gradient`
+    variables; under `max_leaves="auto"` those are differentiated as well, so
+    that the gradient returns their new values (`_base/reduce_rules.py`).
+    """
+    if options.max_leaves != "auto":
+        return nnx.Param
+    return nnx.Any(nnx.Param, lambda path, value: reduce_rules.is_fp8_variable(value))
 
 
 def value_and_grad(
@@ -60,7 +74,8 @@ def value_and_grad(
             "params, rest = nnx.split(model, nnx.Param, ...), and pass params to a loss "
             "that merges them (see the Flax NNX section of the micro-batching guide)."
         )
-    splits = {i: nnx.split(args[i], nnx.Param, ...) for i in modules}
+    wrt = differentiated(nnx, options)
+    splits = {i: nnx.split(args[i], wrt, ...) for i in modules}
     rest_at = len(args)  # the modules' other state, appended as one carried argument
 
     def pure_fun(*pure_args: Any, **kw: Any) -> Any:
@@ -71,7 +86,7 @@ def value_and_grad(
             call_args[i] = merged[i]
         out = fun(*call_args, **kw)
         loss, aux = out if options.has_aux else (out, None)
-        new_rests = {i: nnx.state(model, nnx.Not(nnx.Param)) for i, model in merged.items()}
+        new_rests = {i: nnx.state(model, nnx.Not(wrt)) for i, model in merged.items()}
         return loss, (new_rests, aux)
 
     weight_fn = options.weight_fn

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradaccum_jax._base import validation
+from gradaccum_jax._base import reduce_rules, validation
 from gradaccum_jax._batching import statistics
 
 _AUX_REDUCTIONS = ("auto", "mean", "sum", "concat")
@@ -39,6 +39,7 @@ class _Options(NamedTuple):
     accumulator_dtype: Any
     statistics_fn: Callable[..., Any] | None = None
     axis_name: tuple[Any, ...] | None = None  # the devices statistics_fn's sums run over
+    max_leaves: Any = "auto"  # gradient leaves combined by max (see _base/reduce_rules.py)
 
     @property
     def weighted(self) -> bool:
@@ -72,6 +73,7 @@ def _check_options(
     accumulator_dtype: Any,
     statistics_fn: Any = None,
     axis_name: Any = None,
+    max_leaves: Any = "auto",
 ) -> _Options:
     if not callable(fun):
         raise TypeError(f"fun must be callable; got {fun!r} of type {type(fun).__name__}.")
@@ -87,6 +89,7 @@ def _check_options(
         sum_and_weight=sum_and_weight,
         aux_reduction=aux_reduction,
         accumulator_dtype=accumulator_dtype,
+        max_leaves=reduce_rules.check_max_leaves(max_leaves),
     )
     options = options._replace(
         statistics_fn=statistics_fn,

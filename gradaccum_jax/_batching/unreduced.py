@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._base import compat, validation
+from gradaccum_jax._base import compat, reduce_rules, validation
 from gradaccum_jax._base.compat import (
     pcast_to_varying,
     reshard,
@@ -27,6 +27,12 @@ from gradaccum_jax._base.compat import (
 )
 from gradaccum_jax._batching.microbatch import microbatch_value_and_grad
 from gradaccum_jax._sharding.partials import _PER_DEVICE, _mesh_axes_of, _spec, mesh_axes_size
+
+_FP8 = (
+    "Left unreduced, the devices' values would be summed where the large batch takes their "
+    "max. Use microbatch_value_and_grad in the global-view jit step (XLA takes the amax over "
+    "the sharded batch itself), or differentiate variables['params'] alone here."
+)
 
 AxisName = Hashable | Sequence[Hashable]
 
@@ -419,7 +425,8 @@ def unreduced_value_and_grad(
       ValueError: If the argnums overlap; when called, if there is no context
         mesh, it lacks `axis_name` or the axis is not `Explicit`, a batch
         leaf's leading axis is not a multiple of the number of devices (times
-        `num_microbatches`), or a parameter is typed unreduced or reduced.
+        `num_microbatches`), a parameter is typed unreduced or reduced, or the
+        params hold Flax fp8 metadata (summed over devices, they would be wrong).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -455,6 +462,9 @@ def unreduced_value_and_grad(
     value_and_grad_over(1, axes)  # checks the options now, not at the first call
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        reduce_rules.refuse_max_leaves(
+            [args[i] for i in grad_nums], "unreduced_value_and_grad", _FP8
+        )
         mesh_axes_size(axes, f"unreduced_value_and_grad(..., axis_name={axis_name!r})")
         _check_params(args, grad_nums)
         split = _split_axes(args, grad_nums, batch_nums, axes)

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from gradaccum_jax._base import validation
+from gradaccum_jax._base import reduce_rules, validation
 from gradaccum_jax._sharding import partials
 from gradaccum_jax._window import noise_scale, placement, stages
 from gradaccum_jax._window.state import (
@@ -389,6 +389,7 @@ def accumulate(
     )
 
     def init_fn(params: optax.Params) -> AccumulateState:
+        reduce_rules.refuse_max_leaves(params, "gradaccum_jax.accumulate")
         return stages.init(plan, params)
 
     def update_fn(

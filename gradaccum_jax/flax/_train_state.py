@@ -20,6 +20,7 @@ from flax.training import train_state
 from gradaccum_jax._base import compat
 from gradaccum_jax._window import accumulate as _accumulation
 from gradaccum_jax._window.fused import apply_gradients
+from gradaccum_jax.flax._fp8 import WINDOW_MAX, hold_for_window, window_start
 
 
 class TrainState(train_state.TrainState):
@@ -33,6 +34,16 @@ class TrainState(train_state.TrainState):
     `step` still counts calls (micro-steps); read the `optimizer_step` property
     for optimizer steps. Keywords of `apply_gradients` that name no field of
     the state (`weight=`, `value=`) go to `tx.update`.
+
+    Flax's fp8 metadata (the `_overwrite_with_gradient` collection of
+    `flax.linen.fp8_ops` layers: scales and amax histories) are not handed to
+    `tx`. Flax overwrites them on every call; under `accumulate` they are
+    held as they were when the window opened, the calls' new values are
+    combined by their elementwise max in the collection
+    `params["_overwrite_with_gradient_max"]` (added by `create`, shaped like
+    the metadata; the model ignores it), and the max is written when the
+    window closes: the history rolls once per optimizer step, and every
+    micro-step of a window is quantized with the same scales.
 
     The same in one line on Flax's own class, for a subclass of your own:
     `params, opt_state = gradaccum_jax.apply_gradients(state.tx, grads,
@@ -51,6 +62,17 @@ class TrainState(train_state.TrainState):
       >>> state.params["w"]  # 1 - 0.5 * mean([1, 3])
       Array([0., 0.], dtype=float32)
     """
+
+    @classmethod
+    def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> TrainState:
+        """Flax's `create`; with fp8 metadata in `params`, their window's running max as well."""
+        overwrite = train_state.OVERWRITE_WITH_GRADIENT
+        if isinstance(params, dict) and overwrite in params and WINDOW_MAX not in params:
+            # A collection beside the metadata rather than a field: checkpoints of
+            # states without fp8 layers keep Flax's structure.
+            params = {**params, WINDOW_MAX: window_start(params[overwrite])}
+        state: TrainState = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        return state
 
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
         """Updates `step`, `params` and `opt_state`, as Flax's; other keywords: fields or `tx`'s.
@@ -104,7 +126,16 @@ class TrainState(train_state.TrainState):
             new_params, new_opt_state = apply_gradients(
                 self.tx, grads["params"], self.opt_state, self.params["params"], **extra_args
             )
-            new_params = {"params": new_params, overwrite: grads[overwrite]}
+            meta, running = hold_for_window(
+                self.params[overwrite],
+                self.params.get(WINDOW_MAX),
+                grads[overwrite],
+                self.opt_state,
+                new_opt_state,
+            )
+            new_params = {"params": new_params, overwrite: meta}
+            if running is not None:
+                new_params[WINDOW_MAX] = running
         else:
             new_params, new_opt_state = apply_gradients(
                 self.tx, grads, self.opt_state, self.params, **extra_args
