@@ -3,6 +3,7 @@
 import re
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -643,3 +644,194 @@ def test_unreduced_route_sums_the_devices_once_per_window(gather):
         assert ops["all-reduce"] == 1 and ops["reduce-scatter"] == 0, ops
     with pytest.raises(ValueError, match=r"grad_reduction='sum'.*pass axis_name"):
         ga.coupled_value_and_grad(clip_loss, embed, 2, grad_reduction="sum")
+
+
+# --- doors a new user walks through (issue 35) ------------------------------------
+
+def _mesh8():
+    return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _on_mesh(mesh, params=PARAMS, batch=BATCH):
+    return (
+        jax.device_put(params, NamedSharding(mesh, P())),
+        jax.device_put(batch, NamedSharding(mesh, P("data"))),
+    )
+
+
+@pytest.mark.slow
+def test_replicated_key_draws_each_devices_own_masks():
+    # Under shard_map a key passed the same to every device is folded with the
+    # device's position, then with the micro-batch index: device d's shard is
+    # embedded as one device would with jax.random.fold_in(key, d).
+    mesh, k, key = _mesh8(), 2, jax.random.key(7)
+    f = ga.coupled_value_and_grad(clip_loss, embed_dropout, k, axis_name="data")
+    step = jax.jit(
+        jax.shard_map(
+            lambda p, b, key: jax.lax.pmean(f(p, b, key), "data"),
+            mesh=mesh,
+            in_specs=(P(), P("data"), P()),
+            out_specs=P(),
+        )
+    )
+    value, grads = step(*_on_mesh(mesh), key)
+
+    def per_device_reference(p):
+        shards = [jax.tree.map(lambda x, d=d: x[d * 8 : (d + 1) * 8], BATCH) for d in range(8)]
+        reps = [
+            _interleaved_embeddings(embed_dropout, p, shard, jax.random.fold_in(key, d), k)
+            for d, shard in enumerate(shards)
+        ]
+        return clip_loss(p, jax.tree.map(lambda *xs: jnp.concatenate(xs), *reps))
+
+    assert_close((value, grads), jax.jit(jax.value_and_grad(per_device_reference))(PARAMS))
+
+
+def _gathered(per_device):
+    """`per_device(params, batch)` under shard_map on 8 devices, outputs stacked by device."""
+    mesh = _mesh8()
+    step = jax.shard_map(
+        lambda p, b: jax.tree.map(lambda x: x[None], per_device(p, b)),
+        mesh=mesh,
+        in_specs=(P(), P("data")),
+        out_specs=P("data"),
+    )
+    return jax.device_get(jax.jit(step)(*_on_mesh(mesh)))
+
+
+def test_auto_plans_inside_shard_map_and_shows_its_k():
+    # The plan compiles one device's program in a program that has the mapped axis;
+    # f.plan, called where f is, shows the K it chose.
+    plans = []
+
+    def per_device(budget):
+        f = ga.coupled_value_and_grad(
+            clip_loss, embed, "auto", axis_name="data", memory_budget=budget
+        )
+
+        def run(p, b):
+            plans.append(f.plan(p, b))
+            return f(p, b)
+
+        return run
+
+    values, grads = _gathered(per_device(2**40))
+    assert plans[-1].num_microbatches == 1
+    tight = plans[-1].table[1] - 1
+    values, grads = _gathered(per_device(tight))
+    assert plans[-1].num_microbatches > 1 and plans[-1].peak_bytes <= tight
+    want_value, want_grads = reference(clip_loss)(PARAMS, BATCH)
+    assert_close(values, jnp.broadcast_to(want_value, (8,)))
+    assert_close(jax.tree.map(lambda g: g.mean(0), grads), want_grads)
+    with pytest.raises(ValueError, match="num_microbatches='auto'"):
+        ga.coupled_value_and_grad(clip_loss, embed, 4).plan(PARAMS, BATCH)
+
+
+def test_a_leaf_the_same_on_every_device():
+    # Per-example weights built as jnp.ones(n) are typed invariant under shard_map.
+    def weighted_embed(params, batch):
+        return {**embed(params, batch), "w": jnp.ones(batch["x"].shape[0])}
+
+    def weighted_loss(params, reps):
+        return clip_loss(params, reps) * jnp.mean(reps["w"] ** 2)
+
+    f = ga.coupled_value_and_grad(weighted_loss, weighted_embed, 2, axis_name="data")
+    values, grads = _gathered(f)
+    want_value, want_grads = reference(weighted_loss, weighted_embed)(PARAMS, BATCH)
+    assert_close(values, jnp.broadcast_to(want_value, (8,)))
+    assert_close(jax.tree.map(lambda g: g.mean(0), grads), want_grads)
+
+
+@pytest.mark.requires("all_gather(to='invarying')", jax="0.10.0")
+def test_gathered_loss_is_typed_invariant():
+    # The gathered batch's loss is the same on every device and typed so:
+    # out_specs=P() takes it without a pmean.
+    mesh = _mesh8()
+    f = ga.coupled_value_and_grad(clip_loss, embed, 2, axis_name="data")
+    step = jax.jit(
+        jax.shard_map(
+            lambda p, b: f(p, b)[0], mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+        )
+    )
+    assert_close(step(*_on_mesh(mesh)), reference(clip_loss)(PARAMS, BATCH)[0])
+
+
+def test_k_not_dividing_the_batch_names_the_losses_mask():
+    f = ga.coupled_value_and_grad(clip_loss, embed, 5)
+    with pytest.raises(ValueError, match=r"multiple of 5, or pad the batch.*mask=") as err:
+        f(PARAMS, BATCH)
+    assert "weight_fn" not in str(err.value)
+
+
+class NnxTowers(nnx.Module):
+    def __init__(self, rngs):
+        self.img = nnx.Linear(DX, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.out = nnx.Linear(16, D, rngs=rngs)
+        self.txt = nnx.Linear(DY, D, rngs=rngs)
+        self.log_scale = nnx.Param(jnp.log(3.0))
+
+    def __call__(self, batch):
+        return {
+            "a": self.out(self.drop(self.norm(jnp.tanh(self.img(batch["x"]))))),
+            "b": self.txt(batch["y"]),
+        }
+
+
+def nnx_loss(model, reps):
+    return clip_loss({"scale": jnp.exp(model.log_scale[...])}, reps)
+
+
+def nnx_embed(model, batch):
+    return model(batch)
+
+
+@pytest.mark.parametrize("train", [pytest.param(True, marks=pytest.mark.slow), False])
+def test_nnx_module_as_params(train):
+    k = 4
+    model = NnxTowers(nnx.Rngs(0))
+    if not train:
+        model.eval()
+    twin = nnx.clone(model)
+    f = ga.coupled_value_and_grad(nnx_loss, nnx_embed, k)
+    value, grads = nnx.jit(f)(model, BATCH)
+    assert isinstance(grads, nnx.State)
+
+    # The function computed: micro-batch i embedded by the module in turn (each call
+    # moves the BatchNorm statistics and the dropout stream), the loss on all rows.
+    def composite(m):
+        parts = [nnx_embed(m, jax.tree.map(lambda x, i=i: x[i::k], BATCH)) for i in range(k)]
+        reps = jax.tree.map(lambda *xs: jnp.stack(xs, 1).reshape(-1, *xs[0].shape[1:]), *parts)
+        return nnx_loss(m, reps)
+
+    want_value, want_grads = nnx.jit(nnx.value_and_grad(composite))(twin)
+    assert_close((value, grads), (want_value, want_grads), atol=1e-7)
+    # The statistics and the RNG counter moved once per micro-batch, by one pass.
+    assert_close(nnx.state(model, nnx.BatchStat), nnx.state(twin, nnx.BatchStat))
+    assert_close(nnx.state(model, nnx.RngCount), nnx.state(twin, nnx.RngCount))
+    if train:
+        assert float(jnp.max(jnp.abs(model.norm.mean[...]))) > 0
+        # Dropout drew its own mask per micro-batch: without it the gradient differs.
+        model.drop.deterministic = True
+        _, no_dropout = f(model, BATCH)
+        assert rel_error(no_dropout, grads) > 0.01
+    else:
+        assert_close((value, grads), nnx.value_and_grad(lambda m: nnx_loss(m, m(BATCH)))(twin))
+
+
+def test_nnx_module_of_params_only():
+    class Plain(nnx.Module):
+        def __init__(self, rngs):
+            self.img = nnx.Linear(DX, D, rngs=rngs)
+            self.txt = nnx.Linear(DY, D, rngs=rngs)
+            self.log_scale = nnx.Param(jnp.log(3.0))
+
+        def __call__(self, batch):
+            return {"a": self.img(batch["x"]), "b": self.txt(batch["y"])}
+
+    model = Plain(nnx.Rngs(1))
+    value, grads = jax.jit(ga.coupled_value_and_grad(nnx_loss, nnx_embed, 4))(model, BATCH)
+    want = nnx.value_and_grad(lambda m: nnx_loss(m, m(BATCH)))(model)
+    assert type(grads) is type(want[1]) is nnx.State
+    assert_close((value, grads), want)

@@ -26,9 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._base import trees, validation
+from gradaccum_jax._base import compat, trees, validation
 from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
-from gradaccum_jax._batching import microbatch, planning, splitting
+from gradaccum_jax._batching import microbatch, nnx_modules, planning, splitting
 
 # --- options ------------------------------------------------------------------
 
@@ -101,6 +101,19 @@ def _check_embeddings(out: Any, micro: int, k: int) -> None:
             )
 
 
+def _fold_keys(
+    args: tuple[Any, ...], kwargs: dict[str, Any], index: jax.Array, options: splitting._Options
+) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments with their keys folded with `index`: those at `key_argnums`, raw
+    or typed, and the typed keys among the arguments passed whole."""
+    taken = {n for nums in options.roles.values() for n in nums}
+    folded = list(args)
+    for j, arg in enumerate(args):
+        if j in options.key_nums or j not in taken:
+            folded[j] = splitting._fold_keys(arg, index, typed_only=j not in options.key_nums)
+    return folded, splitting._fold_keys(kwargs, index, typed_only=True)
+
+
 class _Embedder:
     """Calls `embed_fn` on micro-batch `i` of a group, as in both passes."""
 
@@ -111,9 +124,10 @@ class _Embedder:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         options: splitting._Options,
+        axis_name: tuple[Any, ...] | None,
     ):
         self.embed_fn, self.group, self.options = embed_fn, group, options
-        self.args, self.kwargs = args, kwargs
+        self.args, self.kwargs, self.axis_name = args, kwargs, axis_name
         k = group.k
         self.micro = splitting._batch_size(args, options.batch_nums) // k
         # (B, ...) -> (B/K, K, ...): micro-batch i is column i (a strided split that
@@ -122,25 +136,18 @@ class _Embedder:
             j: jax.tree.map(lambda x: x.reshape((self.micro, k, *x.shape[1:])), args[j])
             for j in options.batch_nums
         }
-        taken = {n for nums in options.roles.values() for n in nums}
-        self.whole = {i for i in range(len(args)) if i not in taken}
 
     def __call__(self, params: Any, i: jax.Array, carry: Any) -> tuple[Any, Any]:
         """(selected embeddings, new carry) of micro-batch `i`."""
         options = self.options
-        args = list(self.args)
-        args[0] = params
-        kwargs = self.kwargs
+        args, kwargs = list(self.args), self.kwargs
         if self.group.k > 1:
+            args, kwargs = _fold_keys(self.args, kwargs, i, options)
             for j, column in self.columns.items():
                 args[j] = jax.tree.map(
                     lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), column
                 )
-            for j in options.key_nums:
-                args[j] = splitting._fold_keys(self.args[j], i, typed_only=False)
-            for j in self.whole:
-                args[j] = splitting._fold_keys(self.args[j], i, typed_only=True)
-            kwargs = splitting._fold_keys(kwargs, i, typed_only=True)
+        args[0] = params
         if options.carry_nums:
             args = splitting._with_carry(args, carry, options)
         out = self.embed_fn(*args, **kwargs)
@@ -152,7 +159,13 @@ class _Embedder:
                     f"must return (embeddings, new_carry); got {type(out).__name__}."
                 )
             out, new_carry = out
-        return self.group.select(out), new_carry
+        reps = self.group.select(out)
+        if self.axis_name is not None:
+            # Rows of a device's own examples, whatever embed_fn's types say (a leaf
+            # built the same on every device, such as jnp.ones(n), is typed invariant):
+            # their cotangents, sliced by device, are varying.
+            reps = jax.tree.map(lambda x: _varying_over(x, self.axis_name), reps)
+        return reps, new_carry
 
 
 def _strong(tree: Any) -> Any:
@@ -234,13 +247,20 @@ def _axis_size(axis_name: tuple[Any, ...]) -> int:
     return math.prod(jax.lax.psum(1, name) for name in axis_name)
 
 
+_PADDING = (
+    "leave the padded rows out of the loss: pass mask= (False on padding) to the losses of "
+    "gradaccum_jax.losses, which then neither query nor score against them, or mask them "
+    "in your own loss_fn"
+)
+
+
 def _check_batch(
     args: tuple[Any, ...], kwargs: dict[str, Any], counts: int | dict[Any, int], options: Any
 ) -> int:
     splitting._check_call(args, kwargs, options)
     batch_size = splitting._batch_size(args, options.batch_nums)
     for k in {counts} if isinstance(counts, int) else set(counts.values()):
-        splitting._check_divisible(batch_size, k)
+        splitting._check_divisible(batch_size, k, padding=_PADDING)
         splitting._check_shards(args, options.batch_nums, batch_size // k)
     return batch_size
 
@@ -255,7 +275,7 @@ def _embedders(
 ) -> tuple[list[_Embedder], Any, Any]:
     """One `_Embedder` per group of towers, the output's structure, and the typed carry."""
     options = spec.options
-    probe = _Embedder(spec.embed_fn, _Group(1, None), args, kwargs, options)
+    probe = _Embedder(spec.embed_fn, _Group(1, None), args, kwargs, options, spec.axis_name)
     whole_shape = jax.eval_shape(lambda p, c: probe(p, jnp.int32(0), c)[0], params, carry0)
     groups = _groups(counts, whole_shape)
     if options.carry_nums and len(groups) > 1:
@@ -265,7 +285,7 @@ def _embedders(
             "statistics of every tower. Use one num_microbatches for all towers with "
             "carried state, or keep the statistics out of the carry."
         )
-    embedders = [_Embedder(spec.embed_fn, g, args, kwargs, options) for g in groups]
+    embedders = [_Embedder(spec.embed_fn, g, args, kwargs, options, spec.axis_name) for g in groups]
     for e in embedders:
         shape = jax.eval_shape(lambda p, c, e=e: e(p, jnp.int32(0), c), params, carry0)
         _check_embeddings(shape[0], e.micro, e.group.k)
@@ -276,13 +296,34 @@ def _embedders(
 
 
 def _loss_and_cotangents(
-    spec: _Spec, embedders: list[_Embedder], whole_shape: Any, params: Any, local: list[Any]
+    spec: _Spec,
+    embedders: list[_Embedder],
+    whole_shape: Any,
+    params: tuple[Any, Any],
+    local: list[Any],
 ) -> tuple[Any, Any, list[list[jax.Array]]]:
-    """The loss's output, its parameter gradient, and each group's embedding cotangents."""
+    """The loss's output, its parameter gradient, and each group's embedding cotangents.
+
+    `params` are the caller's and their varying cast: inside `jax.shard_map`, the
+    gathered batch's loss is computed from the caller's params and embeddings
+    gathered invariant, so that it is typed like what it is, the same value on
+    every device; else from the varying params (a loss of this device's rows, or
+    under `jax.pmap`), whose gradient no collective reduces.
+    """
     axis_name = spec.axis_name
     seen = local  # one device, or a loss sharded over axis_name itself
+    given, varying = params
     if axis_name is not None and spec.gather:
-        seen = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name, tiled=True), local)
+        invariant = compat.GATHERS_INVARIANT and all(
+            set(axis_name) <= varying_axes(x) for x in jax.tree_util.tree_leaves(local)
+        )
+        if invariant:
+            seen = compat.all_gather_invariant(local, axis_name)
+        else:
+            seen = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name, tiled=True), local)
+        params = given if invariant else varying
+    else:
+        params = varying
 
     def loss_of(p: Any, floats: list[list[Any]]) -> Any:
         parts = [_with_floats(g, f) for g, f in zip(seen, floats, strict=True)]
@@ -319,13 +360,15 @@ def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
 
     def value_and_grad(*args: Any, **kwargs: Any) -> Any:
         _check_batch(args, kwargs, counts, options)
-        params = args[0]
+        given = params = args[0]
         if spec.axis_name is not None:
+            # A key passed the same to every device would draw the same masks on
+            # all of them: each device folds its position in first.
+            folded, kwargs = _fold_keys(args, kwargs, _axis_index(spec.axis_name), options)
+            args = tuple(folded)
             # The gradient with respect to replicated params would be summed over the
             # devices in the backward pass; each device's own share is wanted here.
-            missing = tuple(a for a in spec.axis_name if a not in _varying(params))
-            if missing:
-                params = pcast_to_varying(params, missing)
+            params = _varying_over(params, spec.axis_name)
         carry0 = _strong(splitting._carried(args, options)) if options.carry_nums else None
         embedders, whole_shape, carry0 = _embedders(spec, counts, args, kwargs, params, carry0)
 
@@ -335,7 +378,7 @@ def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
             reps, final_carry = _embed_all(e, params, carry0)
             local.append(jax.tree.map(jax.lax.stop_gradient, reps))
         out, loss_grads, cotangents = _loss_and_cotangents(
-            spec, embedders, whole_shape, params, local
+            spec, embedders, whole_shape, (given, params), local
         )
         # Pass 2, from the loss's own parameter gradient (loss-only params counted once).
         # It replays pass 1's carry so every micro-batch is embedded as it was then;
@@ -343,7 +386,10 @@ def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
         dtypes = jax.tree.map(
             lambda g: trees.accumulator_dtype(g, options.accumulator_dtype), loss_grads
         )
-        totals = jax.tree.map(lambda g, d: g.astype(d), loss_grads, dtypes)
+        # Typed like the params of pass 2 (varying over axis_name), whose gradients it sums.
+        totals = jax.tree.map(
+            lambda g, d, p: microbatch._match_varying(g.astype(d), p), loss_grads, dtypes, params
+        )
         for e, cotangent in zip(embedders, cotangents, strict=True):
             totals = _pull_back(e, params, cotangent, carry0, totals, dtypes)
         grads = jax.tree.map(lambda t, g: t.astype(jnp.result_type(g)), totals, loss_grads)
@@ -356,9 +402,14 @@ def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
     return value_and_grad
 
 
-def _varying(tree: Any) -> frozenset:
-    leaves = jax.tree_util.tree_leaves(tree)
-    return frozenset.intersection(*(varying_axes(x) for x in leaves)) if leaves else frozenset()
+def _varying_over(tree: Any, axis_name: tuple[Any, ...]) -> Any:
+    """`tree` typed varying over every axis of `axis_name` (a no-op where it is)."""
+
+    def cast(x: Any) -> Any:
+        missing = tuple(a for a in axis_name if a not in varying_axes(x))
+        return pcast_to_varying(x, missing) if missing else x
+
+    return jax.tree.map(cast, tree)
 
 
 def _axis_index(axis_name: tuple[Any, ...]) -> jax.Array:
@@ -392,7 +443,7 @@ def coupled_value_and_grad(
     gather_embeddings: bool = True,
     grad_reduction: str = "mean",
     memory_budget: float | None = None,
-) -> Callable[..., Any]:
+) -> CoupledValueAndGrad:
     r"""Returns the value and gradient of a batch-coupled loss, computed in micro-batches.
 
     For a loss in which every example's term depends on the other examples'
@@ -576,15 +627,68 @@ def coupled_value_and_grad(
             "Drop grad_reduction, or pass axis_name."
         )
     spec = _Spec(loss_fn, embed_fn, options, names, gather_embeddings, grad_reduction == "sum")
-    counts = _check_counts(num_microbatches, memory_budget)
-    if not isinstance(counts, str):
-        return _coupled(spec, counts)
+    return CoupledValueAndGrad(spec, _check_counts(num_microbatches, memory_budget), memory_budget)
 
-    def planned(*args: Any, **kwargs: Any) -> Any:
-        plan = _plan(spec, args, kwargs, memory_budget)
-        return _coupled(spec, plan.num_microbatches)(*args, **kwargs)
 
-    return planned
+class CoupledValueAndGrad:
+    """The function `coupled_value_and_grad` returns: `f(params, batch, *args, **kwargs)`.
+
+    Called, it returns `(loss, grads)` (see `coupled_value_and_grad`). With
+    `num_microbatches="auto"`, `f.plan(params, batch, *args, **kwargs)` returns
+    the `gradaccum_jax.MicrobatchPlan` that a call with those arguments follows
+    (called where `f` would be: under `axis_name`, inside the mapped function).
+    """
+
+    def __init__(self, spec: _Spec, counts: int | str | dict[Any, int], memory_budget: Any):
+        self._spec, self._counts, self._memory_budget = spec, counts, memory_budget
+
+    def _pure(self, args: tuple[Any, ...]) -> tuple[_Spec, tuple[Any, ...], Callable[..., Any]]:
+        """The spec and arguments of a call on plain pytrees, and how to finish its result.
+
+        A `flax.nnx` module in the params' place is split into its `nnx.Param`
+        state, differentiated, and the rest, carried through the micro-batches.
+        """
+        spec = self._spec
+        if not nnx_modules.module_positions(args, spec.options):
+            return spec, args, lambda out: out
+        axis_name = spec.axis_name
+
+        def device_keys(rest: Any) -> Any:
+            if axis_name is None:
+                return rest
+            return splitting._fold_keys(rest, _axis_index(axis_name), typed_only=True)
+
+        pure = nnx_modules.split_for_coupled(
+            spec.loss_fn, spec.embed_fn, spec.options, args, device_keys
+        )
+        pure_spec = dataclasses.replace(
+            spec, loss_fn=pure.loss_fn, embed_fn=pure.embed_fn, options=pure.options
+        )
+        return pure_spec, pure.args, pure.finish
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        spec, args, finish = self._pure(args)
+        counts = self._counts
+        if isinstance(counts, str):
+            counts = _plan(spec, args, kwargs, self._memory_budget).num_microbatches
+        return finish(_coupled(spec, counts)(*args, **kwargs))
+
+    def plan(self, *args: Any, **kwargs: Any) -> planning.MicrobatchPlan:
+        """The plan of `num_microbatches="auto"` for a call with these arguments.
+
+        Its `num_microbatches` is the `K` the call uses, which also decides the
+        dropout masks (micro-batch `i` folds its index into the keys).
+
+        Raises:
+          ValueError: If `num_microbatches` was given as a count.
+        """
+        if not isinstance(self._counts, str):
+            raise ValueError(
+                f"plan() reports the K that num_microbatches='auto' chooses; this function "
+                f"was built with num_microbatches={self._counts!r}."
+            )
+        spec, args, _ = self._pure(args)
+        return _plan(spec, args, kwargs, self._memory_budget)
 
 
 def _plan(
@@ -605,8 +709,14 @@ def _plan(
         for k in range(1, batch_size + 1)
         if batch_size % k == 0 and (batch_size // k) % shards == 0
     ]
+    def build(k: int) -> Callable[..., Any]:
+        return _coupled(spec, k)
+
+    if spec.axis_name is not None:
+        # Per device, in a program that has the mapped axis.
+        build, args, kwargs = planning.each_device(build, spec.axis_name, args, kwargs)
     return planning.plan(
-        lambda k: _coupled(spec, k),
+        build,
         args,
         kwargs,
         candidates=candidates,

@@ -111,6 +111,61 @@ def _abstract(x: Any) -> Any:
     return None
 
 
+def each_device(
+    build: Callable[[int], Callable[..., Any]],
+    axis_name: tuple[Any, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Callable[[int], Callable[..., Any]], tuple[Any, ...], dict[str, Any]]:
+    """`plan`'s `build`, `args` and `kwargs` for a function of one device of a mapped axis.
+
+    Called inside `jax.shard_map` or `jax.pmap`, where `build(K)` uses collectives
+    over `axis_name`: a program compiled on its own has no such axis. The plan
+    compiles `build(K)` under a `jax.shard_map` over as many devices as the axis
+    has, each given its own copy of `args` (stacked along a new leading axis), so
+    that the peak bytes read are one device's.
+    """
+    sizes = [int(jax.lax.psum(1, name)) for name in axis_name]
+    devices = jax.devices()
+    if len(devices) < int(np.prod(sizes)):
+        raise ValueError(
+            f"num_microbatches='auto' with axis_name={axis_name!r} compiles one device's "
+            f"program over {int(np.prod(sizes))} devices, but {len(devices)} are visible. "
+            "Pass num_microbatches as an int."
+        )
+    mesh = jax.sharding.Mesh(np.array(devices[: int(np.prod(sizes))]).reshape(sizes), axis_name)
+    spec = jax.sharding.PartitionSpec(axis_name)
+
+    def stacked(x: Any) -> Any:
+        if isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic):
+            return jax.ShapeDtypeStruct((mesh.size, *np.shape(x)), x.dtype)
+        return x
+
+    def build_each(k: int) -> Callable[..., Any]:
+        function = build(k)
+
+        def run(*stacked_args: Any, **stacked_kwargs: Any) -> Any:
+            leaves, treedef = jax.tree_util.tree_flatten((stacked_args, stacked_kwargs))
+            arrays = [x for x in leaves if isinstance(x, jax.Array)]
+
+            def one_device(*local: Any) -> Any:
+                rows = iter(local)
+                full = [next(rows)[0] if isinstance(x, jax.Array) else x for x in leaves]
+                call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+                return jax.tree.map(lambda y: y[None], function(*call_args, **call_kwargs))
+
+            # Its own mesh, not the caller's (whose axes are manual in the caller's body).
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return jax.shard_map(one_device, mesh=mesh, in_specs=spec, out_specs=spec)(
+                    *arrays
+                )
+
+        return run
+
+    stacked_args, stacked_kwargs = jax.tree.map(stacked, (args, kwargs))
+    return build_each, stacked_args, stacked_kwargs
+
+
 def _hashable(key: Any) -> Any:
     try:
         hash(key)

@@ -223,13 +223,16 @@ def _batch_size(args: tuple[Any, ...], batch_nums: tuple[int, ...]) -> int:
     return next(iter(sizes.values()))
 
 
-def _check_divisible(batch_size: int, k: int) -> None:
+PAD_WITH_WEIGHTS = "mask the padding out with weight_fn or sum_and_weight"
+
+
+def _check_divisible(batch_size: int, k: int, padding: str = PAD_WITH_WEIGHTS) -> None:
+    """Raises unless `k` divides the batch; `padding` says how padded examples are left out."""
     if batch_size % k:
         raise ValueError(
             f"the batch size must be divisible by num_microbatches; got batch size "
             f"{batch_size} and num_microbatches={k} (remainder {batch_size % k}). Use a "
-            f"batch size that is a multiple of {k}, or pad the batch and mask the padding "
-            "out with weight_fn or sum_and_weight."
+            f"batch size that is a multiple of {k}, or pad the batch and {padding}."
         )
 
 
