@@ -3,12 +3,12 @@
 import re
 
 import flax.linen as nn
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -648,6 +648,7 @@ def test_unreduced_route_sums_the_devices_once_per_window(gather):
 
 # --- doors a new user walks through (issue 35) ------------------------------------
 
+
 def _mesh8():
     return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 
@@ -749,9 +750,7 @@ def test_gathered_loss_is_typed_invariant():
     mesh = _mesh8()
     f = ga.coupled_value_and_grad(clip_loss, embed, 2, axis_name="data")
     step = jax.jit(
-        jax.shard_map(
-            lambda p, b: f(p, b)[0], mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
-        )
+        jax.shard_map(lambda p, b: f(p, b)[0], mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
     )
     assert_close(step(*_on_mesh(mesh)), reference(clip_loss)(PARAMS, BATCH)[0])
 

@@ -19,6 +19,7 @@ keeps its own rows of the cotangent, scaled for the reduction its caller applies
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -164,7 +165,7 @@ class _Embedder:
             # Rows of a device's own examples, whatever embed_fn's types say (a leaf
             # built the same on every device, such as jnp.ones(n), is typed invariant):
             # their cotangents, sliced by device, are varying.
-            reps = jax.tree.map(lambda x: _varying_over(x, self.axis_name), reps)
+            reps = _varying_over(reps, self.axis_name)
         return reps, new_carry
 
 
@@ -487,7 +488,21 @@ def coupled_value_and_grad(
     holds examples `i, i + K, …` of every batch argument, and typed PRNG keys
     (and raw keys at `key_argnums`) reach it as `jax.random.fold_in(key, i)`,
     in both passes, so the second pass sees the same dropout masks as the
-    first. A raw `uint32` key outside `key_argnums` is refused.
+    first. A raw `uint32` key outside `key_argnums` is refused. Under
+    `axis_name` each device first folds its position along the axis into
+    every key (`jax.random.fold_in(key, d)`, `d` counting row-major over a
+    tuple of names), so a key passed the same to every device draws each
+    device's own masks; the large batch of reference is then defined per
+    device: device `d` embeds its shard as one device would with
+    `fold_in(key, d)`.
+
+    A `flax.nnx` module in the params' place is taken as `nnx.value_and_grad`
+    takes it (as in `microbatch_value_and_grad`): `loss_fn(model, embeddings)`
+    and `embed_fn(model, batch, ...)` receive the module, its `nnx.Param`
+    state is differentiated (the gradient is an `nnx.State`), and its other
+    state (dropout streams' counters, BatchNorm statistics) is carried
+    through the micro-batches, replayed by the second pass, and written back
+    into the module from the first. Not with `carry_argnums`.
 
     Args:
       loss_fn: `loss_fn(params, embeddings)` returning a scalar (or
@@ -505,7 +520,12 @@ def coupled_value_and_grad(
         (tower) of `embed_fn`'s output, e.g. `{"image": 16, "text": 4}`, for
         towers of different cost. Towers with the same count are embedded
         together; each count's pass calls `embed_fn` and keeps its own towers
-        (under `jax.jit` XLA removes the other towers' work).
+        (under `jax.jit` XLA removes the other towers' work). With `"auto"`
+        and `axis_name` the plan is made per device, from inside the mapped
+        function, on the device's shard; `f.plan(params, batch, ...)`, called
+        where `f` is, returns the `gradaccum_jax.MicrobatchPlan` (its
+        `num_microbatches` is the `K` chosen, which also sets the dropout
+        masks).
       has_aux: `loss_fn` returns `(loss, aux)`; the result is then
         `((loss, aux), grads)`.
       batch_argnums: Position(s) of the batch arguments of `f` (and
@@ -531,8 +551,13 @@ def coupled_value_and_grad(
         returned on each device are its share, scaled so that their mean over
         the axis (what `jax.lax.pmean` and `accumulate(axis_name=...)` take)
         is the global batch's gradient; the loss returned is the global
-        batch's on every device. Params are taken as varying over the axis,
-        so no collective runs on gradients inside this function. (Under
+        batch's on every device, and (from JAX 0.10, where
+        `jax.lax.all_gather(..., to="invarying")` exists) typed invariant
+        over the axis, so `out_specs=P()` takes it as it is (on older JAX,
+        `jax.lax.pmean` it first). With `gather_embeddings=False` each
+        device's value is a share: `jax.lax.pmean` it. Params are taken as
+        varying over the axis, so no collective runs on gradients inside this
+        function. (Under
         global-view `jax.jit` with a sharded batch and no `axis_name`, the
         result is the same, but XLA reduces each micro-batch's parameter
         gradient in the second pass: one all-reduce per micro-batch.)
@@ -554,14 +579,17 @@ def coupled_value_and_grad(
 
     Returns:
       A function `f(params, batch, *args, **kwargs)` returning
-      `(loss, grads)`, or `((loss, aux), grads)` with `has_aux`.
+      `(loss, grads)`, or `((loss, aux), grads)` with `has_aux`; with
+      `num_microbatches="auto"`, `f.plan(params, batch, *args, **kwargs)`
+      returns the plan a call makes.
 
     Raises:
       TypeError: For non-callable functions, a bad `num_microbatches`, or
         (when called) a raw `uint32` key outside `key_argnums`.
       ValueError: For overlapping argnums, `gather_embeddings=False` or
         `grad_reduction="sum"` without `axis_name`, or (when called) a batch
-        size that a count does not divide, an embedding leaf without the batch
+        size that a count does not divide (pad it and leave the padding out
+        with the losses' `mask=`), an embedding leaf without the batch
         axis, a per-tower count that does not match `embed_fn`'s towers,
         `carry_argnums` with per-tower counts, or a `memory_budget` that no
         count fits.
@@ -709,9 +737,8 @@ def _plan(
         for k in range(1, batch_size + 1)
         if batch_size % k == 0 and (batch_size // k) % shards == 0
     ]
-    def build(k: int) -> Callable[..., Any]:
-        return _coupled(spec, k)
 
+    build: Callable[[int], Callable[..., Any]] = functools.partial(_coupled, spec)
     if spec.axis_name is not None:
         # Per device, in a program that has the mapped axis.
         build, args, kwargs = planning.each_device(build, spec.axis_name, args, kwargs)

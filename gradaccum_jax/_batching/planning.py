@@ -156,9 +156,7 @@ def each_device(
 
             # Its own mesh, not the caller's (whose axes are manual in the caller's body).
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                return jax.shard_map(one_device, mesh=mesh, in_specs=spec, out_specs=spec)(
-                    *arrays
-                )
+                return jax.shard_map(one_device, mesh=mesh, in_specs=spec, out_specs=spec)(*arrays)
 
         return run
 
