@@ -455,8 +455,8 @@ def test_global_view_sharded_batch(axis_type):
             ga.coupled_value_and_grad(sharded_clip, embed, 16)(params, batch)
 
 
-def _loop_all_reduces(compiled):
-    """All-reduces inside while-loop bodies (run once per micro-batch) and outside them."""
+def _loop_collectives(compiled):
+    """(inside while-loop bodies, outside them) counts of gradient reductions."""
     hlo = harness.Hlo(compiled)
     bodies = {
         n
@@ -464,24 +464,28 @@ def _loop_all_reduces(compiled):
         if inst.opcode == "while"
         for n in re.findall(r"body=%?([\w.\-]+)", inst.attributes)
     }
-    in_loops = hlo.collective_counts(hlo.reachable(bodies))["all-reduce"]
-    return in_loops, hlo.collective_counts()["all-reduce"] - in_loops
+    inside, total = hlo.collective_counts(hlo.reachable(bodies)), hlo.collective_counts()
+    ops = ("all-reduce", "reduce-scatter")
+    return {op: inside[op] for op in ops}, {op: total[op] - inside[op] for op in ops}
 
 
-@pytest.mark.requires("jax.reshard, new in JAX 0.9", jax="0.9.0")
+@pytest.mark.requires("the loss typed invariant: all_gather(to='invarying')", jax="0.10.0")
 @pytest.mark.slow
 @pytest.mark.hlo
-def test_global_view_reduces_every_micro_batch():
-    # The limitation the docs state: under global-view jit XLA's partitioner reduces
-    # each micro-batch's parameter gradient in the second pass (K all-reduces per
-    # step); the shard_map route (axis_name) reduces none inside the function.
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-    batch = jax.device_put(BATCH, NamedSharding(mesh, P("data")))
-    params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
+def test_global_view_reduces_once_per_step(axis_type):
+    # Under global-view jit with the batch split over the mesh, each device sums its
+    # micro-batches' parameter gradients and one all-reduce, after the scans, reduces
+    # the devices' sums (XLA's partitioner alone reduced every micro-batch's).
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    params, batch = _on_mesh(mesh)
     with jax.set_mesh(mesh):
         f = jax.jit(ga.coupled_value_and_grad(sharded_clip, embed, 4))
-        in_loops, _ = _loop_all_reduces(f.lower(params, batch).compile())
-    assert in_loops >= 1
+        inside, outside = _loop_collectives(f.lower(params, batch).compile())
+        value, grads = f(params, batch)
+    assert inside == {"all-reduce": 0, "reduce-scatter": 0}, inside
+    assert outside == {"all-reduce": 1, "reduce-scatter": 0}, outside
+    assert_close((value, grads), reference(clip_loss)(PARAMS, BATCH))
 
 
 @pytest.mark.slow
