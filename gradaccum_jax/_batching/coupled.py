@@ -601,10 +601,15 @@ def coupled_value_and_grad(
         `jax.lax.pmean` it first). With `gather_embeddings=False` each
         device's value is a share: `jax.lax.pmean` it. Params are taken as
         varying over the axis, so no collective runs on gradients inside this
-        function. (Under
-        global-view `jax.jit` with a sharded batch and no `axis_name`, the
-        result is the same, but XLA reduces each micro-batch's parameter
-        gradient in the second pass: one all-reduce per micro-batch.)
+        function. Under global-view `jax.jit` on a mesh, without
+        `axis_name`, with replicated params and the batch split over one
+        mesh axis (named in its Explicit sharding, or the only axis of
+        several devices of an Auto mesh), this route is taken by itself:
+        each device sums its micro-batches' gradients and one all-reduce
+        after them gives every device the global gradient (keys are then
+        folded per device as above). Otherwise (carried state, sharded
+        params, JAX before 0.10) XLA's partitioner places the work and
+        reduces every micro-batch's parameter gradient in the second pass.
       gather_embeddings: Only with `axis_name`. `True` (default): `loss_fn`
         gets the whole batch's embeddings, gathered, and every device holds
         the loss's temporaries for all $N$ rows. `False`: `loss_fn` gets this
