@@ -680,8 +680,18 @@ def test_replicated_key_draws_each_devices_own_masks():
         )
     )
     value, grads = step(*_on_mesh(mesh), key)
+    assert_close((value, grads), _per_device_dropout_reference(key, k))
+    # Global-view jit takes the same route, with the same masks.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        g = jax.jit(ga.coupled_value_and_grad(clip_loss, embed_dropout, k))
+        assert_close(g(*_on_mesh(mesh), key), (value, grads))
 
-    def per_device_reference(p):
+
+def _per_device_dropout_reference(key, k):
+    """Device d (of 8) embeds its shard as one device would with fold_in(key, d)."""
+
+    def loss(p):
         shards = [jax.tree.map(lambda x, d=d: x[d * 8 : (d + 1) * 8], BATCH) for d in range(8)]
         reps = [
             _interleaved_embeddings(embed_dropout, p, shard, jax.random.fold_in(key, d), k)
@@ -689,7 +699,7 @@ def test_replicated_key_draws_each_devices_own_masks():
         ]
         return clip_loss(p, jax.tree.map(lambda *xs: jnp.concatenate(xs), *reps))
 
-    assert_close((value, grads), jax.jit(jax.value_and_grad(per_device_reference))(PARAMS))
+    return jax.jit(jax.value_and_grad(loss))(PARAMS)
 
 
 def _gathered(per_device):
@@ -730,6 +740,12 @@ def test_auto_plans_inside_shard_map_and_shows_its_k():
     assert_close(jax.tree.map(lambda g: g.mean(0), grads), want_grads)
     with pytest.raises(ValueError, match="num_microbatches='auto'"):
         ga.coupled_value_and_grad(clip_loss, embed, 4).plan(PARAMS, BATCH)
+    # Under global-view jit the call plans per device too, and so does f.plan.
+    mesh = _mesh8()
+    f = ga.coupled_value_and_grad(sharded_clip, embed, "auto", memory_budget=tight)
+    with jax.set_mesh(mesh):
+        assert f.plan(*_on_mesh(mesh)) == plans[-1]
+        assert_close(jax.jit(f)(*_on_mesh(mesh)), (want_value, want_grads))
 
 
 def test_a_leaf_the_same_on_every_device():

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from gradaccum_jax._base import compat, trees, validation
 from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
-from gradaccum_jax._batching import microbatch, nnx_modules, planning, splitting
+from gradaccum_jax._batching import global_view, microbatch, nnx_modules, planning, splitting
 
 # --- options ------------------------------------------------------------------
 
@@ -403,50 +403,6 @@ def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
     return value_and_grad
 
 
-def _global_view_axes(spec: _Spec, args: tuple[Any, ...], counts: Any) -> tuple[Any, ...] | None:
-    """The mesh axes that a global-view `jax.jit` call's batch is split over, or `None`.
-
-    `None` (XLA's partitioner then places the work) outside a mesh, inside
-    `jax.shard_map`, with `axis_name`, with carried state (per-device BatchNorm
-    statistics would be another function), with params sharded over the mesh
-    (FSDP: the route would gather them for the whole step), or where the loss
-    could not be typed the same on every device (before JAX 0.10).
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    options = spec.options
-    if (
-        spec.axis_name is not None
-        or options.carry_nums
-        or not compat.GATHERS_INVARIANT
-        or mesh.empty
-        or any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
-    ):
-        return None
-    if any(splitting._explicit_shards(x)[0] > 1 for x in jax.tree_util.tree_leaves(args[0])):
-        return None
-    entries = {
-        splitting._explicit_shards(leaf)[1]
-        for j in options.batch_nums
-        for leaf in jax.tree_util.tree_leaves(args[j])
-    }
-    if len(entries) == 1 and None not in entries:
-        (entry,) = entries
-        return entry if isinstance(entry, tuple) else (entry,)
-    # Auto axes are not in the types: a mesh with one axis of several devices is the
-    # data-parallel one, and the micro-batches must split evenly over it.
-    split = [n for n, size in mesh.shape.items() if size > 1]
-    if entries != {None} or len(split) != 1:
-        return None
-    if mesh.axis_types[mesh.axis_names.index(split[0])] != jax.sharding.AxisType.Auto:
-        return None
-    batch_size = splitting._batch_size(args, options.batch_nums)
-    # "auto" plans on each device's shard, among the counts that divide it.
-    ks = {"auto": [1]}.get(counts, counts.values() if isinstance(counts, dict) else [counts])
-    if any(batch_size % (k * mesh.shape[split[0]]) for k in ks):
-        return None
-    return (split[0],)
-
-
 def _varying_over(tree: Any, axis_name: tuple[Any, ...]) -> Any:
     """`tree` typed varying over every axis of `axis_name` (a no-op where it is)."""
 
@@ -745,41 +701,24 @@ class CoupledValueAndGrad:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec, args, finish = self._pure(args)
-        axes = _global_view_axes(spec, args, self._counts)
-        if axes is not None:
-            return finish(self._on_each_device(spec, axes, args, kwargs))
-        return finish(self._planned(spec, args, kwargs))
-
-    def _planned(self, spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        counts = self._counts
-        if isinstance(counts, str):
-            counts = _plan(spec, args, kwargs, self._memory_budget).num_microbatches
-        return _coupled(spec, counts)(*args, **kwargs)
-
-    def _on_each_device(
-        self, spec: _Spec, axes: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """Global-view `jax.jit` with the batch split over `axes`: the `axis_name` route.
-
-        Left to XLA's partitioner, the second pass would reduce every micro-batch's
-        parameter gradient; here each device sums its own over the micro-batches,
-        and one `pmean` after them reduces the devices' sums.
-        """
+        axes = None if spec.axis_name else global_view.batch_axes(args, spec.options, self._counts)
+        if axes is None:
+            return finish(self._planned(spec, args, kwargs))
+        # Global-view jit, the batch split over `axes`: the axis_name route, so that each
+        # device sums its own micro-batches and one pmean after them reduces the sums.
         local = dataclasses.replace(spec, axis_name=axes)
 
         def one_device(*local_args: Any) -> Any:
             out, grads = self._planned(local, local_args, kwargs)
             return out, jax.lax.pmean(grads, axes)
 
-        batch = jax.sharding.PartitionSpec(axes)
-        in_specs = tuple(
-            batch if j in spec.options.batch_nums else jax.sharding.PartitionSpec()
-            for j in range(len(args))
-        )
-        mapped = jax.shard_map(
-            one_device, in_specs=in_specs, out_specs=jax.sharding.PartitionSpec()
-        )
-        return mapped(*args)
+        return finish(global_view.on_each_device(one_device, axes, args, spec.options.batch_nums))
+
+    def _planned(self, spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        counts = self._counts
+        if isinstance(counts, str):
+            counts = _plan(spec, args, kwargs, self._memory_budget).num_microbatches
+        return _coupled(spec, counts)(*args, **kwargs)
 
     def plan(self, *args: Any, **kwargs: Any) -> planning.MicrobatchPlan:
         """The plan of `num_microbatches="auto"` for a call with these arguments.
@@ -796,7 +735,21 @@ class CoupledValueAndGrad:
                 f"was built with num_microbatches={self._counts!r}."
             )
         spec, args, _ = self._pure(args)
-        return _plan(spec, args, kwargs, self._memory_budget)
+        axes = None if spec.axis_name else global_view.batch_axes(args, spec.options, self._counts)
+        if axes is None:
+            return _plan(spec, args, kwargs, self._memory_budget)
+        # The call plans on each device (see __call__): so does its report.
+        local, plans = dataclasses.replace(spec, axis_name=axes), []
+
+        def one_device(*local_args: Any) -> tuple[()]:
+            plans.append(_plan(local, local_args, kwargs, self._memory_budget))
+            return ()
+
+        jax.eval_shape(
+            lambda *a: global_view.on_each_device(one_device, axes, a, spec.options.batch_nums),
+            *args,
+        )
+        return plans[0]
 
 
 def _plan(

@@ -1,0 +1,96 @@
+"""`coupled_value_and_grad` under global-view `jax.jit`: each device's own micro-batches.
+
+Left to XLA's partitioner, a coupled step whose batch is split over a mesh
+reduces every micro-batch's parameter gradient in its second pass (the
+gradient of replicated params is replicated, so each vjp ends in an
+all-reduce). Where the batch's mesh axes are known (`batch_axes`), the step
+runs as its `axis_name` form under `jax.shard_map` instead (`on_each_device`):
+each device sums its micro-batches' gradients, and one reduction follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from gradaccum_jax._base import compat
+from gradaccum_jax._batching import splitting
+
+_P = jax.sharding.PartitionSpec
+
+
+def _spec_entries(leaf: Any) -> tuple[Any, ...]:
+    spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
+    return compat.partitions(spec) if spec is not None else ()
+
+
+def batch_axes(
+    args: tuple[Any, ...], options: splitting._Options, counts: Any
+) -> tuple[Any, ...] | None:
+    """The mesh axes a global-view call's batch is split over, where the route applies.
+
+    `None` (XLA's partitioner then places the work) outside a mesh, inside
+    `jax.shard_map`, with carried state (per-device BatchNorm statistics would
+    be another function), with params sharded over an Explicit mesh (FSDP: the
+    route would gather them for the whole step), a batch sharded on more than
+    its leading axis, or before JAX 0.10 (the loss could not be typed as the
+    same on every device). Auto axes are not in the types: on an Auto mesh the
+    route is taken when one axis has several devices (the data-parallel one)
+    and every micro-batch splits evenly over it.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if (
+        options.carry_nums
+        or not compat.GATHERS_INVARIANT
+        or mesh.empty
+        or jax.sharding.AxisType.Manual in mesh.axis_types
+    ):
+        return None
+    if any(e is not None for x in jax.tree_util.tree_leaves(args[0]) for e in _spec_entries(x)):
+        return None
+    leaves = [leaf for j in options.batch_nums for leaf in jax.tree_util.tree_leaves(args[j])]
+    entries = {(_spec_entries(leaf) or (None,))[0] for leaf in leaves}
+    if any(e is not None for leaf in leaves for e in _spec_entries(leaf)[1:]):
+        return None
+    if len(entries) == 1 and None not in entries:
+        (entry,) = entries
+        return entry if isinstance(entry, tuple) else (entry,)
+    split = [name for name, size in mesh.shape.items() if size > 1]
+    if entries != {None} or len(split) != 1:
+        return None
+    (axis,) = split
+    if mesh.axis_types[mesh.axis_names.index(axis)] != jax.sharding.AxisType.Auto:
+        return None
+    batch_size = splitting._batch_size(args, options.batch_nums)
+    # With "auto", K is planned on each device's shard, among the counts that divide it.
+    ks = counts.values() if isinstance(counts, dict) else [1 if counts == "auto" else counts]
+    if any(batch_size % (k * mesh.shape[axis]) for k in ks):
+        return None
+    return (axis,)
+
+
+def on_each_device(
+    run: Callable[..., Any], axes: tuple[Any, ...], args: tuple[Any, ...], batch_nums: Any
+) -> Any:
+    """`run(*local_args)` on each device under `jax.shard_map`, its output replicated.
+
+    Arrays in the batch arguments are split over `axes` (their leading axis),
+    other arrays are passed whole, and what is not an array is passed as it is.
+    `run` must return values typed invariant over `axes`.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    positions = [j for j, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
+    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    in_specs = tuple(_P(axes) if positions[i] in batch_nums else _P() for i in arrays)
+
+    def one_device(*local: Any) -> Any:
+        local_leaves = list(leaves)
+        for i, x in zip(arrays, local, strict=True):
+            local_leaves[i] = x
+        return run(*jax.tree_util.tree_unflatten(treedef, local_leaves))
+
+    return jax.shard_map(one_device, in_specs=in_specs, out_specs=_P())(
+        *(leaves[i] for i in arrays)
+    )
