@@ -681,11 +681,6 @@ def test_replicated_key_draws_each_devices_own_masks():
     )
     value, grads = step(*_on_mesh(mesh), key)
     assert_close((value, grads), _per_device_dropout_reference(key, k))
-    # Global-view jit takes the same route, with the same masks.
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        g = jax.jit(ga.coupled_value_and_grad(clip_loss, embed_dropout, k))
-        assert_close(g(*_on_mesh(mesh), key), (value, grads))
 
 
 def _per_device_dropout_reference(key, k):
@@ -714,38 +709,55 @@ def _gathered(per_device):
     return jax.device_get(jax.jit(step)(*_on_mesh(mesh)))
 
 
+def _shard_map_plans(budget, outputs=None):
+    """The plans f.plan reports inside shard_map (f with axis_name, "auto", `budget`)."""
+    plans = []
+    f = ga.coupled_value_and_grad(clip_loss, embed, "auto", axis_name="data", memory_budget=budget)
+
+    def run(p, b):
+        plans.append(f.plan(p, b))
+        return f(p, b)
+
+    out = _gathered(run)
+    if outputs is not None:
+        outputs.append(out)
+    return plans
+
+
 def test_auto_plans_inside_shard_map_and_shows_its_k():
     # The plan compiles one device's program in a program that has the mapped axis;
     # f.plan, called where f is, shows the K it chose.
-    plans = []
-
-    def per_device(budget):
-        f = ga.coupled_value_and_grad(
-            clip_loss, embed, "auto", axis_name="data", memory_budget=budget
-        )
-
-        def run(p, b):
-            plans.append(f.plan(p, b))
-            return f(p, b)
-
-        return run
-
-    values, grads = _gathered(per_device(2**40))
+    plans = _shard_map_plans(2**40)
     assert plans[-1].num_microbatches == 1
-    tight = plans[-1].table[1] - 1
-    values, grads = _gathered(per_device(tight))
+    tight, outputs = plans[-1].table[1] - 1, []
+    plans = _shard_map_plans(tight, outputs)
     assert plans[-1].num_microbatches > 1 and plans[-1].peak_bytes <= tight
+    values, grads = outputs[0]
     want_value, want_grads = reference(clip_loss)(PARAMS, BATCH)
     assert_close(values, jnp.broadcast_to(want_value, (8,)))
     assert_close(jax.tree.map(lambda g: g.mean(0), grads), want_grads)
     with pytest.raises(ValueError, match="num_microbatches='auto'"):
         ga.coupled_value_and_grad(clip_loss, embed, 4).plan(PARAMS, BATCH)
-    # Under global-view jit the call plans per device too, and so does f.plan.
-    mesh = _mesh8()
-    f = ga.coupled_value_and_grad(sharded_clip, embed, "auto", memory_budget=tight)
+
+
+@pytest.mark.requires("the global-view route: all_gather(to='invarying')", jax="0.10.0")
+@pytest.mark.slow
+def test_global_view_route_folds_keys_and_plans_per_device():
+    # Global-view jit with the batch split over the mesh runs the axis_name route:
+    # the same per-device masks, and "auto" plans (and f.plan reports) per device.
+    k, key = 2, jax.random.key(7)
+    want = _per_device_dropout_reference(key, k)
+    for axis_type in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+        with jax.set_mesh(mesh):
+            f = jax.jit(ga.coupled_value_and_grad(sharded_clip, embed_dropout, k))
+            assert_close(f(*_on_mesh(mesh), key), want)
+    one_device = _shard_map_plans(2**40)[-1].table[1]
+    f = ga.coupled_value_and_grad(sharded_clip, embed, "auto", memory_budget=one_device - 1)
     with jax.set_mesh(mesh):
-        assert f.plan(*_on_mesh(mesh)) == plans[-1]
-        assert_close(jax.jit(f)(*_on_mesh(mesh)), (want_value, want_grads))
+        plan = f.plan(*_on_mesh(mesh))
+        assert plan.num_microbatches > 1 and plan.table[1] == one_device
+        assert_close(jax.jit(f)(*_on_mesh(mesh)), reference(clip_loss)(PARAMS, BATCH))
 
 
 def test_a_leaf_the_same_on_every_device():
