@@ -715,8 +715,9 @@ def _shard_map_plans(budget, outputs=None):
     f = ga.coupled_value_and_grad(clip_loss, embed, "auto", axis_name="data", memory_budget=budget)
 
     def run(p, b):
+        out = f(p, b)
         plans.append(f.plan(p, b))
-        return f(p, b)
+        return out
 
     out = _gathered(run)
     if outputs is not None:
@@ -866,3 +867,26 @@ def test_nnx_module_of_params_only():
     want = nnx.value_and_grad(lambda m: nnx_loss(m, m(BATCH)))(model)
     assert type(grads) is type(want[1]) is nnx.State
     assert_close((value, grads), want)
+
+
+def test_open_clip_accum_freq_gives_loss_only_params_k_times_the_gradient():
+    # What docs/losses.md says of open_clip's --accum-freq k (train.py, accum_freq > 1):
+    # k backward calls, each through the loss over all cached features with one
+    # micro-batch's features live, summed into .grad. The towers add up to the exact
+    # gradient; the loss-only parameters get k times it. Ours gets it once.
+    k = 4
+    chunks = [
+        jax.tree.map(lambda x, j=j: x[j * (N // k) : (j + 1) * (N // k)], BATCH) for j in range(k)
+    ]
+    cached = [embed(PARAMS, c) for c in chunks]
+
+    def backward_j(p, j):
+        live = [embed(p, c) if i == j else cached[i] for i, c in enumerate(chunks)]
+        return clip_loss(p, jax.tree.map(lambda *xs: jnp.concatenate(xs), *live))
+
+    summed = jax.tree.map(lambda *gs: sum(gs), *(jax.grad(backward_j)(PARAMS, j) for j in range(k)))
+    _, exact = reference(clip_loss)(PARAMS, BATCH)
+    assert_close(summed["img"], exact["img"])
+    assert_close(summed["scale"], k * exact["scale"])
+    _, ours = jax.jit(ga.coupled_value_and_grad(clip_loss, embed, k))(PARAMS, BATCH)
+    assert_close(ours["scale"], exact["scale"])
