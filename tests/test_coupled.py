@@ -483,6 +483,10 @@ def test_global_view_reduces_once_per_step(axis_type):
         f = jax.jit(ga.coupled_value_and_grad(sharded_clip, embed, 4))
         inside, outside = _loop_collectives(f.lower(params, batch).compile())
         value, grads = f(params, batch)
+        if axis_type == jax.sharding.AxisType.Explicit:
+            # Where the micro-batches do not split over the devices, the plain route says why.
+            with pytest.raises(ValueError, match="micro-batch size 4"):
+                ga.coupled_value_and_grad(sharded_clip, embed, 16)(params, batch)
     assert inside == {"all-reduce": 0, "reduce-scatter": 0}, inside
     assert outside == {"all-reduce": 1, "reduce-scatter": 0}, outside
     assert_close((value, grads), reference(clip_loss)(PARAMS, BATCH))

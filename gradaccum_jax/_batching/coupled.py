@@ -102,7 +102,7 @@ def _check_embeddings(out: Any, micro: int, k: int) -> None:
             )
 
 
-def _fold_keys(
+def _fold_argument_keys(
     args: tuple[Any, ...], kwargs: dict[str, Any], index: jax.Array, options: splitting._Options
 ) -> tuple[list[Any], dict[str, Any]]:
     """The arguments with their keys folded with `index`: those at `key_argnums`, raw
@@ -143,7 +143,7 @@ class _Embedder:
         options = self.options
         args, kwargs = list(self.args), self.kwargs
         if self.group.k > 1:
-            args, kwargs = _fold_keys(self.args, kwargs, i, options)
+            args, kwargs = _fold_argument_keys(self.args, kwargs, i, options)
             for j, column in self.columns.items():
                 args[j] = jax.tree.map(
                     lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), column
@@ -365,7 +365,7 @@ def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
         if spec.axis_name is not None:
             # A key passed the same to every device would draw the same masks on
             # all of them: each device folds its position in first.
-            folded, kwargs = _fold_keys(args, kwargs, _axis_index(spec.axis_name), options)
+            folded, kwargs = _fold_argument_keys(args, kwargs, _axis_index(spec.axis_name), options)
             args = tuple(folded)
             # The gradient with respect to replicated params would be summed over the
             # devices in the backward pass; each device's own share is wanted here.

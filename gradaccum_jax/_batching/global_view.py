@@ -10,6 +10,7 @@ each device sums its micro-batches' gradients, and one reduction follows.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -56,19 +57,22 @@ def batch_axes(
         return None
     if len(entries) == 1 and None not in entries:
         (entry,) = entries
-        return entry if isinstance(entry, tuple) else (entry,)
-    split = [name for name, size in mesh.shape.items() if size > 1]
-    if entries != {None} or len(split) != 1:
-        return None
-    (axis,) = split
-    if mesh.axis_types[mesh.axis_names.index(axis)] != jax.sharding.AxisType.Auto:
-        return None
+        axes = entry if isinstance(entry, tuple) else (entry,)
+    else:
+        split = [name for name, size in mesh.shape.items() if size > 1]
+        if entries != {None} or len(split) != 1:
+            return None
+        axes = (split[0],)
+        if mesh.axis_types[mesh.axis_names.index(split[0])] != jax.sharding.AxisType.Auto:
+            return None
+    # Every micro-batch must split evenly over the devices (else the plain route
+    # says why); with "auto", K is planned among the counts that divide a shard.
+    devices = math.prod(mesh.shape[a] for a in axes)
     batch_size = splitting._batch_size(args, options.batch_nums)
-    # With "auto", K is planned on each device's shard, among the counts that divide it.
     ks = counts.values() if isinstance(counts, dict) else [1 if counts == "auto" else counts]
-    if any(batch_size % (k * mesh.shape[axis]) for k in ks):
+    if any(batch_size % (k * devices) for k in ks):
         return None
-    return (axis,)
+    return axes
 
 
 def on_each_device(
