@@ -469,26 +469,30 @@ def _loop_collectives(compiled):
     return {op: inside[op] for op in ops}, {op: total[op] - inside[op] for op in ops}
 
 
-@pytest.mark.requires("the loss typed invariant: all_gather(to='invarying')", jax="0.10.0")
+@pytest.mark.requires("jax.reshard, new in JAX 0.9", jax="0.9.0")
 @pytest.mark.slow
 @pytest.mark.hlo
 @pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
 def test_global_view_reduces_once_per_step(axis_type):
     # Under global-view jit with the batch split over the mesh, each device sums its
     # micro-batches' parameter gradients and one all-reduce, after the scans, reduces
-    # the devices' sums (XLA's partitioner alone reduced every micro-batch's).
+    # the devices' sums (XLA's partitioner alone reduced every micro-batch's): the
+    # step has the collectives of jax.value_and_grad on the whole batch, none in a loop.
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
     params, batch = _on_mesh(mesh)
     with jax.set_mesh(mesh):
         f = jax.jit(ga.coupled_value_and_grad(sharded_clip, embed, 4))
-        inside, outside = _loop_collectives(f.lower(params, batch).compile())
+        compiled = f.lower(params, batch).compile()
+        full = jax.jit(jax.value_and_grad(lambda p, b: sharded_clip(p, embed(p, b))))
+        want = harness.Hlo(full.lower(params, batch).compile()).collective_counts()
         value, grads = f(params, batch)
         if axis_type == jax.sharding.AxisType.Explicit:
             # Where the micro-batches do not split over the devices, the plain route says why.
             with pytest.raises(ValueError, match="micro-batch size 4"):
                 ga.coupled_value_and_grad(sharded_clip, embed, 16)(params, batch)
+    inside, _ = _loop_collectives(compiled)
     assert inside == {"all-reduce": 0, "reduce-scatter": 0}, inside
-    assert outside == {"all-reduce": 1, "reduce-scatter": 0}, outside
+    assert harness.Hlo(compiled).collective_counts() == want
     assert_close((value, grads), reference(clip_loss)(PARAMS, BATCH))
 
 
@@ -745,11 +749,11 @@ def test_auto_plans_inside_shard_map_and_shows_its_k():
         ga.coupled_value_and_grad(clip_loss, embed, 4).plan(PARAMS, BATCH)
 
 
-@pytest.mark.requires("the global-view route: all_gather(to='invarying')", jax="0.10.0")
+@pytest.mark.requires("jax.reshard, new in JAX 0.9", jax="0.9.0")
 @pytest.mark.slow
-def test_global_view_route_folds_keys_and_plans_per_device():
-    # Global-view jit with the batch split over the mesh runs the axis_name route:
-    # the same per-device masks, and "auto" plans (and f.plan reports) per device.
+def test_global_view_route_folds_keys_and_plans_its_program():
+    # Global-view jit with the batch split over the mesh runs both passes per device:
+    # the same per-device masks as the axis_name route, and "auto" plans that program.
     k, key = 2, jax.random.key(7)
     want = _per_device_dropout_reference(key, k)
     for axis_type in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
@@ -757,11 +761,12 @@ def test_global_view_route_folds_keys_and_plans_per_device():
         with jax.set_mesh(mesh):
             f = jax.jit(ga.coupled_value_and_grad(sharded_clip, embed_dropout, k))
             assert_close(f(*_on_mesh(mesh), key), want)
-    one_device = _shard_map_plans(2**40)[-1].table[1]
-    f = ga.coupled_value_and_grad(sharded_clip, embed, "auto", memory_budget=one_device - 1)
+    f = ga.coupled_value_and_grad(sharded_clip, embed, "auto", memory_budget=2**40)
     with jax.set_mesh(mesh):
         plan = f.plan(*_on_mesh(mesh))
-        assert plan.num_microbatches > 1 and plan.table[1] == one_device
+        fixed = jax.jit(ga.coupled_value_and_grad(sharded_clip, embed, plan.num_microbatches))
+        compiled = fixed.lower(*_on_mesh(mesh)).compile()
+        assert plan.peak_bytes == _planning.peak_bytes(compiled)
         assert_close(jax.jit(f)(*_on_mesh(mesh)), reference(clip_loss)(PARAMS, BATCH))
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._base import compat, trees, validation
-from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
-from gradaccum_jax._batching import global_view, microbatch, nnx_modules, planning, splitting
+from gradaccum_jax._base.compat import varying_axes
+from gradaccum_jax._batching import devices, microbatch, nnx_modules, planning, splitting
 
 # --- options ------------------------------------------------------------------
 
@@ -102,19 +101,6 @@ def _check_embeddings(out: Any, micro: int, k: int) -> None:
             )
 
 
-def _fold_argument_keys(
-    args: tuple[Any, ...], kwargs: dict[str, Any], index: jax.Array, options: splitting._Options
-) -> tuple[list[Any], dict[str, Any]]:
-    """The arguments with their keys folded with `index`: those at `key_argnums`, raw
-    or typed, and the typed keys among the arguments passed whole."""
-    taken = {n for nums in options.roles.values() for n in nums}
-    folded = list(args)
-    for j, arg in enumerate(args):
-        if j in options.key_nums or j not in taken:
-            folded[j] = splitting._fold_keys(arg, index, typed_only=j not in options.key_nums)
-    return folded, splitting._fold_keys(kwargs, index, typed_only=True)
-
-
 class _Embedder:
     """Calls `embed_fn` on micro-batch `i` of a group, as in both passes."""
 
@@ -143,7 +129,7 @@ class _Embedder:
         options = self.options
         args, kwargs = list(self.args), self.kwargs
         if self.group.k > 1:
-            args, kwargs = _fold_argument_keys(self.args, kwargs, i, options)
+            args, kwargs = splitting.fold_argument_keys(self.args, kwargs, i, options)
             for j, column in self.columns.items():
                 args[j] = jax.tree.map(
                     lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), column
@@ -165,7 +151,7 @@ class _Embedder:
             # Rows of a device's own examples, whatever embed_fn's types say (a leaf
             # built the same on every device, such as jnp.ones(n), is typed invariant):
             # their cotangents, sliced by device, are varying.
-            reps = _varying_over(reps, self.axis_name)
+            reps = devices.varying_over(reps, self.axis_name)
         return reps, new_carry
 
 
@@ -242,10 +228,6 @@ class _Spec:
     axis_name: tuple[Any, ...] | None
     gather: bool  # under axis_name: loss_fn sees the gathered batch (else its own rows)
     summed: bool  # under axis_name: the devices' gradients will be summed (else averaged)
-
-
-def _axis_size(axis_name: tuple[Any, ...]) -> int:
-    return math.prod(jax.lax.psum(1, name) for name in axis_name)
 
 
 _PADDING = (
@@ -338,14 +320,14 @@ def _loss_and_cotangents(
     if axis_name is not None:
         # Scale each device's share so that combining the devices (their mean, or their
         # sum with grad_reduction="sum") counts every row and the loss's own gradient once.
-        n = _axis_size(axis_name)
+        n = devices.axis_size(axis_name)
         if spec.summed:
             loss_grads = jax.tree.map(lambda g: g / n, loss_grads)
         scale = (n if spec.gather else 1) / (n if spec.summed else 1)
         rows = embedders[0].micro * embedders[0].group.k
         # With the loss computed on every device, each holds the whole cotangent:
         # keep this device's rows.
-        start = _axis_index(axis_name) * rows
+        start = devices.axis_index(axis_name) * rows
         cotangents = [
             [
                 (jax.lax.dynamic_slice_in_dim(c, start, rows, axis=0) if spec.gather else c) * scale
@@ -356,37 +338,68 @@ def _loss_and_cotangents(
     return out, loss_grads, cotangents
 
 
+def _prepare(
+    spec: _Spec, counts: int | dict[Any, int], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """Checks a call; under `axis_name`, folds this device's position into the keys
+    (a key passed the same to every device would draw the same masks on all of them)
+    and types the params varying (the gradient of replicated params would be summed
+    over the devices in the backward pass: each device's own share is wanted here).
+    Returns the arguments and the params to differentiate."""
+    _check_batch(args, kwargs, counts, spec.options)
+    if spec.axis_name is None:
+        return args, kwargs, args[0]
+    here = devices.axis_index(spec.axis_name)
+    folded, kwargs = splitting.fold_argument_keys(args, kwargs, here, spec.options)
+    return tuple(folded), kwargs, devices.varying_over(args[0], spec.axis_name)
+
+
+def _first_pass(
+    spec: _Spec,
+    counts: int | dict[Any, int],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    params: Any,
+) -> tuple[list[_Embedder], Any, Any, list[Any], Any]:
+    """Pass 1, with no differentiation (no activations kept): the embedders, the
+    output's structure, the typed carry, each group's embeddings and the final carry."""
+    options = spec.options
+    carry0 = _strong(splitting._carried(args, options)) if options.carry_nums else None
+    embedders, whole_shape, carry0 = _embedders(spec, counts, args, kwargs, params, carry0)
+    local, final_carry = [], None
+    for e in embedders:
+        reps, final_carry = _embed_all(e, params, carry0)
+        local.append(jax.tree.map(jax.lax.stop_gradient, reps))
+    return embedders, whole_shape, carry0, local, final_carry
+
+
+def _dtypes(loss_grads: Any, options: splitting._Options) -> Any:
+    return jax.tree.map(lambda g: trees.accumulator_dtype(g, options.accumulator_dtype), loss_grads)
+
+
+def _result(out: Any, grads: Any, final_carry: Any, options: splitting._Options) -> Any:
+    value, aux = out if options.has_aux else (out, None)
+    if options.carry_nums:
+        return (value, (final_carry, aux)), grads
+    return (value, aux) if options.has_aux else value, grads
+
+
 def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
     options = spec.options
 
     def value_and_grad(*args: Any, **kwargs: Any) -> Any:
-        _check_batch(args, kwargs, counts, options)
-        given = params = args[0]
-        if spec.axis_name is not None:
-            # A key passed the same to every device would draw the same masks on
-            # all of them: each device folds its position in first.
-            folded, kwargs = _fold_argument_keys(args, kwargs, _axis_index(spec.axis_name), options)
-            args = tuple(folded)
-            # The gradient with respect to replicated params would be summed over the
-            # devices in the backward pass; each device's own share is wanted here.
-            params = _varying_over(params, spec.axis_name)
-        carry0 = _strong(splitting._carried(args, options)) if options.carry_nums else None
-        embedders, whole_shape, carry0 = _embedders(spec, counts, args, kwargs, params, carry0)
-
-        # Pass 1: no differentiation, so no activations are kept.
-        local, final_carry = [], None
-        for e in embedders:
-            reps, final_carry = _embed_all(e, params, carry0)
-            local.append(jax.tree.map(jax.lax.stop_gradient, reps))
+        given = args[0]
+        args, kwargs, params = _prepare(spec, counts, args, kwargs)
+        embedders, whole_shape, carry0, local, final_carry = _first_pass(
+            spec, counts, args, kwargs, params
+        )
         out, loss_grads, cotangents = _loss_and_cotangents(
             spec, embedders, whole_shape, (given, params), local
         )
         # Pass 2, from the loss's own parameter gradient (loss-only params counted once).
         # It replays pass 1's carry so every micro-batch is embedded as it was then;
         # the carry returned is pass 1's, so statistics are counted once.
-        dtypes = jax.tree.map(
-            lambda g: trees.accumulator_dtype(g, options.accumulator_dtype), loss_grads
-        )
+        dtypes = _dtypes(loss_grads, options)
         # Typed like the params of pass 2 (varying over axis_name), whose gradients it sums.
         totals = jax.tree.map(
             lambda g, d, p: microbatch._match_varying(g.astype(d), p), loss_grads, dtypes, params
@@ -394,30 +407,56 @@ def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
         for e, cotangent in zip(embedders, cotangents, strict=True):
             totals = _pull_back(e, params, cotangent, carry0, totals, dtypes)
         grads = jax.tree.map(lambda t, g: t.astype(jnp.result_type(g)), totals, loss_grads)
-
-        value, aux = out if options.has_aux else (out, None)
-        if options.carry_nums:
-            return (value, (final_carry, aux)), grads
-        return (value, aux) if options.has_aux else value, grads
+        return _result(out, grads, final_carry, options)
 
     return value_and_grad
 
 
-def _varying_over(tree: Any, axis_name: tuple[Any, ...]) -> Any:
-    """`tree` typed varying over every axis of `axis_name` (a no-op where it is)."""
+def _on_devices(
+    spec: _Spec, counts: int | dict[Any, int], axes: tuple[Any, ...], *args: Any, **kwargs: Any
+) -> Any:
+    """Global-view `jax.jit` with the batch split over the mesh `axes` (no carry).
 
-    def cast(x: Any) -> Any:
-        missing = tuple(a for a in axis_name if a not in varying_axes(x))
-        return pcast_to_varying(x, missing) if missing else x
+    Left to XLA's partitioner, pass 2 would reduce every micro-batch's parameter
+    gradient. Here both passes run on each device under `jax.shard_map`, over its
+    own shard (keys folded per device, as under `axis_name`); the loss between
+    them is the caller's global-view code on the whole batch, partitioned by XLA
+    as it would be without micro-batching; and each device's pass-2 sum is
+    reduced once, after its micro-batches.
+    """
+    local_spec, options, seen = dataclasses.replace(spec, axis_name=axes), spec.options, []
 
-    return jax.tree.map(cast, tree)
+    def embed_here(*local_args: Any) -> Any:
+        local_args, local_kwargs, params = _prepare(local_spec, counts, local_args, kwargs)
+        embedders, whole_shape, _, local, _ = _first_pass(
+            local_spec, counts, local_args, local_kwargs, params
+        )
+        seen.append((embedders, whole_shape))  # the towers' layout, read when tracing
+        return local
 
+    batch = options.batch_nums
+    local = devices.on_each_device(embed_here, axes, args, batch, split_out=True)
+    out, loss_grads, cotangents = _loss_and_cotangents(spec, *seen[0], (args[0],) * 2, local)
+    dtypes = _dtypes(loss_grads, options)
 
-def _axis_index(axis_name: tuple[Any, ...]) -> jax.Array:
-    index = jnp.int32(0)
-    for name in axis_name:
-        index = index * jax.lax.psum(1, name) + jax.lax.axis_index(name)
-    return index
+    def pull_back_here(*local_args: Any) -> Any:
+        *batch_args, rows = local_args
+        local_args, local_kwargs, params = _prepare(local_spec, counts, tuple(batch_args), kwargs)
+        embedders = _embedders(local_spec, counts, local_args, local_kwargs, params, None)[0]
+        totals = jax.tree.map(
+            lambda p, d: devices.varying_over(jnp.zeros(jnp.shape(p), d), axes), params, dtypes
+        )
+        for e, cotangent in zip(embedders, rows, strict=True):
+            totals = _pull_back(e, params, cotangent, None, totals, dtypes)
+        return jax.lax.psum(totals, axes)
+
+    sums = devices.on_each_device(
+        pull_back_here, axes, (*args, cotangents), (*batch, len(args)), split_out=False
+    )
+    grads = jax.tree.map(
+        lambda g, t, d: (g.astype(d) + t).astype(jnp.result_type(g)), loss_grads, sums, dtypes
+    )
+    return _result(out, grads, None, options)
 
 
 def _with_floats(template: Any, floats: list[Any]) -> Any:
@@ -560,12 +599,14 @@ def coupled_value_and_grad(
         function. Under global-view `jax.jit` on a mesh, without
         `axis_name`, with replicated params and the batch split over one
         mesh axis (named in its Explicit sharding, or the only axis of
-        several devices of an Auto mesh), this route is taken by itself:
-        each device sums its micro-batches' gradients and one all-reduce
-        after them gives every device the global gradient (keys are then
-        folded per device as above). Otherwise (carried state, sharded
-        params, JAX before 0.10) XLA's partitioner places the work and
-        reduces every micro-batch's parameter gradient in the second pass.
+        several devices of an Auto mesh), both passes run this way by
+        themselves, on each device's shard (keys folded per device as
+        above), and the loss between them is `loss_fn` on the whole batch
+        as XLA partitions it: each device sums its micro-batches' gradients
+        and one all-reduce after them combines the devices, so the step has
+        the collectives of `jax.value_and_grad` on the whole batch. Otherwise
+        (carried state, sharded params) XLA's partitioner places all the
+        work and reduces every micro-batch's parameter gradient in pass 2.
       gather_embeddings: Only with `axis_name`. `True` (default): `loss_fn`
         gets the whole batch's embeddings, gathered, and every device holds
         the loss's temporaries for all $N$ rows. `False`: `loss_fn` gets this
@@ -689,7 +730,7 @@ class CoupledValueAndGrad:
         def device_keys(rest: Any) -> Any:
             if axis_name is None:
                 return rest
-            return splitting._fold_keys(rest, _axis_index(axis_name), typed_only=True)
+            return splitting._fold_keys(rest, devices.axis_index(axis_name), typed_only=True)
 
         pure = nnx_modules.split_for_coupled(
             spec.loss_fn, spec.embed_fn, spec.options, args, device_keys
@@ -701,24 +742,11 @@ class CoupledValueAndGrad:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec, args, finish = self._pure(args)
-        axes = None if spec.axis_name else global_view.batch_axes(args, spec.options, self._counts)
-        if axes is None:
-            return finish(self._planned(spec, args, kwargs))
-        # Global-view jit, the batch split over `axes`: the axis_name route, so that each
-        # device sums its own micro-batches and one pmean after them reduces the sums.
-        local = dataclasses.replace(spec, axis_name=axes)
-
-        def one_device(*local_args: Any) -> Any:
-            out, grads = self._planned(local, local_args, kwargs)
-            return out, jax.lax.pmean(grads, axes)
-
-        return finish(global_view.on_each_device(one_device, axes, args, spec.options.batch_nums))
-
-    def _planned(self, spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        axes = None if spec.axis_name else devices.batch_axes(args, spec.options, self._counts)
         counts = self._counts
         if isinstance(counts, str):
-            counts = _plan(spec, args, kwargs, self._memory_budget).num_microbatches
-        return _coupled(spec, counts)(*args, **kwargs)
+            counts = self._plan(spec, axes, args, kwargs).num_microbatches
+        return finish(_program(spec, axes, counts)(*args, **kwargs))
 
     def plan(self, *args: Any, **kwargs: Any) -> planning.MicrobatchPlan:
         """The plan of `num_microbatches="auto"` for a call with these arguments.
@@ -735,52 +763,28 @@ class CoupledValueAndGrad:
                 f"was built with num_microbatches={self._counts!r}."
             )
         spec, args, _ = self._pure(args)
-        axes = None if spec.axis_name else global_view.batch_axes(args, spec.options, self._counts)
-        if axes is None:
-            return _plan(spec, args, kwargs, self._memory_budget)
-        # The call plans on each device (see __call__): so does its report.
-        local, plans = dataclasses.replace(spec, axis_name=axes), []
+        axes = None if spec.axis_name else devices.batch_axes(args, spec.options, "auto")
+        return self._plan(spec, axes, args, kwargs)
 
-        def one_device(*local_args: Any) -> tuple[()]:
-            plans.append(_plan(local, local_args, kwargs, self._memory_budget))
-            return ()
-
-        jax.eval_shape(
-            lambda *a: global_view.on_each_device(one_device, axes, a, spec.options.batch_nums),
-            *args,
+    def _plan(
+        self, spec: _Spec, axes: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> planning.MicrobatchPlan:
+        # The program a call runs: under axis_name planned per device (on its shard),
+        # on the per-device route as a whole, with K splitting every device's shard.
+        return planning.plan_batch(
+            functools.partial(_program, spec, axes),
+            args,
+            kwargs,
+            spec.options,
+            memory_budget=self._memory_budget,
+            cache_key=("coupled", spec, axes),
+            shards=devices.devices(axes),
+            axis_name=spec.axis_name,
         )
-        return plans[0]
 
 
-def _plan(
-    spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any], memory_budget: float | None
-) -> planning.MicrobatchPlan:
-    options = spec.options
-    splitting._check_call(args, kwargs, options)
-    batch_size = splitting._batch_size(args, options.batch_nums)
-    shards = math.lcm(
-        *(
-            splitting._explicit_shards(leaf)[0]
-            for j in options.batch_nums
-            for leaf in jax.tree_util.tree_leaves(args[j])
-        )
-    )
-    candidates = [
-        k
-        for k in range(1, batch_size + 1)
-        if batch_size % k == 0 and (batch_size // k) % shards == 0
-    ]
-
-    build: Callable[[int], Callable[..., Any]] = functools.partial(_coupled, spec)
-    if spec.axis_name is not None:
-        # Per device, in a program that has the mapped axis.
-        build, args, kwargs = planning.each_device(build, spec.axis_name, args, kwargs)
-    return planning.plan(
-        build,
-        args,
-        kwargs,
-        candidates=candidates,
-        batch_size=batch_size,
-        memory_budget=memory_budget,
-        cache_key=("coupled", spec),
-    )
+def _program(spec: _Spec, axes: Any, counts: int | dict[Any, int]) -> Callable[..., Any]:
+    """The coupled value and gradient with `counts` micro-batches, on its route."""
+    if axes is None:
+        return _coupled(spec, counts)
+    return functools.partial(_on_devices, spec, counts, axes)

@@ -10,6 +10,7 @@ and `microbatch_value_and_grad(..., num_microbatches="auto")` are built on it.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -17,6 +18,7 @@ import jax
 import numpy as np
 
 from gradaccum_jax._base import compat
+from gradaccum_jax._batching import splitting
 
 # With memory_budget=None the plan may use this fraction of the memory the
 # device reports free: the runtime needs room beyond the compiled program's
@@ -162,6 +164,52 @@ def each_device(
 
     stacked_args, stacked_kwargs = jax.tree.map(stacked, (args, kwargs))
     return build_each, stacked_args, stacked_kwargs
+
+
+def plan_batch(
+    build: Callable[[int], Callable[..., Any]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: splitting._Options,
+    *,
+    memory_budget: float | None,
+    cache_key: Any,
+    shards: int = 1,
+    axis_name: tuple[Any, ...] | None = None,
+) -> MicrobatchPlan:
+    """`plan` over the counts `K` that split the batch of a call evenly.
+
+    Every micro-batch must split evenly over `shards` devices and over the
+    devices its batch leaves are explicitly sharded over. Under `axis_name`
+    (inside `jax.shard_map` or `jax.pmap`), one device's program is planned
+    (`each_device`).
+    """
+    splitting._check_call(args, kwargs, options)
+    batch_size = splitting._batch_size(args, options.batch_nums)
+    shards = math.lcm(
+        shards,
+        *(
+            splitting._explicit_shards(leaf)[0]
+            for j in options.batch_nums
+            for leaf in jax.tree_util.tree_leaves(args[j])
+        ),
+    )
+    candidates = [
+        k
+        for k in range(1, batch_size + 1)
+        if batch_size % k == 0 and (batch_size // k) % shards == 0
+    ]
+    if axis_name is not None:
+        build, args, kwargs = each_device(build, axis_name, args, kwargs)
+    return plan(
+        build,
+        args,
+        kwargs,
+        candidates=candidates,
+        batch_size=batch_size,
+        memory_budget=memory_budget,
+        cache_key=cache_key,
+    )
 
 
 def _hashable(key: Any) -> Any:

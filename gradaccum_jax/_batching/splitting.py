@@ -347,3 +347,16 @@ def _fold_keys(tree: Any, i: jax.Array, *, typed_only: bool) -> Any:
         return _fold_in(x, i) if _is_typed_key(x) or not typed_only else x
 
     return jax.tree.map(fold, tree)
+
+
+def fold_argument_keys(
+    args: tuple[Any, ...], kwargs: dict[str, Any], index: jax.Array, options: _Options
+) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments with their keys folded with `index`: those at `key_argnums`, raw
+    or typed, and the typed keys among the arguments passed whole."""
+    taken = {n for nums in options.roles.values() for n in nums}
+    folded = list(args)
+    for j, arg in enumerate(args):
+        if j in options.key_nums or j not in taken:
+            folded[j] = _fold_keys(arg, index, typed_only=j not in options.key_nums)
+    return folded, _fold_keys(kwargs, index, typed_only=True)
