@@ -705,7 +705,7 @@ def _per_device_dropout_reference(key, k):
     return jax.jit(jax.value_and_grad(loss))(PARAMS)
 
 
-def _gathered(per_device):
+def _gathered(per_device, params=PARAMS):
     """`per_device(params, batch)` under shard_map on 8 devices, outputs stacked by device."""
     mesh = _mesh8()
     step = jax.shard_map(
@@ -714,20 +714,32 @@ def _gathered(per_device):
         in_specs=(P(), P("data")),
         out_specs=P("data"),
     )
-    return jax.device_get(jax.jit(step)(*_on_mesh(mesh)))
+    return jax.device_get(jax.jit(step)(*_on_mesh(mesh, params)))
+
+
+# An encoder whose activations (one (DX, 256) matrix per example) outweigh its
+# parameters, so that a device's peak memory falls with K.
+WIDE = {"w": jax.random.normal(jax.random.key(11), (DX, 256)), "scale": jnp.float32(3.0)}
+
+
+def wide_embed(params, batch):
+    h = jnp.tanh(batch["x"][:, :, None] * params["w"][None]).sum(1)
+    return {"a": h[:, :D], "b": h[:, D : 2 * D] + batch["y"][:, :1]}
 
 
 def _shard_map_plans(budget, outputs=None):
     """The plans f.plan reports inside shard_map (f with axis_name, "auto", `budget`)."""
     plans = []
-    f = ga.coupled_value_and_grad(clip_loss, embed, "auto", axis_name="data", memory_budget=budget)
+    f = ga.coupled_value_and_grad(
+        clip_loss, wide_embed, "auto", axis_name="data", memory_budget=budget
+    )
 
     def run(p, b):
         out = f(p, b)
         plans.append(f.plan(p, b))
         return out
 
-    out = _gathered(run)
+    out = _gathered(run, WIDE)
     if outputs is not None:
         outputs.append(out)
     return plans
@@ -742,7 +754,7 @@ def test_auto_plans_inside_shard_map_and_shows_its_k():
     plans = _shard_map_plans(tight, outputs)
     assert plans[-1].num_microbatches > 1 and plans[-1].peak_bytes <= tight
     values, grads = outputs[0]
-    want_value, want_grads = reference(clip_loss)(PARAMS, BATCH)
+    want_value, want_grads = reference(clip_loss, wide_embed)(WIDE, BATCH)
     assert_close(values, jnp.broadcast_to(want_value, (8,)))
     assert_close(jax.tree.map(lambda g: g.mean(0), grads), want_grads)
     with pytest.raises(ValueError, match="num_microbatches='auto'"):

@@ -114,7 +114,12 @@ class _Embedder:
         axis_name: tuple[Any, ...] | None,
     ):
         self.embed_fn, self.group, self.options = embed_fn, group, options
-        self.args, self.kwargs, self.axis_name = args, kwargs, axis_name
+        self.args, self.kwargs = args, kwargs
+        # Types to match only where they are tracked (jax.shard_map; not jax.pmap,
+        # where a varying cast would transpose to a psum of the cotangents).
+        batch = [x for j in options.batch_nums for x in jax.tree_util.tree_leaves(args[j])]
+        tracked = axis_name and any(set(axis_name) <= varying_axes(x) for x in batch)
+        self.axis_name = axis_name if tracked else None
         k = group.k
         self.micro = splitting._batch_size(args, options.batch_nums) // k
         # (B, ...) -> (B/K, K, ...): micro-batch i is column i (a strided split that
