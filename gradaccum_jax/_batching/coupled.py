@@ -430,24 +430,23 @@ def _on_devices(
     reduced once, after its micro-batches.
     """
     local_spec, options, seen = dataclasses.replace(spec, axis_name=axes), spec.options, []
+    n, batch = len(args), options.batch_nums
 
-    def embed_here(*local_args: Any) -> Any:
-        local_args, local_kwargs, params = _prepare(local_spec, counts, local_args, kwargs)
-        embedders, whole_shape, _, local, _ = _first_pass(
-            local_spec, counts, local_args, local_kwargs, params
-        )
+    def embed_here(*local: Any) -> Any:
+        *positional, local_kwargs = local  # keyword arguments go whole, replicated
+        call = _prepare(local_spec, counts, tuple(positional), local_kwargs)
+        embedders, whole_shape, _, reps, _ = _first_pass(local_spec, counts, *call)
         seen.append((embedders, whole_shape))  # the towers' layout, read when tracing
-        return local
+        return reps
 
-    batch = options.batch_nums
-    local = devices.on_each_device(embed_here, axes, args, batch, split_out=True)
+    local = devices.on_each_device(embed_here, axes, (*args, kwargs), batch, split_out=True)
     out, loss_grads, cotangents = _loss_and_cotangents(spec, *seen[0], (args[0],) * 2, local)
     dtypes = _dtypes(loss_grads, options)
 
-    def pull_back_here(*local_args: Any) -> Any:
-        *batch_args, rows = local_args
-        local_args, local_kwargs, params = _prepare(local_spec, counts, tuple(batch_args), kwargs)
-        embedders = _embedders(local_spec, counts, local_args, local_kwargs, params, None)[0]
+    def pull_back_here(*local: Any) -> Any:
+        *positional, local_kwargs, rows = local
+        call = _prepare(local_spec, counts, tuple(positional), local_kwargs)
+        embedders, params = _embedders(local_spec, counts, *call, None)[0], call[2]
         totals = jax.tree.map(
             lambda p, d: devices.varying_over(jnp.zeros(jnp.shape(p), d), axes), params, dtypes
         )
@@ -456,7 +455,7 @@ def _on_devices(
         return jax.lax.psum(totals, axes)
 
     sums = devices.on_each_device(
-        pull_back_here, axes, (*args, cotangents), (*batch, len(args)), split_out=False
+        pull_back_here, axes, (*args, kwargs, cotangents), (*batch, n + 1), split_out=False
     )
     grads = jax.tree.map(
         lambda g, t, d: (g.astype(d) + t).astype(jnp.result_type(g)), loss_grads, sums, dtypes
