@@ -1,5 +1,6 @@
 """Tests for gradaccum_jax.coupled_value_and_grad (exact micro-batching of coupled losses)."""
 
+import functools
 import re
 
 import flax.linen as nn
@@ -911,3 +912,55 @@ def test_open_clip_accum_freq_gives_loss_only_params_k_times_the_gradient():
     assert_close(summed["scale"], k * exact["scale"])
     _, ours = jax.jit(ga.coupled_value_and_grad(clip_loss, embed, k))(PARAMS, BATCH)
     assert_close(ours["scale"], exact["scale"])
+
+
+def test_nnx_module_under_shard_map():
+    # Eval mode (no dropout, running statistics): the mean of the devices' gradients
+    # is the global batch's, as an nnx.State. Train mode: each device folds its
+    # position into the dropout stream, and the module keeps its own key.
+    mesh, model = _mesh8(), NnxTowers(nnx.Rngs(0))
+    f = ga.coupled_value_and_grad(nnx_loss, nnx_embed, 2, axis_name="data")
+
+    def step(graphdef, state):
+        def per_device(state, batch):
+            m = nnx.merge(graphdef, state)
+            loss, grads = f(m, batch)
+            return jax.lax.pmean((loss, grads), "data"), nnx.state(m, nnx.RngKey)
+
+        mapped = jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())
+        )
+        return jax.jit(mapped)(state, jax.device_put(BATCH, NamedSharding(mesh, P("data"))))
+
+    model.eval()
+    graphdef, state = nnx.split(model)
+    ((value, grads), keys), (want_value, want_grads) = (
+        step(graphdef, state),
+        nnx.value_and_grad(lambda m: nnx_loss(m, m(BATCH)))(model),
+    )
+    assert_close((value, grads), (want_value, want_grads))
+    model.train()
+    graphdef, state = nnx.split(model)
+    (train_value, train_grads), keys = step(graphdef, state)
+    data = functools.partial(jax.tree.map, jax.random.key_data)
+    assert_close(data(keys), data(nnx.state(model, nnx.RngKey)), rel=0)
+
+    # Device d embeds its shard's micro-batches in turn with the stream's key folded with d.
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def fold(x, d):
+        return jax.random.fold_in(x, d) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+    def per_device_reference(params):
+        reps = []
+        for d in range(8):
+            m = nnx.merge(graphdef, params, jax.tree.map(lambda x, d=d: fold(x, d), rest))
+            shard = jax.tree.map(lambda x, d=d: x[d * 8 : (d + 1) * 8], BATCH)
+            parts = [nnx_embed(m, jax.tree.map(lambda x, i=i: x[i::2], shard)) for i in range(2)]
+            reps.append(jax.tree.map(lambda a, b: jnp.stack([a, b], 1).reshape(8, -1), *parts))
+        reps = jax.tree.map(lambda *xs: jnp.concatenate(xs), *reps)
+        return nnx_loss(nnx.merge(graphdef, params, rest), reps)
+
+    want = jax.value_and_grad(per_device_reference)(params)
+    assert_close((train_value, train_grads), want, atol=1e-7)
+    assert rel_error(train_grads, grads) > 0.01
