@@ -608,13 +608,17 @@ def clip_loss(
     $$\frac{1}{2N}\sum_i \Big[\big(\log\textstyle\sum_j e^{s_{ij}} - s_{ii}\big)
     + \big(\log\textstyle\sum_j e^{s_{ji}} - s_{ii}\big)\Big].$$
 
-    Normalise `a` and `b` yourself if you want cosine similarities; pass the
-    temperature as `scale` (for example `jnp.exp(log_scale)`).
+    Normalise `a` and `b` yourself if you want cosine similarities. `scale`
+    is the inverse temperature $1/\tau$ (CLIP's $\tau = 0.07$ is
+    `scale = 1 / 0.07`), i.e. open_clip's `logit_scale.exp()`: learn it as
+    `jnp.exp(log_scale)`, and clamp `log_scale` to $\ln 100$ after each
+    optimizer step yourself, as open_clip does.
 
     Args:
       a: embeddings of the first tower, shape `(N, D)`, floating point.
       b: embeddings of the second tower, shape `(N, D)`.
-      scale: the scalar multiplying the dot products.
+      scale: the scalar multiplying the dot products: the inverse
+        temperature $1/\tau$, not $\tau$ (open_clip's `logit_scale.exp()`).
       mask: optional bool `(N,)`: the valid pairs; the others are neither
         queries nor candidates, and the loss is the mean over the valid rows.
       labels: optional integers `(N,)`: pairs with equal labels are positives
@@ -675,7 +679,8 @@ def info_nce(
     Args:
       q: queries, shape `(N, D)`, floating point.
       k: keys, shape `(M, D)` with `M >= N`.
-      scale: the scalar multiplying the dot products.
+      scale: the scalar multiplying the dot products: the inverse
+        temperature $1/\tau$, not $\tau$ (open_clip's `logit_scale.exp()`).
       mask: optional bool `(N,)`: valid (query, key) pairs; a masked-out pair
         is neither a query nor a candidate. Extra keys are always candidates.
       labels: optional integers `(N,)`: key `j < N` is a positive of query `i`
@@ -733,8 +738,10 @@ def siglip_loss(
     Args:
       a: embeddings of the first tower, shape `(N, D)`, floating point.
       b: embeddings of the second tower, shape `(N, D)`.
-      scale: the scalar multiplying the dot products.
-      bias: the scalar added to every logit.
+      scale: the scalar multiplying the dot products, the inverse
+        temperature (open_clip's `logit_scale.exp()`).
+      bias: the scalar added to every logit (open_clip's `logit_bias`, as
+        it is).
       mask: optional bool `(N,)`: valid pairs; pairs involving an invalid row
         of `a` or `b` are left out and the normaliser counts valid rows.
       labels: optional integers `(N,)`: pairs with equal labels are positives.

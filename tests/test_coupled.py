@@ -1,5 +1,6 @@
 """Tests for gradaccum_jax.coupled_value_and_grad (exact micro-batching of coupled losses)."""
 
+import functools
 import re
 
 import flax.linen as nn
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -454,8 +456,8 @@ def test_global_view_sharded_batch(axis_type):
             ga.coupled_value_and_grad(sharded_clip, embed, 16)(params, batch)
 
 
-def _loop_all_reduces(compiled):
-    """All-reduces inside while-loop bodies (run once per micro-batch) and outside them."""
+def _loop_collectives(compiled):
+    """(inside while-loop bodies, outside them) counts of gradient reductions."""
     hlo = harness.Hlo(compiled)
     bodies = {
         n
@@ -463,24 +465,36 @@ def _loop_all_reduces(compiled):
         if inst.opcode == "while"
         for n in re.findall(r"body=%?([\w.\-]+)", inst.attributes)
     }
-    in_loops = hlo.collective_counts(hlo.reachable(bodies))["all-reduce"]
-    return in_loops, hlo.collective_counts()["all-reduce"] - in_loops
+    inside, total = hlo.collective_counts(hlo.reachable(bodies)), hlo.collective_counts()
+    ops = ("all-reduce", "reduce-scatter")
+    return {op: inside[op] for op in ops}, {op: total[op] - inside[op] for op in ops}
 
 
 @pytest.mark.requires("jax.reshard, new in JAX 0.9", jax="0.9.0")
 @pytest.mark.slow
 @pytest.mark.hlo
-def test_global_view_reduces_every_micro_batch():
-    # The limitation the docs state: under global-view jit XLA's partitioner reduces
-    # each micro-batch's parameter gradient in the second pass (K all-reduces per
-    # step); the shard_map route (axis_name) reduces none inside the function.
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-    batch = jax.device_put(BATCH, NamedSharding(mesh, P("data")))
-    params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
+def test_global_view_reduces_once_per_step(axis_type):
+    # Under global-view jit with the batch split over the mesh, each device sums its
+    # micro-batches' parameter gradients and one all-reduce, after the scans, reduces
+    # the devices' sums (XLA's partitioner alone reduced every micro-batch's): the
+    # step has the collectives of jax.value_and_grad on the whole batch, none in a loop.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    params, batch = _on_mesh(mesh)
     with jax.set_mesh(mesh):
         f = jax.jit(ga.coupled_value_and_grad(sharded_clip, embed, 4))
-        in_loops, _ = _loop_all_reduces(f.lower(params, batch).compile())
-    assert in_loops >= 1
+        compiled = f.lower(params, batch).compile()
+        full = jax.jit(jax.value_and_grad(lambda p, b: sharded_clip(p, embed(p, b))))
+        want = harness.Hlo(full.lower(params, batch).compile()).collective_counts()
+        value, grads = f(params, batch)
+        if axis_type == jax.sharding.AxisType.Explicit:
+            # Where the micro-batches do not split over the devices, the plain route says why.
+            with pytest.raises(ValueError, match="micro-batch size 4"):
+                ga.coupled_value_and_grad(sharded_clip, embed, 16)(params, batch)
+    inside, _ = _loop_collectives(compiled)
+    assert inside == {"all-reduce": 0, "reduce-scatter": 0}, inside
+    assert harness.Hlo(compiled).collective_counts() == want
+    assert_close((value, grads), reference(clip_loss)(PARAMS, BATCH))
 
 
 @pytest.mark.slow
@@ -643,3 +657,310 @@ def test_unreduced_route_sums_the_devices_once_per_window(gather):
         assert ops["all-reduce"] == 1 and ops["reduce-scatter"] == 0, ops
     with pytest.raises(ValueError, match=r"grad_reduction='sum'.*pass axis_name"):
         ga.coupled_value_and_grad(clip_loss, embed, 2, grad_reduction="sum")
+
+
+# --- doors a new user walks through (issue 35) ------------------------------------
+
+
+def _mesh8():
+    return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _on_mesh(mesh, params=PARAMS, batch=BATCH):
+    return (
+        jax.device_put(params, NamedSharding(mesh, P())),
+        jax.device_put(batch, NamedSharding(mesh, P("data"))),
+    )
+
+
+@pytest.mark.slow
+def test_replicated_key_draws_each_devices_own_masks():
+    # Under shard_map a key passed the same to every device is folded with the
+    # device's position, then with the micro-batch index: device d's shard is
+    # embedded as one device would with jax.random.fold_in(key, d).
+    mesh, k, key = _mesh8(), 2, jax.random.key(7)
+    f = ga.coupled_value_and_grad(clip_loss, embed_dropout, k, axis_name="data")
+    step = jax.jit(
+        jax.shard_map(
+            lambda p, b, key: jax.lax.pmean(f(p, b, key), "data"),
+            mesh=mesh,
+            in_specs=(P(), P("data"), P()),
+            out_specs=P(),
+        )
+    )
+    value, grads = step(*_on_mesh(mesh), key)
+    assert_close((value, grads), _per_device_dropout_reference(key, k))
+
+
+def _per_device_dropout_reference(key, k):
+    """Device d (of 8) embeds its shard as one device would with fold_in(key, d)."""
+
+    def loss(p):
+        shards = [jax.tree.map(lambda x, d=d: x[d * 8 : (d + 1) * 8], BATCH) for d in range(8)]
+        reps = [
+            _interleaved_embeddings(embed_dropout, p, shard, jax.random.fold_in(key, d), k)
+            for d, shard in enumerate(shards)
+        ]
+        return clip_loss(p, jax.tree.map(lambda *xs: jnp.concatenate(xs), *reps))
+
+    return jax.jit(jax.value_and_grad(loss))(PARAMS)
+
+
+def _gathered(per_device, params=PARAMS):
+    """`per_device(params, batch)` under shard_map on 8 devices, outputs stacked by device."""
+    mesh = _mesh8()
+    step = jax.shard_map(
+        lambda p, b: jax.tree.map(lambda x: x[None], per_device(p, b)),
+        mesh=mesh,
+        in_specs=(P(), P("data")),
+        out_specs=P("data"),
+    )
+    return jax.device_get(jax.jit(step)(*_on_mesh(mesh, params)))
+
+
+# An encoder whose activations (one (DX, 256) matrix per example) outweigh its
+# parameters, so that a device's peak memory falls with K.
+WIDE = {"w": jax.random.normal(jax.random.key(11), (DX, 256)), "scale": jnp.float32(3.0)}
+
+
+def wide_embed(params, batch):
+    h = jnp.tanh(batch["x"][:, :, None] * params["w"][None]).sum(1)
+    return {"a": h[:, :D], "b": h[:, D : 2 * D] + batch["y"][:, :1]}
+
+
+def _shard_map_plans(budget, outputs=None):
+    """The plans f.plan reports inside shard_map (f with axis_name, "auto", `budget`)."""
+    plans = []
+    f = ga.coupled_value_and_grad(
+        clip_loss, wide_embed, "auto", axis_name="data", memory_budget=budget
+    )
+
+    def run(p, b):
+        out = f(p, b)
+        plans.append(f.plan(p, b))
+        return out
+
+    out = _gathered(run, WIDE)
+    if outputs is not None:
+        outputs.append(out)
+    return plans
+
+
+def test_auto_plans_inside_shard_map_and_shows_its_k():
+    # The plan compiles one device's program in a program that has the mapped axis;
+    # f.plan, called where f is, shows the K it chose.
+    plans = _shard_map_plans(2**40)
+    assert plans[-1].num_microbatches == 1
+    tight, outputs = plans[-1].table[1] - 1, []
+    plans = _shard_map_plans(tight, outputs)
+    assert plans[-1].num_microbatches > 1 and plans[-1].peak_bytes <= tight
+    values, grads = outputs[0]
+    want_value, want_grads = reference(clip_loss, wide_embed)(WIDE, BATCH)
+    assert_close(values, jnp.broadcast_to(want_value, (8,)))
+    assert_close(jax.tree.map(lambda g: g.mean(0), grads), want_grads)
+    with pytest.raises(ValueError, match="num_microbatches='auto'"):
+        ga.coupled_value_and_grad(clip_loss, embed, 4).plan(PARAMS, BATCH)
+
+
+@pytest.mark.requires("jax.reshard, new in JAX 0.9", jax="0.9.0")
+@pytest.mark.slow
+def test_global_view_route_folds_keys_and_plans_its_program():
+    # Global-view jit with the batch split over the mesh runs both passes per device:
+    # the same per-device masks as the axis_name route, and "auto" plans that program.
+    k, key = 2, jax.random.key(7)
+    want = _per_device_dropout_reference(key, k)
+    for axis_type in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+        with jax.set_mesh(mesh):
+            f = jax.jit(ga.coupled_value_and_grad(sharded_clip, embed_dropout, k))
+            assert_close(f(*_on_mesh(mesh), key), want)
+    f = ga.coupled_value_and_grad(sharded_clip, embed, "auto", memory_budget=2**40)
+    with jax.set_mesh(mesh):
+        plan = f.plan(*_on_mesh(mesh))
+        fixed = jax.jit(ga.coupled_value_and_grad(sharded_clip, embed, plan.num_microbatches))
+        compiled = fixed.lower(*_on_mesh(mesh)).compile()
+        assert plan.peak_bytes == _planning.peak_bytes(compiled)
+        assert_close(jax.jit(f)(*_on_mesh(mesh)), reference(clip_loss)(PARAMS, BATCH))
+
+
+def test_a_leaf_the_same_on_every_device():
+    # Per-example weights built as jnp.ones(n) are typed invariant under shard_map.
+    def weighted_embed(params, batch):
+        return {**embed(params, batch), "w": jnp.ones(batch["x"].shape[0])}
+
+    def weighted_loss(params, reps):
+        return clip_loss(params, reps) * jnp.mean(reps["w"] ** 2)
+
+    f = ga.coupled_value_and_grad(weighted_loss, weighted_embed, 2, axis_name="data")
+    values, grads = _gathered(f)
+    want_value, want_grads = reference(weighted_loss, weighted_embed)(PARAMS, BATCH)
+    assert_close(values, jnp.broadcast_to(want_value, (8,)))
+    assert_close(jax.tree.map(lambda g: g.mean(0), grads), want_grads)
+
+
+@pytest.mark.requires("all_gather(to='invarying')", jax="0.10.0")
+def test_gathered_loss_is_typed_invariant():
+    # The gathered batch's loss is the same on every device and typed so:
+    # out_specs=P() takes it without a pmean.
+    mesh = _mesh8()
+    f = ga.coupled_value_and_grad(clip_loss, embed, 2, axis_name="data")
+    step = jax.jit(
+        jax.shard_map(lambda p, b: f(p, b)[0], mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    )
+    assert_close(step(*_on_mesh(mesh)), reference(clip_loss)(PARAMS, BATCH)[0])
+
+
+def test_k_not_dividing_the_batch_names_the_losses_mask():
+    f = ga.coupled_value_and_grad(clip_loss, embed, 5)
+    with pytest.raises(ValueError, match=r"multiple of 5, or pad the batch.*mask=") as err:
+        f(PARAMS, BATCH)
+    assert "weight_fn" not in str(err.value)
+
+
+class NnxTowers(nnx.Module):
+    def __init__(self, rngs):
+        self.img = nnx.Linear(DX, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.out = nnx.Linear(16, D, rngs=rngs)
+        self.txt = nnx.Linear(DY, D, rngs=rngs)
+        self.log_scale = nnx.Param(jnp.log(3.0))
+
+    def __call__(self, batch):
+        return {
+            "a": self.out(self.drop(self.norm(jnp.tanh(self.img(batch["x"]))))),
+            "b": self.txt(batch["y"]),
+        }
+
+
+def nnx_loss(model, reps):
+    return clip_loss({"scale": jnp.exp(model.log_scale[...])}, reps)
+
+
+def nnx_embed(model, batch):
+    return model(batch)
+
+
+@pytest.mark.parametrize("train", [pytest.param(True, marks=pytest.mark.slow), False])
+def test_nnx_module_as_params(train):
+    k = 4
+    model = NnxTowers(nnx.Rngs(0))
+    if not train:
+        model.eval()
+    twin = nnx.clone(model)
+    f = ga.coupled_value_and_grad(nnx_loss, nnx_embed, k)
+    value, grads = nnx.jit(f)(model, BATCH)
+    assert isinstance(grads, nnx.State)
+
+    # The function computed: micro-batch i embedded by the module in turn (each call
+    # moves the BatchNorm statistics and the dropout stream), the loss on all rows.
+    def composite(m):
+        parts = [nnx_embed(m, jax.tree.map(lambda x, i=i: x[i::k], BATCH)) for i in range(k)]
+        reps = jax.tree.map(lambda *xs: jnp.stack(xs, 1).reshape(-1, *xs[0].shape[1:]), *parts)
+        return nnx_loss(m, reps)
+
+    want_value, want_grads = nnx.jit(nnx.value_and_grad(composite))(twin)
+    assert_close((value, grads), (want_value, want_grads), atol=1e-7)
+    # The statistics and the RNG counter moved once per micro-batch, by one pass.
+    assert_close(nnx.state(model, nnx.BatchStat), nnx.state(twin, nnx.BatchStat))
+    assert_close(nnx.state(model, nnx.RngCount), nnx.state(twin, nnx.RngCount))
+    if train:
+        assert float(jnp.max(jnp.abs(model.norm.mean[...]))) > 0
+        # Dropout drew its own mask per micro-batch: without it the gradient differs.
+        model.drop.deterministic = True
+        _, no_dropout = f(model, BATCH)
+        assert rel_error(no_dropout, grads) > 0.01
+    else:
+        assert_close((value, grads), nnx.value_and_grad(lambda m: nnx_loss(m, m(BATCH)))(twin))
+
+
+def test_nnx_module_of_params_only():
+    class Plain(nnx.Module):
+        def __init__(self, rngs):
+            self.img = nnx.Linear(DX, D, rngs=rngs)
+            self.txt = nnx.Linear(DY, D, rngs=rngs)
+            self.log_scale = nnx.Param(jnp.log(3.0))
+
+        def __call__(self, batch):
+            return {"a": self.img(batch["x"]), "b": self.txt(batch["y"])}
+
+    model = Plain(nnx.Rngs(1))
+    value, grads = jax.jit(ga.coupled_value_and_grad(nnx_loss, nnx_embed, 4))(model, BATCH)
+    want = nnx.value_and_grad(lambda m: nnx_loss(m, m(BATCH)))(model)
+    assert type(grads) is type(want[1]) is nnx.State
+    assert_close((value, grads), want)
+
+
+def test_open_clip_accum_freq_gives_loss_only_params_k_times_the_gradient():
+    # What docs/losses.md says of open_clip's --accum-freq k (train.py, accum_freq > 1):
+    # k backward calls, each through the loss over all cached features with one
+    # micro-batch's features live, summed into .grad. The towers add up to the exact
+    # gradient; the loss-only parameters get k times it. Ours gets it once.
+    k = 4
+    chunks = [
+        jax.tree.map(lambda x, j=j: x[j * (N // k) : (j + 1) * (N // k)], BATCH) for j in range(k)
+    ]
+    cached = [embed(PARAMS, c) for c in chunks]
+
+    def backward_j(p, j):
+        live = [embed(p, c) if i == j else cached[i] for i, c in enumerate(chunks)]
+        return clip_loss(p, jax.tree.map(lambda *xs: jnp.concatenate(xs), *live))
+
+    summed = jax.tree.map(lambda *gs: sum(gs), *(jax.grad(backward_j)(PARAMS, j) for j in range(k)))
+    _, exact = reference(clip_loss)(PARAMS, BATCH)
+    assert_close(summed["img"], exact["img"])
+    assert_close(summed["scale"], k * exact["scale"])
+    _, ours = jax.jit(ga.coupled_value_and_grad(clip_loss, embed, k))(PARAMS, BATCH)
+    assert_close(ours["scale"], exact["scale"])
+
+
+def test_nnx_module_under_shard_map():
+    # Eval mode (no dropout, running statistics): the mean of the devices' gradients
+    # is the global batch's, as an nnx.State. Train mode: each device folds its
+    # position into the dropout stream, and the module keeps its own key.
+    mesh, model = _mesh8(), NnxTowers(nnx.Rngs(0))
+    f = ga.coupled_value_and_grad(nnx_loss, nnx_embed, 2, axis_name="data")
+
+    def step(graphdef, state):
+        def per_device(state, batch):
+            m = nnx.merge(graphdef, state)
+            loss, grads = f(m, batch)
+            return jax.lax.pmean((loss, grads), "data"), nnx.state(m, nnx.RngKey)
+
+        mapped = jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())
+        )
+        return jax.jit(mapped)(state, jax.device_put(BATCH, NamedSharding(mesh, P("data"))))
+
+    model.eval()
+    graphdef, state = nnx.split(model)
+    ((value, grads), keys), (want_value, want_grads) = (
+        step(graphdef, state),
+        nnx.value_and_grad(lambda m: nnx_loss(m, m(BATCH)))(model),
+    )
+    assert_close((value, grads), (want_value, want_grads))
+    model.train()
+    graphdef, state = nnx.split(model)
+    (train_value, train_grads), keys = step(graphdef, state)
+    data = functools.partial(jax.tree.map, jax.random.key_data)
+    assert_close(data(keys), data(nnx.state(model, nnx.RngKey)), rel=0)
+
+    # Device d embeds its shard's micro-batches in turn with the stream's key folded with d.
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def fold(x, d):
+        return jax.random.fold_in(x, d) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+    def per_device_reference(params):
+        reps = []
+        for d in range(8):
+            m = nnx.merge(graphdef, params, jax.tree.map(lambda x, d=d: fold(x, d), rest))
+            shard = jax.tree.map(lambda x, d=d: x[d * 8 : (d + 1) * 8], BATCH)
+            parts = [nnx_embed(m, jax.tree.map(lambda x, i=i: x[i::2], shard)) for i in range(2)]
+            reps.append(jax.tree.map(lambda a, b: jnp.stack([a, b], 1).reshape(8, -1), *parts))
+        reps = jax.tree.map(lambda *xs: jnp.concatenate(xs), *reps)
+        return nnx_loss(nnx.merge(graphdef, params, rest), reps)
+
+    want = jax.value_and_grad(per_device_reference)(params)
+    assert_close((train_value, train_grads), want, atol=1e-7)
+    assert rel_error(train_grads, grads) > 0.01

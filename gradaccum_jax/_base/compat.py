@@ -12,11 +12,13 @@ version-specific API, so one module knows which release spells what:
 - `jax.reshard` is new in JAX 0.8.2; `jax.sharding.reshard` is the same
   function.
 - Unreduced arrays in `jax.shard_map` (`UNREDUCED_IN_SHARD_MAP`).
+- `jax.lax.all_gather(..., to="invarying")` (`GATHERS_INVARIANT`).
 - flax's `nnx.as_pure` is `nnx.pure` in older flax releases (`plain_values`).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any
 
@@ -51,6 +53,20 @@ def pcast_to_varying(x: Any, axes: Any) -> Any:
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, axes, to="varying")
     return jax.lax.pvary(x, axes)  # type: ignore[attr-defined]  # JAX < 0.8.2 only
+
+
+# `jax.lax.all_gather(..., to="invarying")` types the gathered value invariant
+# over the axis (it is the same on every device); releases without `to=` type it
+# varying.
+GATHERS_INVARIANT = "to" in inspect.signature(jax.lax.all_gather).parameters
+
+
+def all_gather_invariant(x: Any, axes: Any) -> Any:
+    """The pytree `x` gathered along its first axis over the mesh `axes`, typed invariant.
+
+    Inside `jax.shard_map` only, and only where `GATHERS_INVARIANT`.
+    """
+    return jax.lax.all_gather(x, axes, tiled=True, to="invarying")
 
 
 def varying_axes(x: Any) -> frozenset:

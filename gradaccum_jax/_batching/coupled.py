@@ -3,11 +3,11 @@
 How it reads: `coupled_value_and_grad` checks its options once; the function it
 returns (`_coupled`) runs three steps in one program:
 
-1. `_embed_all`: a `jax.lax.scan` over the micro-batches of each group of towers
+1. `embedding.embed_all`: a `jax.lax.scan` over the micro-batches of each group of towers
    embeds every micro-batch, with no differentiation, so no activations are kept;
 2. `jax.value_and_grad` of the loss with respect to the params and all the
    embeddings, once, on the whole batch;
-3. `_pull_back`: a second scan re-embeds each micro-batch under `jax.vjp` against
+3. `embedding.pull_back`: a second scan re-embeds each micro-batch under `jax.vjp` against
    its rows of the embeddings' gradient and adds the parameter gradients to the
    loss's own.
 
@@ -19,29 +19,18 @@ keeps its own rows of the cotangent, scaled for the reduction its caller applies
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._base import reduce_rules, trees, validation
-from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
-from gradaccum_jax._batching import combining, planning, splitting
+from gradaccum_jax._base import compat, reduce_rules, trees, validation
+from gradaccum_jax._base.compat import varying_axes
+from gradaccum_jax._batching import combining, devices, embedding, nnx_modules, planning, splitting
 
 # --- options ------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    """Towers embedded with the same number of micro-batches."""
-
-    k: int
-    towers: tuple[Any, ...] | None  # None: the whole output of embed_fn
-
-    def select(self, out: Any) -> Any:
-        return out if self.towers is None else {t: out[t] for t in self.towers}
 
 
 def _check_counts(num_microbatches: Any, memory_budget: Any) -> int | str | dict[Any, int]:
@@ -64,9 +53,9 @@ def _check_counts(num_microbatches: Any, memory_budget: Any) -> int | str | dict
     return splitting._check_num_microbatches(num_microbatches, memory_budget)
 
 
-def _groups(counts: int | dict[Any, int], out_shape: Any) -> list[_Group]:
+def _groups(counts: int | dict[Any, int], out_shape: Any) -> list[embedding.Group]:
     if isinstance(counts, int):
-        return [_Group(counts, None)]
+        return [embedding.Group(counts, None)]
     if not isinstance(out_shape, Mapping) or set(out_shape) != set(counts):
         towers = sorted(out_shape, key=str) if isinstance(out_shape, Mapping) else None
         raise ValueError(
@@ -78,158 +67,7 @@ def _groups(counts: int | dict[Any, int], out_shape: Any) -> list[_Group]:
     by_k: dict[int, list[Any]] = {}
     for tower in out_shape:
         by_k.setdefault(counts[tower], []).append(tower)
-    return [_Group(k, tuple(towers)) for k, towers in by_k.items()]
-
-
-# --- embeddings -----------------------------------------------------------------
-
-
-def _is_float(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def _check_embeddings(out: Any, micro: int, k: int) -> None:
-    for path, leaf in jax.tree_util.tree_leaves_with_path(out):
-        shape = jnp.shape(leaf)
-        if not shape or shape[0] != micro:
-            raise ValueError(
-                f"every leaf of embed_fn's output needs the batch axis first, one row per "
-                f"example; the leaf at {jax.tree_util.keystr(path)!r} has shape {list(shape)} "
-                f"for a micro-batch of {micro} examples (num_microbatches={k}). Return "
-                "per-example embeddings (and labels) from embed_fn, and compute anything "
-                "over the batch (means, norms across examples) in loss_fn."
-            )
-
-
-class _Embedder:
-    """Calls `embed_fn` on micro-batch `i` of a group, as in both passes."""
-
-    def __init__(
-        self,
-        embed_fn: Callable[..., Any],
-        group: _Group,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        options: splitting._Options,
-    ):
-        self.embed_fn, self.group, self.options = embed_fn, group, options
-        self.args, self.kwargs = args, kwargs
-        k = group.k
-        self.micro = splitting._batch_size(args, options.batch_nums) // k
-        # (B, ...) -> (B/K, K, ...): micro-batch i is column i (a strided split that
-        # keeps a sharded leading axis leading, as in microbatch_value_and_grad).
-        self.columns = {
-            j: jax.tree.map(lambda x: x.reshape((self.micro, k, *x.shape[1:])), args[j])
-            for j in options.batch_nums
-        }
-        taken = {n for nums in options.roles.values() for n in nums}
-        self.whole = {i for i in range(len(args)) if i not in taken}
-
-    def __call__(self, params: Any, i: jax.Array, carry: Any) -> tuple[Any, Any]:
-        """(selected embeddings, new carry) of micro-batch `i`."""
-        options = self.options
-        args = list(self.args)
-        args[0] = params
-        kwargs = self.kwargs
-        if self.group.k > 1:
-            for j, column in self.columns.items():
-                args[j] = jax.tree.map(
-                    lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), column
-                )
-            for j in options.key_nums:
-                args[j] = splitting._fold_keys(self.args[j], i, typed_only=False)
-            for j in self.whole:
-                args[j] = splitting._fold_keys(self.args[j], i, typed_only=True)
-            kwargs = splitting._fold_keys(kwargs, i, typed_only=True)
-        if options.carry_nums:
-            args = splitting._with_carry(args, carry, options)
-        out = self.embed_fn(*args, **kwargs)
-        new_carry = None
-        if options.carry_nums:
-            if not (isinstance(out, tuple | list) and len(out) == 2):
-                raise TypeError(
-                    f"with carry_argnums={splitting._carry_argnums(options)!r}, embed_fn "
-                    f"must return (embeddings, new_carry); got {type(out).__name__}."
-                )
-            out, new_carry = out
-        return self.group.select(out), new_carry
-
-
-def _strong(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.lax.convert_element_type(x, jnp.result_type(x)), tree)
-
-
-def _embed_all(embedder: _Embedder, params: Any, carry0: Any) -> tuple[Any, Any]:
-    """Pass 1: every micro-batch's embeddings in batch order, and the final carry."""
-    if embedder.group.k == 1:
-        return embedder(params, jnp.int32(0), carry0)
-
-    def body(carry: Any, i: jax.Array) -> Any:
-        reps, new_carry = embedder(params, i, carry)
-        return _thread(new_carry, carry), reps
-
-    carry, stacked = jax.lax.scan(body, carry0, jnp.arange(embedder.group.k, dtype=jnp.int32))
-    return jax.tree.map(combining.interleave, stacked), carry
-
-
-def _thread(new_carry: Any, carry: Any) -> Any:
-    if carry is None:
-        return None
-    return jax.tree.map(
-        lambda n, c: combining.match_varying(n.astype(c.dtype), c), new_carry, carry
-    )
-
-
-def _float_part(tree: Any) -> list[Any]:
-    return [x for x in jax.tree_util.tree_leaves(tree) if _is_float(x)]
-
-
-def _pull_back(
-    embedder: _Embedder,
-    params: Any,
-    cotangent: Any,
-    carry0: Any,
-    totals: Any,
-    dtypes: Any,
-    max_mask: Any,
-) -> Any:
-    """Pass 2: `totals` plus the parameter gradients of every micro-batch's embeddings.
-
-    The leaves of `max_mask` (fp8 metadata, `_base/reduce_rules.py`) take the max instead.
-    """
-    k = embedder.group.k
-
-    def grads_of(i: jax.Array, carry: Any, rows: list[Any]) -> tuple[Any, Any]:
-        def embed(p: Any) -> tuple[list[Any], Any]:
-            reps, new_carry = embedder(p, i, carry)
-            return _float_part(reps), new_carry
-
-        _, vjp, new_carry = jax.vjp(embed, params, has_aux=True)
-        (grads,) = vjp(rows)
-        return grads, new_carry
-
-    def add(totals: Any, grads: Any) -> Any:
-        return jax.tree.map(
-            lambda t, g, d, m: jnp.maximum(t, g.astype(d)) if m else t + g.astype(d),
-            totals,
-            grads,
-            dtypes,
-            max_mask,
-        )
-
-    if k == 1:
-        grads, _ = grads_of(jnp.int32(0), carry0, cotangent)
-        return add(totals, grads)
-    columns = [c.reshape((embedder.micro, k, *c.shape[1:])) for c in cotangent]
-
-    def body(state: Any, i: jax.Array) -> Any:
-        carry, totals = state
-        rows = [jax.lax.dynamic_index_in_dim(c, i, axis=1, keepdims=False) for c in columns]
-        grads, new_carry = grads_of(i, carry, rows)
-        return (_thread(new_carry, carry), add(totals, grads)), None
-
-    (_, totals), _ = jax.lax.scan(body, (carry0, totals), jnp.arange(k, dtype=jnp.int32))
-    return totals
+    return [embedding.Group(k, tuple(towers)) for k, towers in by_k.items()]
 
 
 # --- the coupled function -------------------------------------------------------
@@ -245,8 +83,11 @@ class _Spec:
     summed: bool  # under axis_name: the devices' gradients will be summed (else averaged)
 
 
-def _axis_size(axis_name: tuple[Any, ...]) -> int:
-    return math.prod(jax.lax.psum(1, name) for name in axis_name)
+_PADDING = (
+    "leave the padded rows out of the loss: pass mask= (False on padding) to the losses of "
+    "gradaccum_jax.losses, which then neither query nor score against them, or mask them "
+    "in your own loss_fn"
+)
 
 
 def _check_batch(
@@ -255,7 +96,7 @@ def _check_batch(
     splitting._check_call(args, kwargs, options)
     batch_size = splitting._batch_size(args, options.batch_nums)
     for k in {counts} if isinstance(counts, int) else set(counts.values()):
-        splitting._check_divisible(batch_size, k)
+        splitting._check_divisible(batch_size, k, padding=_PADDING)
         splitting._check_shards(args, options.batch_nums, batch_size // k)
     return batch_size
 
@@ -267,10 +108,12 @@ def _embedders(
     kwargs: dict[str, Any],
     params: Any,
     carry0: Any,
-) -> tuple[list[_Embedder], Any, Any]:
-    """One `_Embedder` per group of towers, the output's structure, and the typed carry."""
+) -> tuple[list[embedding.Embedder], Any, Any]:
+    """One `embedding.Embedder` per group of towers, the output's structure, and the typed carry."""
     options = spec.options
-    probe = _Embedder(spec.embed_fn, _Group(1, None), args, kwargs, options)
+    probe = embedding.Embedder(
+        spec.embed_fn, embedding.Group(1, None), args, kwargs, options, spec.axis_name
+    )
     whole_shape = jax.eval_shape(lambda p, c: probe(p, jnp.int32(0), c)[0], params, carry0)
     groups = _groups(counts, whole_shape)
     if options.carry_nums and len(groups) > 1:
@@ -280,10 +123,12 @@ def _embedders(
             "statistics of every tower. Use one num_microbatches for all towers with "
             "carried state, or keep the statistics out of the carry."
         )
-    embedders = [_Embedder(spec.embed_fn, g, args, kwargs, options) for g in groups]
+    embedders = [
+        embedding.Embedder(spec.embed_fn, g, args, kwargs, options, spec.axis_name) for g in groups
+    ]
     for e in embedders:
         shape = jax.eval_shape(lambda p, c, e=e: e(p, jnp.int32(0), c), params, carry0)
-        _check_embeddings(shape[0], e.micro, e.group.k)
+        embedding.check_embeddings(shape[0], e.micro, e.group.k)
         if options.carry_nums:
             splitting._check_carry(shape[1], carry0, splitting._carry_argnums(options))
             carry0 = jax.tree.map(combining.match_varying, carry0, shape[1])
@@ -291,34 +136,55 @@ def _embedders(
 
 
 def _loss_and_cotangents(
-    spec: _Spec, embedders: list[_Embedder], whole_shape: Any, params: Any, local: list[Any]
+    spec: _Spec,
+    embedders: list[embedding.Embedder],
+    whole_shape: Any,
+    params: tuple[Any, Any],
+    local: list[Any],
 ) -> tuple[Any, Any, list[list[jax.Array]]]:
-    """The loss's output, its parameter gradient, and each group's embedding cotangents."""
+    """The loss's output, its parameter gradient, and each group's embedding cotangents.
+
+    `params` are the caller's and their varying cast: inside `jax.shard_map`, the
+    gathered batch's loss is computed from the caller's params and embeddings
+    gathered invariant, so that it is typed like what it is, the same value on
+    every device; else from the varying params (a loss of this device's rows, or
+    under `jax.pmap`), whose gradient no collective reduces.
+    """
     axis_name = spec.axis_name
     seen = local  # one device, or a loss sharded over axis_name itself
+    given, varying = params
     if axis_name is not None and spec.gather:
-        seen = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name, tiled=True), local)
+        invariant = compat.GATHERS_INVARIANT and all(
+            set(axis_name) <= varying_axes(x) for x in jax.tree_util.tree_leaves(local)
+        )
+        if invariant:
+            seen = compat.all_gather_invariant(local, axis_name)
+        else:
+            seen = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name, tiled=True), local)
+        params = given if invariant else varying
+    else:
+        params = varying
 
     def loss_of(p: Any, floats: list[list[Any]]) -> Any:
         parts = [_with_floats(g, f) for g, f in zip(seen, floats, strict=True)]
         towers = embedders[0].group.towers is None
         return spec.loss_fn(p, parts[0] if towers else _merge(parts, whole_shape))
 
-    floats = [_float_part(g) for g in seen]
+    floats = [embedding.float_part(g) for g in seen]
     out, (loss_grads, cotangents) = jax.value_and_grad(
         loss_of, argnums=(0, 1), has_aux=spec.options.has_aux
     )(params, floats)
     if axis_name is not None:
         # Scale each device's share so that combining the devices (their mean, or their
         # sum with grad_reduction="sum") counts every row and the loss's own gradient once.
-        n = _axis_size(axis_name)
+        n = devices.axis_size(axis_name)
         if spec.summed:
             loss_grads = jax.tree.map(lambda g: g / n, loss_grads)
         scale = (n if spec.gather else 1) / (n if spec.summed else 1)
         rows = embedders[0].micro * embedders[0].group.k
         # With the loss computed on every device, each holds the whole cotangent:
         # keep this device's rows.
-        start = _axis_index(axis_name) * rows
+        start = devices.axis_index(axis_name) * rows
         cotangents = [
             [
                 (jax.lax.dynamic_slice_in_dim(c, start, rows, axis=0) if spec.gather else c) * scale
@@ -329,45 +195,77 @@ def _loss_and_cotangents(
     return out, loss_grads, cotangents
 
 
+def _prepare(
+    spec: _Spec, counts: int | dict[Any, int], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """Checks a call; under `axis_name`, folds this device's position into the keys
+    (a key passed the same to every device would draw the same masks on all of them)
+    and types the params varying (the gradient of replicated params would be summed
+    over the devices in the backward pass: each device's own share is wanted here).
+    Returns the arguments and the params to differentiate."""
+    _check_batch(args, kwargs, counts, spec.options)
+    if spec.axis_name is None:
+        return args, kwargs, args[0]
+    here = devices.axis_index(spec.axis_name)
+    folded, kwargs = splitting.fold_argument_keys(args, kwargs, here, spec.options)
+    return tuple(folded), kwargs, devices.varying_over(args[0], spec.axis_name)
+
+
+def _first_pass(
+    spec: _Spec,
+    counts: int | dict[Any, int],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    params: Any,
+) -> tuple[list[embedding.Embedder], Any, Any, list[Any], Any]:
+    """Pass 1, with no differentiation (no activations kept): the embedders, the
+    output's structure, the typed carry, each group's embeddings and the final carry."""
+    options = spec.options
+    carry0 = embedding.strong(splitting._carried(args, options)) if options.carry_nums else None
+    embedders, whole_shape, carry0 = _embedders(spec, counts, args, kwargs, params, carry0)
+    local, final_carry = [], None
+    for e in embedders:
+        reps, final_carry = embedding.embed_all(e, params, carry0)
+        local.append(jax.tree.map(jax.lax.stop_gradient, reps))
+    return embedders, whole_shape, carry0, local, final_carry
+
+
+def _dtypes(loss_grads: Any, options: splitting._Options) -> Any:
+    return jax.tree.map(lambda g: trees.accumulator_dtype(g, options.accumulator_dtype), loss_grads)
+
+
+def _result(out: Any, grads: Any, final_carry: Any, options: splitting._Options) -> Any:
+    value, aux = out if options.has_aux else (out, None)
+    if options.carry_nums:
+        return (value, (final_carry, aux)), grads
+    return (value, aux) if options.has_aux else value, grads
+
+
 def _coupled(spec: _Spec, counts: int | dict[Any, int]) -> Callable[..., Any]:
     options = spec.options
 
     def value_and_grad(*args: Any, **kwargs: Any) -> Any:
-        _check_batch(args, kwargs, counts, options)
-        params = args[0]
-        if spec.axis_name is not None:
-            # The gradient with respect to replicated params would be summed over the
-            # devices in the backward pass; each device's own share is wanted here.
-            missing = tuple(a for a in spec.axis_name if a not in _varying(params))
-            if missing:
-                params = pcast_to_varying(params, missing)
-        carry0 = _strong(splitting._carried(args, options)) if options.carry_nums else None
-        embedders, whole_shape, carry0 = _embedders(spec, counts, args, kwargs, params, carry0)
-
-        # Pass 1: no differentiation, so no activations are kept.
-        local, final_carry = [], None
-        for e in embedders:
-            reps, final_carry = _embed_all(e, params, carry0)
-            local.append(jax.tree.map(jax.lax.stop_gradient, reps))
+        given = args[0]
+        args, kwargs, params = _prepare(spec, counts, args, kwargs)
+        embedders, whole_shape, carry0, local, final_carry = _first_pass(
+            spec, counts, args, kwargs, params
+        )
         out, loss_grads, cotangents = _loss_and_cotangents(
-            spec, embedders, whole_shape, params, local
+            spec, embedders, whole_shape, (given, params), local
         )
         # Pass 2, from the loss's own parameter gradient (loss-only params counted once).
         # It replays pass 1's carry so every micro-batch is embedded as it was then;
         # the carry returned is pass 1's, so statistics are counted once.
-        dtypes = jax.tree.map(
-            lambda g: trees.accumulator_dtype(g, options.accumulator_dtype), loss_grads
+        dtypes = _dtypes(loss_grads, options)
+        # Typed like the params of pass 2 (varying over axis_name), whose gradients it sums.
+        totals = jax.tree.map(
+            lambda g, d, p: combining.match_varying(g.astype(d), p), loss_grads, dtypes, params
         )
-        totals = jax.tree.map(lambda g, d: g.astype(d), loss_grads, dtypes)
         max_mask = _max_mask(spec, loss_grads)
         for e, cotangent in zip(embedders, cotangents, strict=True):
-            totals = _pull_back(e, params, cotangent, carry0, totals, dtypes, max_mask)
+            totals = embedding.pull_back(e, params, cotangent, carry0, totals, dtypes, max_mask)
         grads = jax.tree.map(lambda t, g: t.astype(jnp.result_type(g)), totals, loss_grads)
-
-        value, aux = out if options.has_aux else (out, None)
-        if options.carry_nums:
-            return (value, (final_carry, aux)), grads
-        return (value, aux) if options.has_aux else value, grads
+        return _result(out, grads, final_carry, options)
 
     return value_and_grad
 
@@ -393,21 +291,66 @@ def _max_mask(spec: _Spec, loss_grads: Any) -> Any:
     return mask
 
 
-def _varying(tree: Any) -> frozenset:
-    leaves = jax.tree_util.tree_leaves(tree)
-    return frozenset.intersection(*(varying_axes(x) for x in leaves)) if leaves else frozenset()
+def _on_devices(
+    spec: _Spec, counts: int | dict[Any, int], axes: tuple[Any, ...], *args: Any, **kwargs: Any
+) -> Any:
+    """Global-view `jax.jit` with the batch split over the mesh `axes` (no carry).
 
+    Left to XLA's partitioner, pass 2 would reduce every micro-batch's parameter
+    gradient. Here both passes run on each device under `jax.shard_map`, over its
+    own shard (keys folded per device, as under `axis_name`); the loss between
+    them is the caller's global-view code on the whole batch, partitioned by XLA
+    as it would be without micro-batching; and each device's pass-2 sum is
+    reduced once, after its micro-batches.
+    """
+    local_spec, options, seen = dataclasses.replace(spec, axis_name=axes), spec.options, []
+    n, batch = len(args), options.batch_nums
 
-def _axis_index(axis_name: tuple[Any, ...]) -> jax.Array:
-    index = jnp.int32(0)
-    for name in axis_name:
-        index = index * jax.lax.psum(1, name) + jax.lax.axis_index(name)
-    return index
+    def embed_here(*local: Any) -> Any:
+        *positional, local_kwargs = local  # keyword arguments go whole, replicated
+        call = _prepare(local_spec, counts, tuple(positional), local_kwargs)
+        embedders, whole_shape, _, reps, _ = _first_pass(local_spec, counts, *call)
+        seen.append((embedders, whole_shape))  # the towers' layout, read when tracing
+        return reps
+
+    local = devices.on_each_device(embed_here, axes, (*args, kwargs), batch, split_out=True)
+    out, loss_grads, cotangents = _loss_and_cotangents(spec, *seen[0], (args[0],) * 2, local)
+    dtypes = _dtypes(loss_grads, options)
+    # fp8 metadata: the cotangents are the whole batch's, so each device's max is the
+    # large batch's over its rows, and the devices' max is the large batch's.
+    max_mask = _max_mask(spec, loss_grads)
+
+    def pull_back_here(*local: Any) -> Any:
+        *positional, local_kwargs, rows = local
+        call = _prepare(local_spec, counts, tuple(positional), local_kwargs)
+        embedders, params = _embedders(local_spec, counts, *call, None)[0], call[2]
+        totals = jax.tree.map(
+            lambda p, d: devices.varying_over(jnp.zeros(jnp.shape(p), d), axes), params, dtypes
+        )
+        for e, cotangent in zip(embedders, rows, strict=True):
+            totals = embedding.pull_back(e, params, cotangent, None, totals, dtypes, max_mask)
+        return jax.tree.map(
+            lambda t, m: jax.lax.pmax(t, axes) if m else jax.lax.psum(t, axes), totals, max_mask
+        )
+
+    sums = devices.on_each_device(
+        pull_back_here, axes, (*args, kwargs, cotangents), (*batch, n + 1), split_out=False
+    )
+    grads = jax.tree.map(
+        lambda g, t, d, m: (jnp.maximum(g.astype(d), t) if m else g.astype(d) + t).astype(
+            jnp.result_type(g)
+        ),
+        loss_grads,
+        sums,
+        dtypes,
+        max_mask,
+    )
+    return _result(out, grads, None, options)
 
 
 def _with_floats(template: Any, floats: list[Any]) -> Any:
     it = iter(floats)
-    return jax.tree.map(lambda x: next(it) if _is_float(x) else x, template)
+    return jax.tree.map(lambda x: next(it) if embedding.is_float(x) else x, template)
 
 
 def _merge(parts: list[dict[Any, Any]], whole_shape: Any) -> dict[Any, Any]:
@@ -430,7 +373,7 @@ def coupled_value_and_grad(
     grad_reduction: str = "mean",
     memory_budget: float | None = None,
     max_leaves: Any = "auto",
-) -> Callable[..., Any]:
+) -> CoupledValueAndGrad:
     r"""Returns the value and gradient of a batch-coupled loss, computed in micro-batches.
 
     For a loss in which every example's term depends on the other examples'
@@ -474,7 +417,21 @@ def coupled_value_and_grad(
     holds examples `i, i + K, …` of every batch argument, and typed PRNG keys
     (and raw keys at `key_argnums`) reach it as `jax.random.fold_in(key, i)`,
     in both passes, so the second pass sees the same dropout masks as the
-    first. A raw `uint32` key outside `key_argnums` is refused.
+    first. A raw `uint32` key outside `key_argnums` is refused. Under
+    `axis_name` each device first folds its position along the axis into
+    every key (`jax.random.fold_in(key, d)`, `d` counting row-major over a
+    tuple of names), so a key passed the same to every device draws each
+    device's own masks; the large batch of reference is then defined per
+    device: device `d` embeds its shard as one device would with
+    `fold_in(key, d)`.
+
+    A `flax.nnx` module in the params' place is taken as `nnx.value_and_grad`
+    takes it (as in `microbatch_value_and_grad`): `loss_fn(model, embeddings)`
+    and `embed_fn(model, batch, ...)` receive the module, its `nnx.Param`
+    state is differentiated (the gradient is an `nnx.State`), and its other
+    state (dropout streams' counters, BatchNorm statistics) is carried
+    through the micro-batches, replayed by the second pass, and written back
+    into the module from the first. Not with `carry_argnums`.
 
     Args:
       loss_fn: `loss_fn(params, embeddings)` returning a scalar (or
@@ -492,7 +449,12 @@ def coupled_value_and_grad(
         (tower) of `embed_fn`'s output, e.g. `{"image": 16, "text": 4}`, for
         towers of different cost. Towers with the same count are embedded
         together; each count's pass calls `embed_fn` and keeps its own towers
-        (under `jax.jit` XLA removes the other towers' work).
+        (under `jax.jit` XLA removes the other towers' work). With `"auto"`
+        and `axis_name` the plan is made per device, from inside the mapped
+        function, on the device's shard; `f.plan(params, batch, ...)`, called
+        where `f` is, returns the `gradaccum_jax.MicrobatchPlan` (its
+        `num_microbatches` is the `K` chosen, which also sets the dropout
+        masks).
       has_aux: `loss_fn` returns `(loss, aux)`; the result is then
         `((loss, aux), grads)`.
       batch_argnums: Position(s) of the batch arguments of `f` (and
@@ -518,11 +480,23 @@ def coupled_value_and_grad(
         returned on each device are its share, scaled so that their mean over
         the axis (what `jax.lax.pmean` and `accumulate(axis_name=...)` take)
         is the global batch's gradient; the loss returned is the global
-        batch's on every device. Params are taken as varying over the axis,
-        so no collective runs on gradients inside this function. (Under
-        global-view `jax.jit` with a sharded batch and no `axis_name`, the
-        result is the same, but XLA reduces each micro-batch's parameter
-        gradient in the second pass: one all-reduce per micro-batch.)
+        batch's on every device, and (from JAX 0.10, where
+        `jax.lax.all_gather(..., to="invarying")` exists) typed invariant
+        over the axis, so `out_specs=P()` takes it as it is (on older JAX,
+        `jax.lax.pmean` it first). With `gather_embeddings=False` each
+        device's value is a share: `jax.lax.pmean` it. Params are taken as
+        varying over the axis, so no collective runs on gradients inside this
+        function. Under global-view `jax.jit` on a mesh, without
+        `axis_name`, with replicated params and the batch split over one
+        mesh axis (named in its Explicit sharding, or the only axis of
+        several devices of an Auto mesh), both passes run this way by
+        themselves, on each device's shard (keys folded per device as
+        above), and the loss between them is `loss_fn` on the whole batch
+        as XLA partitions it: each device sums its micro-batches' gradients
+        and one all-reduce after them combines the devices, so the step has
+        the collectives of `jax.value_and_grad` on the whole batch. Otherwise
+        (carried state, sharded params) XLA's partitioner places all the
+        work and reduces every micro-batch's parameter gradient in pass 2.
       gather_embeddings: Only with `axis_name`. `True` (default): `loss_fn`
         gets the whole batch's embeddings, gathered, and every device holds
         the loss's temporaries for all $N$ rows. `False`: `loss_fn` gets this
@@ -549,14 +523,17 @@ def coupled_value_and_grad(
 
     Returns:
       A function `f(params, batch, *args, **kwargs)` returning
-      `(loss, grads)`, or `((loss, aux), grads)` with `has_aux`.
+      `(loss, grads)`, or `((loss, aux), grads)` with `has_aux`; with
+      `num_microbatches="auto"`, `f.plan(params, batch, *args, **kwargs)`
+      returns the plan a call makes.
 
     Raises:
       TypeError: For non-callable functions, a bad `num_microbatches`, or
         (when called) a raw `uint32` key outside `key_argnums`.
       ValueError: For overlapping argnums, `gather_embeddings=False` or
         `grad_reduction="sum"` without `axis_name`, or (when called) a batch
-        size that a count does not divide, an embedding leaf without the batch
+        size that a count does not divide (pad it and leave the padding out
+        with the losses' `mask=`), an embedding leaf without the batch
         axis, a per-tower count that does not match `embed_fn`'s towers,
         `carry_argnums` with per-tower counts, or a `memory_budget` that no
         count fits.
@@ -623,41 +600,90 @@ def coupled_value_and_grad(
             "Drop grad_reduction, or pass axis_name."
         )
     spec = _Spec(loss_fn, embed_fn, options, names, gather_embeddings, grad_reduction == "sum")
-    counts = _check_counts(num_microbatches, memory_budget)
-    if not isinstance(counts, str):
-        return _coupled(spec, counts)
-
-    def planned(*args: Any, **kwargs: Any) -> Any:
-        plan = _plan(spec, args, kwargs, memory_budget)
-        return _coupled(spec, plan.num_microbatches)(*args, **kwargs)
-
-    return planned
+    return CoupledValueAndGrad(spec, _check_counts(num_microbatches, memory_budget), memory_budget)
 
 
-def _plan(
-    spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any], memory_budget: float | None
-) -> planning.MicrobatchPlan:
-    options = spec.options
-    splitting._check_call(args, kwargs, options)
-    batch_size = splitting._batch_size(args, options.batch_nums)
-    shards = math.lcm(
-        *(
-            splitting._explicit_shards(leaf)[0]
-            for j in options.batch_nums
-            for leaf in jax.tree_util.tree_leaves(args[j])
+class CoupledValueAndGrad:
+    """The function `coupled_value_and_grad` returns: `f(params, batch, *args, **kwargs)`.
+
+    Called, it returns `(loss, grads)` (see `coupled_value_and_grad`). With
+    `num_microbatches="auto"`, `f.plan(params, batch, *args, **kwargs)` returns
+    the `gradaccum_jax.MicrobatchPlan` that a call with those arguments follows
+    (called where `f` would be: under `axis_name`, inside the mapped function).
+    """
+
+    def __init__(self, spec: _Spec, counts: int | str | dict[Any, int], memory_budget: Any):
+        self._spec, self._counts, self._memory_budget = spec, counts, memory_budget
+
+    def _pure(self, args: tuple[Any, ...]) -> tuple[_Spec, tuple[Any, ...], Callable[..., Any]]:
+        """The spec and arguments of a call on plain pytrees, and how to finish its result.
+
+        A `flax.nnx` module in the params' place is split into its `nnx.Param`
+        state, differentiated, and the rest, carried through the micro-batches.
+        """
+        spec = self._spec
+        if not nnx_modules.module_positions(args, spec.options):
+            return spec, args, lambda out: out
+        axis_name = spec.axis_name
+
+        def device_keys(rest: Any) -> Any:
+            if axis_name is None:
+                return rest
+            return splitting._fold_keys(rest, devices.axis_index(axis_name), typed_only=True)
+
+        pure = nnx_modules.split_for_coupled(
+            spec.loss_fn, spec.embed_fn, spec.options, args, device_keys
         )
-    )
-    candidates = [
-        k
-        for k in range(1, batch_size + 1)
-        if batch_size % k == 0 and (batch_size // k) % shards == 0
-    ]
-    return planning.plan(
-        lambda k: _coupled(spec, k),
-        args,
-        kwargs,
-        candidates=candidates,
-        batch_size=batch_size,
-        memory_budget=memory_budget,
-        cache_key=("coupled", spec),
-    )
+        pure_spec = dataclasses.replace(
+            spec, loss_fn=pure.loss_fn, embed_fn=pure.embed_fn, options=pure.options
+        )
+        return pure_spec, pure.args, pure.finish
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        spec, args, finish = self._pure(args)
+        axes = None if spec.axis_name else devices.batch_axes(args, spec.options, self._counts)
+        counts = self._counts
+        if isinstance(counts, str):
+            counts = self._plan(spec, axes, args, kwargs).num_microbatches
+        return finish(_program(spec, axes, counts)(*args, **kwargs))
+
+    def plan(self, *args: Any, **kwargs: Any) -> planning.MicrobatchPlan:
+        """The plan of `num_microbatches="auto"` for a call with these arguments.
+
+        Its `num_microbatches` is the `K` the call uses, which also decides the
+        dropout masks (micro-batch `i` folds its index into the keys).
+
+        Raises:
+          ValueError: If `num_microbatches` was given as a count.
+        """
+        if not isinstance(self._counts, str):
+            raise ValueError(
+                f"plan() reports the K that num_microbatches='auto' chooses; this function "
+                f"was built with num_microbatches={self._counts!r}."
+            )
+        spec, args, _ = self._pure(args)
+        axes = None if spec.axis_name else devices.batch_axes(args, spec.options, "auto")
+        return self._plan(spec, axes, args, kwargs)
+
+    def _plan(
+        self, spec: _Spec, axes: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> planning.MicrobatchPlan:
+        # The program a call runs: under axis_name planned per device (on its shard),
+        # on the per-device route as a whole, with K splitting every device's shard.
+        return planning.plan_batch(
+            functools.partial(_program, spec, axes),
+            args,
+            kwargs,
+            spec.options,
+            memory_budget=self._memory_budget,
+            cache_key=("coupled", spec, axes),
+            shards=devices.devices(axes),
+            axis_name=spec.axis_name,
+        )
+
+
+def _program(spec: _Spec, axes: Any, counts: int | dict[Any, int]) -> Callable[..., Any]:
+    """The coupled value and gradient with `counts` micro-batches, on its route."""
+    if axes is None:
+        return _coupled(spec, counts)
+    return functools.partial(_on_devices, spec, counts, axes)

@@ -10,7 +10,6 @@ output (the loss, every gradient leaf, every aux leaf) to its own
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +28,6 @@ from gradaccum_jax._batching.splitting import (
     _check_num_microbatches,
     _check_options,
     _check_shards,
-    _explicit_shards,
     _is_choice,
     _microbatch_inputs,
     _Options,
@@ -423,32 +421,17 @@ def _plan(
     memory_budget: float | None,
     options: _Options,
 ) -> planning.MicrobatchPlan:
-    _check_call(args, kwargs, options)
-    batch_size = _batch_size(args, options.batch_nums)
-    shards = math.lcm(
-        *(
-            _explicit_shards(leaf)[0]
-            for j in options.batch_nums
-            for leaf in jax.tree_util.tree_leaves(args[j])
-        )
-    )
-    candidates = [
-        k
-        for k in range(1, batch_size + 1)
-        if batch_size % k == 0 and (batch_size // k) % shards == 0
-    ]
     cache_key = (
         fun,
         options._replace(
             argnums=_frozen(options.argnums), aux_reduction=_frozen(options.aux_reduction)
         ),
     )
-    return planning.plan(
+    return planning.plan_batch(
         lambda k: _microbatched(fun, k, options),
         args,
         kwargs,
-        candidates=candidates,
-        batch_size=batch_size,
+        options,
         memory_budget=memory_budget,
         cache_key=cache_key,
     )

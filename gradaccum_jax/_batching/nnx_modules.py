@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+
+import jax
 
 from gradaccum_jax._base import reduce_rules
-from gradaccum_jax._batching.splitting import _carry_argnums, _Options
+from gradaccum_jax._batching.splitting import _carry_argnums, _is_typed_key, _Options
 
 
 def module_positions(args: tuple[Any, ...], options: _Options) -> tuple[int, ...]:
@@ -104,3 +106,62 @@ def value_and_grad(
     for i, rest in new_rests.items():
         nnx.update(args[i], rest)
     return ((value, aux) if options.has_aux else value), grads
+
+
+class PureCoupled(NamedTuple):
+    """`coupled_value_and_grad`'s functions and arguments with the module split."""
+
+    loss_fn: Callable[..., Any]
+    embed_fn: Callable[..., Any]
+    options: _Options
+    args: tuple[Any, ...]
+    finish: Callable[[Any], Any]  # the result on plain pytrees -> the caller's result
+
+
+def split_for_coupled(
+    loss_fn: Callable[..., Any],
+    embed_fn: Callable[..., Any],
+    options: _Options,
+    args: tuple[Any, ...],
+    device_keys: Callable[[Any], Any],
+) -> PureCoupled:
+    """A `flax.nnx` module in the params' place of `coupled_value_and_grad`.
+
+    As in `value_and_grad`: its `nnx.Param` state is differentiated, and the
+    rest (RNG streams' counters, BatchNorm statistics) is carried through the
+    micro-batches of `embed_fn`, replayed by the second pass, and written back
+    into the module from the first. `loss_fn` gets the module with the params
+    being differentiated and the rest as it came in. `device_keys` folds this
+    device's position into the RNG streams' keys for the calls of `embed_fn`;
+    the keys written back are the module's own.
+    """
+    nnx = sys.modules["flax.nnx"]
+    if options.carry_nums:
+        raise TypeError(
+            f"coupled_value_and_grad got a flax.nnx module as params together with "
+            f"carry_argnums={_carry_argnums(options)!r}. A module's other state (BatchNorm "
+            "statistics, RNG counters) is carried through the micro-batches already; keep "
+            "the state inside the module, or pass plain pytrees."
+        )
+    module = args[0]
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def pure_embed(p: Any, *call_args: Any, **kw: Any) -> Any:
+        *batch_args, rest_now = call_args
+        model = nnx.merge(graphdef, p, device_keys(rest_now), copy=True)
+        out = embed_fn(model, *batch_args, **kw)
+        new_rest = nnx.state(model, nnx.Not(nnx.Param))
+        # An RNG stream moves its count, never its key: keep the module's own keys.
+        kept = jax.tree.map(lambda n, o: o if _is_typed_key(o) else n, new_rest, rest_now)
+        return out, kept
+
+    def pure_loss(p: Any, reps: Any) -> Any:
+        return loss_fn(nnx.merge(graphdef, p, rest, copy=True), reps)
+
+    def finish(out: Any) -> Any:
+        (value, (new_rest, aux)), grads = out
+        nnx.update(module, new_rest)
+        return ((value, aux) if options.has_aux else value), grads
+
+    pure_options = options._replace(carry_nums=(len(args),), carry_is_tuple=False)
+    return PureCoupled(pure_loss, pure_embed, pure_options, (params, *args[1:], rest), finish)

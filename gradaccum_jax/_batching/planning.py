@@ -10,6 +10,7 @@ and `microbatch_value_and_grad(..., num_microbatches="auto")` are built on it.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -17,6 +18,7 @@ import jax
 import numpy as np
 
 from gradaccum_jax._base import compat
+from gradaccum_jax._batching import splitting
 
 # With memory_budget=None the plan may use this fraction of the memory the
 # device reports free: the runtime needs room beyond the compiled program's
@@ -109,6 +111,105 @@ def _abstract(x: Any) -> Any:
     if isinstance(x, np.ndarray | np.generic):
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
     return None
+
+
+def each_device(
+    build: Callable[[int], Callable[..., Any]],
+    axis_name: tuple[Any, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Callable[[int], Callable[..., Any]], tuple[Any, ...], dict[str, Any]]:
+    """`plan`'s `build`, `args` and `kwargs` for a function of one device of a mapped axis.
+
+    Called inside `jax.shard_map` or `jax.pmap`, where `build(K)` uses collectives
+    over `axis_name`: a program compiled on its own has no such axis. The plan
+    compiles `build(K)` under a `jax.shard_map` over as many devices as the axis
+    has, each given its own copy of `args` (stacked along a new leading axis), so
+    that the peak bytes read are one device's.
+    """
+    sizes = [int(jax.lax.psum(1, name)) for name in axis_name]
+    devices = jax.devices()
+    if len(devices) < int(np.prod(sizes)):
+        raise ValueError(
+            f"num_microbatches='auto' with axis_name={axis_name!r} compiles one device's "
+            f"program over {int(np.prod(sizes))} devices, but {len(devices)} are visible. "
+            "Pass num_microbatches as an int."
+        )
+    mesh = jax.sharding.Mesh(np.array(devices[: int(np.prod(sizes))]).reshape(sizes), axis_name)
+    spec = jax.sharding.PartitionSpec(axis_name)
+
+    def stacked(x: Any) -> Any:
+        if isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic):
+            return jax.ShapeDtypeStruct((mesh.size, *np.shape(x)), x.dtype)
+        return x
+
+    def build_each(k: int) -> Callable[..., Any]:
+        function = build(k)
+
+        def run(*stacked_args: Any, **stacked_kwargs: Any) -> Any:
+            leaves, treedef = jax.tree_util.tree_flatten((stacked_args, stacked_kwargs))
+            arrays = [x for x in leaves if isinstance(x, jax.Array)]
+
+            def one_device(*local: Any) -> Any:
+                rows = iter(local)
+                full = [next(rows)[0] if isinstance(x, jax.Array) else x for x in leaves]
+                call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+                return jax.tree.map(lambda y: y[None], function(*call_args, **call_kwargs))
+
+            # Its own mesh, not the caller's (whose axes are manual in the caller's body).
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return jax.shard_map(one_device, mesh=mesh, in_specs=spec, out_specs=spec)(*arrays)
+
+        return run
+
+    stacked_args, stacked_kwargs = jax.tree.map(stacked, (args, kwargs))
+    return build_each, stacked_args, stacked_kwargs
+
+
+def plan_batch(
+    build: Callable[[int], Callable[..., Any]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: splitting._Options,
+    *,
+    memory_budget: float | None,
+    cache_key: Any,
+    shards: int = 1,
+    axis_name: tuple[Any, ...] | None = None,
+) -> MicrobatchPlan:
+    """`plan` over the counts `K` that split the batch of a call evenly.
+
+    Every micro-batch must split evenly over `shards` devices and over the
+    devices its batch leaves are explicitly sharded over. Under `axis_name`
+    (inside `jax.shard_map` or `jax.pmap`), one device's program is planned
+    (`each_device`).
+    """
+    splitting._check_call(args, kwargs, options)
+    batch_size = splitting._batch_size(args, options.batch_nums)
+    shards = math.lcm(
+        shards,
+        *(
+            splitting._explicit_shards(leaf)[0]
+            for j in options.batch_nums
+            for leaf in jax.tree_util.tree_leaves(args[j])
+        ),
+    )
+    candidates = [
+        k
+        for k in range(1, batch_size + 1)
+        if batch_size % k == 0 and (batch_size // k) % shards == 0
+    ]
+    if axis_name is not None:
+        build, args, kwargs = each_device(build, axis_name, args, kwargs)
+    return plan(
+        build,
+        args,
+        kwargs,
+        candidates=candidates,
+        batch_size=batch_size,
+        memory_budget=memory_budget,
+        cache_key=cache_key,
+    )
 
 
 def _hashable(key: Any) -> Any:

@@ -273,13 +273,16 @@ def _microbatch_inputs(
     return inputs
 
 
-def _check_divisible(batch_size: int, k: int) -> None:
+PAD_WITH_WEIGHTS = "mask the padding out with weight_fn or sum_and_weight"
+
+
+def _check_divisible(batch_size: int, k: int, padding: str = PAD_WITH_WEIGHTS) -> None:
+    """Raises unless `k` divides the batch; `padding` says how padded examples are left out."""
     if batch_size % k:
         raise ValueError(
             f"the batch size must be divisible by num_microbatches; got batch size "
             f"{batch_size} and num_microbatches={k} (remainder {batch_size % k}). Use a "
-            f"batch size that is a multiple of {k}, or pad the batch and mask the padding "
-            "out with weight_fn or sum_and_weight."
+            f"batch size that is a multiple of {k}, or pad the batch and {padding}."
         )
 
 
@@ -394,3 +397,16 @@ def _fold_keys(tree: Any, i: jax.Array, *, typed_only: bool) -> Any:
         return _fold_in(x, i) if _is_typed_key(x) or not typed_only else x
 
     return jax.tree.map(fold, tree)
+
+
+def fold_argument_keys(
+    args: tuple[Any, ...], kwargs: dict[str, Any], index: jax.Array, options: _Options
+) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments with their keys folded with `index`: those at `key_argnums`, raw
+    or typed, and the typed keys among the arguments passed whole."""
+    taken = {n for nums in options.roles.values() for n in nums}
+    folded = list(args)
+    for j, arg in enumerate(args):
+        if j in options.key_nums or j not in taken:
+            folded[j] = _fold_keys(arg, index, typed_only=j not in options.key_nums)
+    return folded, _fold_keys(kwargs, index, typed_only=True)
