@@ -217,3 +217,25 @@ def test_global_view_jit_over_a_sharded_batch():
     sharded = jax.device_put(data, jax.NamedSharding(mesh, jax.P("data")))
     _, grads = jax.jit(ga.microbatch_value_and_grad(loss, 2))(variables, sharded)
     _check(grads, ref)
+
+
+def test_coupled_global_view_route_takes_the_max_across_devices():
+    # Under global-view jit each device runs both passes on its rows; the metadata
+    # leaves combine by max across the devices (a psum would add 8 maxima).
+    encoder = Mlp()
+    variables, (x, _) = warm_variables(encoder), batch()
+
+    def embed(variables, x):
+        return encoder.apply(variables, x)
+
+    def loss(variables, z):
+        logits = z @ z.T
+        return jnp.mean(jax.nn.logsumexp(logits, axis=1) - jnp.diag(logits))
+
+    ref = jax.grad(lambda v, x: loss(v, embed(v, x)))(variables, x)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
+    replicated = jax.device_put(variables, jax.NamedSharding(mesh, jax.P()))
+    with jax.set_mesh(mesh):
+        _, grads = jax.jit(ga.coupled_value_and_grad(loss, embed, 2))(replicated, sharded)
+    _check(grads, ref)
