@@ -70,8 +70,11 @@ def test_seeded_calls_with_a_summed_window_are_exact():
     # sums: every cotangent is the large batch's, the output-gradient amax too.
     loss = loss_fn(Mlp())
     tx = ga.accumulate(optax.sgd(0.1), K, use_grad_mean=False)
-    for ours, big in _windows(tx, loss, 1.0 / K):
-        assert_metadata_equal(ours[META], big[META])
+    for window, (ours, big) in enumerate(_windows(tx, loss, 1.0 / K)):
+        # The first window starts from the same params: its metadata are equal bit for
+        # bit. Later windows start from params equal to round-off (sums in another
+        # order), and so do the amaxes of the activations they produce.
+        assert_metadata_equal(ours[META], big[META], rtol=0.0 if window == 0 else 1e-5)
         for a, b in zip(
             jax.tree.leaves(ours["params"]), jax.tree.leaves(big["params"]), strict=True
         ):

@@ -1,0 +1,4 @@
+"""The ground floor: version shims, argument checks, collectives and tree helpers.
+
+Imports nothing of ours.
+"""

@@ -1,0 +1,106 @@
+"""Cross-replica pieces of `accumulate(axis_name=...)`.
+
+Inside `jax.shard_map` with `check_vma=True` (the default) every value has
+a type that records the mesh axes along which it may differ between replicas
+(its *varying* axes). `jax.lax.cond` needs both branches to return the same
+types, and `jax.lax.psum` needs its operand to vary along every axis it sums
+over. Under `jax.pmap` or `check_vma=False` there are no such types and the
+helpers here reduce to plain `psum` and `cond`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
+
+
+def check_axes_bound(arg_name: str, axis_names: tuple[Any, ...]) -> bool:
+    """Raises unless every axis is bound; returns whether varying types are checked."""
+    for axis in axis_names:
+        try:
+            jax.lax.axis_size(axis)
+        except NameError as err:
+            raise ValueError(
+                f"{arg_name}={axis_names if len(axis_names) > 1 else axis_names[0]!r}: "
+                f"the axis {axis!r} is not bound where update runs. Call update inside "
+                f"jax.shard_map over a mesh with an axis named {axis!r} (or inside "
+                f"jax.pmap(..., axis_name={axis!r})); for training on one device, or "
+                "under jax.jit with sharded arrays, build accumulate without axis_name."
+            ) from err
+    # An axis index varies along its axis exactly when shard_map checks types.
+    return any(axis in varying_axes(jax.lax.axis_index(axis)) for axis in axis_names)
+
+
+def check_grads_vary(name: str, tree: Any, axis_names: tuple[Any, ...]) -> None:
+    """Raises if a gradient is already replica-invariant, i.e. already reduced."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        missing = [axis for axis in axis_names if axis not in varying_axes(leaf)]
+        if missing:
+            axes = missing[0] if len(missing) == 1 else tuple(missing)
+            raise ValueError(
+                f"{name} leaf {jax.tree_util.keystr(path)!r} has a replica-invariant type "
+                f"along {axes!r}, so it was already summed across replicas (an all-reduce "
+                "on every micro-step) and accumulate would sum it again. Differentiating "
+                "with respect to replicated params inside shard_map does that; mark them "
+                "varying first: "
+                f"jax.grad(loss)(jax.lax.pcast(params, {axes!r}, to='varying'), batch) "
+                "(jax.lax.pvary(params, axes) before JAX 0.8.2)."
+            )
+
+
+def _pvary(x: jax.Array, axes: Any) -> jax.Array:
+    missing = tuple(axis for axis in axes if axis not in varying_axes(x))
+    return pcast_to_varying(x, missing) if missing else x
+
+
+def psum(tree: Any, axis_names: tuple[Any, ...], typed: bool) -> Any:
+    """Sums `tree` across `axis_names`.
+
+    An operand typed invariant (the same on every replica) is cast to varying
+    first, so it adds up once per replica like any other, and so that a tuple
+    of names works when a value varies along only some of them.
+    """
+    if typed:
+        tree = jax.tree.map(lambda x: _pvary(x, axis_names), tree)
+    return jax.lax.psum(tree, axis_names)
+
+
+def zeros_without_axes(leaf: jax.Array, dtype: Any = None, zero: Any = None) -> jax.Array:
+    """Zeros shaped like `leaf` that vary along no axis (`zeros_like` would keep them).
+
+    A scalar `zero` that varies along no axis either is broadcast instead of
+    the constant 0 (see `distinct_zero` in `_window/engine.py`); one that varies is ignored,
+    as it would make the zeros vary.
+    """
+    dtype = jnp.result_type(leaf) if dtype is None else dtype
+    zeros = jnp.zeros(jnp.shape(leaf), dtype, out_sharding=jax.typeof(leaf).sharding)
+    if zero is None or varying_axes(zero):
+        return zeros
+    return zeros + jnp.asarray(zero).astype(dtype)
+
+
+def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands, typed: bool) -> Any:
+    """`jax.lax.cond` whose branch outputs are raised to their joint varying axes.
+
+    Each output leaf gets the union of the axes along which either branch's
+    version varies, so a branch that returns invariant zeros matches one that
+    returns a reduced (invariant) update without widening it.
+    """
+    if not typed:
+        return jax.lax.cond(pred, true_fn, false_fn, *operands)
+    true_out = jax.eval_shape(true_fn, *operands)
+    false_out = jax.eval_shape(false_fn, *operands)
+    joint = jax.tree.map(lambda a, b: varying_axes(a) | varying_axes(b), true_out, false_out)
+
+    def raised(fn: Callable) -> Callable:
+        def branch(*args):
+            return jax.tree.map(_pvary, fn(*args), joint)
+
+        return branch
+
+    return jax.lax.cond(pred, raised(true_fn), raised(false_fn), *operands)

@@ -1,0 +1,1 @@
+"""Differential privacy with accumulation: per-example clipping, the noisy window, accounting."""

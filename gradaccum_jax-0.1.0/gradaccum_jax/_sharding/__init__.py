@@ -1,0 +1,1 @@
+"""Partial sums over mesh axes (typed unreduced values) and checkpointing of sharded state."""

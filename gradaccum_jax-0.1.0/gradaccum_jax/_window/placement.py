@@ -1,0 +1,309 @@
+"""Where transformations sit around `accumulate`, checked where the library can see it.
+
+A loss scale, a second window (`accumulate`, `optax.apply_every`, `optax.MultiSteps`,
+the windows registered with `register_window`), a schedule of an
+`optax.inject_hyperparams`, or any element that keeps state (a schedule's count, an
+EMA, adam's moments) means one thing before a window or inside it and another after
+it or around it: after it, it runs on every micro-step, on the zeros between the
+window's updates too. The wrong place gives plausible wrong numbers. After a window
+only stateless elements (no array in their state) are right. Two checks, both in
+Python at `init` or trace time, none in the compiled step:
+
+- `check_state` reads an optimizer state's structure, element by element in the
+  order `optax.chain` and `optax.named_chain` apply them; `apply_gradients` and the
+  helpers that read the state (`optimizer_step`, `closes_window`, `has_updated`,
+  `current_loss_scale`, `scaled_value_and_grad`) call it.
+- `mark_window_output` / `refuse_window_output`: `accumulate` marks the updates it
+  returns, and the next element of a chain that is a loss scale or another
+  `accumulate` recognises them (the very same arrays or tracers) and raises, also
+  for a step written with `tx.update` alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import sys
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import optax
+
+from gradaccum_jax._window.state import AccumulateState, LossScaleState, refuse_outermost_inside
+
+_INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+_SCALE_ORDER = "optax.chain(ga.dynamic_loss_scale(), ga.accumulate(inner, K))"
+_SCALE = "a loss scale (dynamic_loss_scale or static_loss_scale)"
+
+
+class Window(NamedTuple):
+    """How the errors name a window transformation that `check_state` recognises by its state.
+
+    Attributes:
+      name: The transformation as the user writes it (`"gradaccum_jax.accumulate"`).
+      inside: Where a stateful element found after the window belongs, with
+        `{element}` where its name goes: inside a window, where it runs once per
+        window on the window's gradient.
+    """
+
+    name: str
+    inside: str
+
+
+_INSIDE_ACCUMULATE = "ga.accumulate(optax.chain(..., {element}), K)"
+# Window state types (subclasses included). A window returns zeros on the calls between
+# its updates, so what follows it in a chain runs on those zeros too.
+_WINDOWS: dict[type, Window] = {
+    AccumulateState: Window("gradaccum_jax.accumulate", _INSIDE_ACCUMULATE),
+    optax.ApplyEvery: Window("optax.apply_every", _INSIDE_ACCUMULATE),
+    optax.MultiStepsState: Window("optax.MultiSteps", _INSIDE_ACCUMULATE),
+}
+
+
+def register_window(state_type: type, window: Window) -> None:
+    """Has `check_state` treat `state_type` as a window's state, as `AccumulateState`.
+
+    For windows defined outside this module (other modules of `_window`, and
+    subpackages above it, which this module cannot import): nothing stateful, no
+    loss scale and no second window may follow them in a chain.
+    """
+    _WINDOWS[state_type] = window
+
+
+def _window(node: Any) -> Window | None:
+    for state_type, window in _WINDOWS.items():
+        if isinstance(node, state_type):
+            return window
+    return None
+
+
+class _Kind(NamedTuple):
+    """An element of a chain that `_check_sequence` orders: a window, a scale or state."""
+
+    kind: str  # "window", "scale" or "state"
+    name: str  # how the error names it; "" for state not yet named by its element
+    window: Window | None = None
+
+
+def _two_windows(first: str, second: str) -> ValueError:
+    if second == "optax.apply_every":
+        fix = (
+            "Drop apply_every and give accumulate the whole window: ga.accumulate(inner, K * N) "
+            "for apply_every(N) after accumulate(inner, K)."
+        )
+    else:
+        fix = (
+            "Use one window and put everything that should run once per window inside it: "
+            "ga.accumulate(optax.chain(<the first window's inner>, <what follows>), K)."
+        )
+    return ValueError(
+        f"Two windows in a row: {second} comes after {first} in the optimizer's chain. The "
+        "first window returns zeros on its micro-steps and one update per window; the second "
+        "then accumulates those updates as if they were gradients (another optimizer flips "
+        "or rescales them, apply_every sums several windows), which is not a longer window. " + fix
+    )
+
+
+def _scale_after_window(first: str) -> ValueError:
+    return ValueError(
+        f"A loss scale (dynamic_loss_scale or static_loss_scale) comes after {first} in the "
+        "optimizer's chain. There it unscales the window's update instead of each "
+        "micro-gradient: the transformations inside the window (a clip, the optimizer) see "
+        "scaled gradients, and the scale adapts to one update per window, so it backs off "
+        "too late or never. Put the loss scale first, before the window: "
+        f"{_SCALE_ORDER} (or static_loss_scale in the same place)."
+    )
+
+
+def _state_after_window(window: Window, element: str) -> ValueError:
+    return ValueError(
+        f"In the optimizer's chain, {element} comes after {window.name} and keeps state. "
+        "What follows a window runs on every micro-step, on the zeros the window returns "
+        "between its updates too: a schedule there advances K times per window, and a "
+        "count, an EMA or adam's moments take in the zeros. After a window only stateless "
+        "transformations are right (an empty state: optax.scale with a constant, "
+        "clip_by_global_norm, add_decayed_weights). Put it inside the window, where it "
+        "runs once per window on the window's gradient: "
+        + window.inside.format(element=element)
+        + "."
+    )
+
+
+def _check_sequence(kinds: list[_Kind]) -> None:
+    """Raises for a window followed by a loss scale, another window or a stateful element."""
+    window = None
+    for kind in kinds:
+        if window is None:
+            window = kind.window
+        elif kind.kind == "window":
+            raise _two_windows(window.name, kind.name)
+        elif kind.kind == "scale":
+            raise _scale_after_window(window.name)
+        else:
+            raise _state_after_window(window, kind.name or "an element with an array as its state")
+
+
+def _injected(node: Any, scale_type: type) -> list[_Kind]:
+    """An `optax.inject_hyperparams` state: its inner state's kinds, and its schedules."""
+    kinds = _walk(node.inner_state, scale_type)
+    scheduled = sorted(getattr(node, "hyperparams_states", None) or {})
+    if not scheduled:
+        # Its count and constant hyperparameters change nothing the updates depend on.
+        return kinds
+    if any(kind.window for kind in kinds):
+        raise ValueError(
+            f"optax.inject_hyperparams evaluates its schedules ({', '.join(scheduled)}) "
+            "outside gradaccum_jax.accumulate, once per update call: per micro-step, not "
+            "once per window as the inner optimizer's own schedules. Give the schedule to "
+            "the optimizer inside accumulate, where it advances once per window: "
+            "ga.accumulate(optax.sgd(schedule), K), or ga.accumulate("
+            "optax.inject_hyperparams(optax.sgd)(learning_rate=schedule), K) to keep "
+            "the injected hyperparameters (in opt_state.inner_state.hyperparams). A "
+            "schedule written in micro-steps becomes lambda step: schedule(step * K)."
+        )
+    hypers = ", ".join(f"{name}=schedule" for name in scheduled)
+    return [_Kind("state", f"optax.inject_hyperparams(...)({hypers})"), *kinds]
+
+
+def _element(state_type: type) -> str:
+    """The factory of `state_type` where its name says it (`ScaleByAdamState`:
+    `optax.scale_by_adam`), else the state type."""
+    package = state_type.__module__.split(".")[0]
+    stem = state_type.__qualname__.removesuffix("State")
+    factory = re.sub(r"(?<!^)(?=[A-Z])", "_", stem).lower()
+    with warnings.catch_warnings():
+        # A package may warn of (or refuse) a deprecated factory of that name.
+        warnings.simplefilter("ignore")
+        try:
+            found = getattr(sys.modules.get(package), factory, None)
+        except Exception:
+            found = None
+    if callable(found):
+        return f"{package}.{factory}(...)"
+    return f"the element whose state is {package}.{state_type.__qualname__}"
+
+
+def _walk(node: Any, scale_type: type) -> list[_Kind]:
+    """The windows, loss scales and stateful elements in `node`, in the order applied."""
+    window = _window(node)
+    if window is not None:
+        # What is inside a window runs on the window's gradient; accumulate refuses a
+        # loss scale there itself.
+        return [_Kind("window", window.name, window)]
+    if isinstance(node, scale_type):
+        return [_Kind("scale", _SCALE)]
+    if isinstance(node, _INJECTED):
+        return _injected(node, scale_type)
+    children = list(node.values()) if isinstance(node, dict) else node
+    if not isinstance(children, tuple | list):
+        # A leaf: an array is state (EmptyState, () and None have no leaves).
+        return [_Kind("state", "")] if hasattr(node, "shape") else []
+    if type(node) is tuple or isinstance(node, collections.OrderedDict):
+        # optax.chain (a plain tuple) and optax.named_chain (an OrderedDict), in order.
+        kinds = [kind for child in children for kind in _walk(child, scale_type)]
+        _check_sequence(kinds)
+        return kinds
+    return _side_by_side(node, children, scale_type)
+
+
+def _side_by_side(node: Any, children: Sequence[Any], scale_type: type) -> list[_Kind]:
+    """Parts that run side by side (an element's fields, optax.masked's inner state,
+    multi_transform's partitions): each part is checked on its own.
+
+    The parts together count as one element holding the kinds found, scales and state
+    before a window (an order that cannot be wrong), so that what follows in an outer
+    chain is still checked. State not yet named takes the name of this element's type.
+    """
+    found: list[_Kind] = []
+    for child in children:
+        kinds = _walk(child, scale_type)
+        _check_sequence(kinds)
+        found.extend(kind for kind in kinds if kind not in found)
+    if hasattr(node, "_fields"):  # a NamedTuple: an element's state
+        label = _element(type(node))
+        found = [kind._replace(name=label) if kind.name == "" else kind for kind in found]
+        found = list(dict.fromkeys(found))
+    scales = [kind for kind in found if kind.kind == "scale"]
+    state = [kind for kind in found if kind.kind == "state"]
+    windows = [kind for kind in found if kind.window]
+    return scales + state + windows[:1]
+
+
+def check_state(opt_state: Any) -> None:
+    """Raises `ValueError` if `opt_state`'s structure shows a transformation in a wrong place."""
+    _check_sequence(_walk(opt_state, LossScaleState))
+    _refuse_noise_before_window(opt_state)
+    multi_steps = optax.MultiStepsState
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, multi_steps)):
+        if isinstance(node, multi_steps):
+            refuse_outermost_inside(node.inner_opt_state, "optax.MultiSteps")
+
+
+def _refuse_noise_before_window(opt_state: Any) -> None:
+    """Raises if optax's per-step DP noise (`dpsgd`) comes before a window, in leaf order.
+
+    Leaf order is the order in which `optax.chain` applies its elements; side-by-side
+    parts (`optax.masked`, `multi_transform`) count in their tree order too, which
+    may refuse a harmless layout but never passes a noisy one.
+    """
+    noise = optax.contrib.DifferentiallyPrivateAggregateState
+    seen_noise = False
+    kinds = (noise, AccumulateState)
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds)):
+        if isinstance(node, AccumulateState) and seen_noise:
+            raise ValueError(
+                "optax.contrib.differentially_private_aggregate (or optax.contrib.dpsgd) comes "
+                "before an accumulating window in the optimizer's chain: it clips and adds "
+                "noise on every micro-step, K draws per window (sqrt(K) times the noise "
+                "calibrated for the logical batch, or its sum scaled by K), and its mean "
+                "divides by the micro-batch. Clip per example with "
+                "gradaccum_jax.privacy.clipped_grad and put the noise in the window's close: "
+                "gradaccum_jax.privacy.dp_accumulate(inner, K, l2_clip_norm=C, "
+                "noise_multiplier=sigma, expected_batch_size=B, key=key)."
+            )
+        seen_noise = seen_noise or isinstance(node, noise)
+
+
+# The updates returned by `accumulate`, by identity: id -> a weak reference that
+# confirms the object is still the one marked (an id may be reused after it dies).
+_window_outputs: dict[int, weakref.ref] = {}
+
+
+def mark_window_output(updates: Any) -> None:
+    """Remembers the leaves `accumulate` returns, weakly (no buffer is kept alive)."""
+    for leaf in jax.tree.leaves(updates):
+        try:
+            _window_outputs[id(leaf)] = weakref.ref(leaf, _forget(id(leaf)))
+        except TypeError:  # not weakly referenceable: not marked
+            continue
+
+
+def _forget(key: int) -> Any:
+    def callback(ref: weakref.ref) -> None:
+        if _window_outputs.get(key) is ref:
+            del _window_outputs[key]
+
+    return callback
+
+
+def _is_window_output(updates: Any) -> bool:
+    leaves = jax.tree.leaves(updates)
+    if not leaves:
+        return False
+    for leaf in leaves:
+        ref = _window_outputs.get(id(leaf))
+        if ref is None or ref() is not leaf:
+            return False
+    return True
+
+
+def refuse_window_output(updates: Any, who: str) -> None:
+    """Raises if `updates` are the very updates an `accumulate` returned (`who` is next)."""
+    if not _is_window_output(updates):
+        return
+    if who == "gradaccum_jax.accumulate":
+        raise _two_windows("gradaccum_jax.accumulate", who)
+    raise _scale_after_window("gradaccum_jax.accumulate")

@@ -1,0 +1,207 @@
+"""Flax's training containers with their step through `gradaccum_jax.apply_gradients`.
+
+`flax.training.train_state.TrainState.apply_gradients` and
+`flax.nnx.Optimizer.update` call `tx.update` and then `optax.apply_updates`:
+under `accumulate` every micro-step then writes a parameter-sized tree of zero
+updates and rewrites the params. These subclasses change only that step, so
+that the params are updated inside the window's close (see `apply_gradients`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+import jax
+from flax import nnx
+from flax.training import train_state
+
+from gradaccum_jax._base import compat
+from gradaccum_jax._window import accumulate as _accumulation
+from gradaccum_jax._window.fused import apply_gradients
+from gradaccum_jax.flax._fp8 import WINDOW_MAX, hold_for_window, window_start
+
+
+class TrainState(train_state.TrainState):
+    """`flax.training.train_state.TrainState`, stepping with `gradaccum_jax.apply_gradients`.
+
+    A drop-in replacement: `create`, the fields and `apply_gradients(grads=...)`
+    are Flax's. Only the step differs: with `tx = gradaccum_jax.accumulate(...)`
+    (alone, last in an `optax.chain`, or under `optax.inject_hyperparams`) the
+    params are updated inside the window's close, and a micro-step moves only
+    the gradient and the accumulator. The params come out as with Flax's class.
+    `step` still counts calls (micro-steps); read the `optimizer_step` property
+    for optimizer steps. Keywords of `apply_gradients` that name no field of
+    the state (`weight=`, `value=`) go to `tx.update`.
+
+    Flax's fp8 metadata (the `_overwrite_with_gradient` collection of
+    `flax.linen.fp8_ops` layers: scales and amax histories) are not handed to
+    `tx`. Flax overwrites them on every call; under `accumulate` they are
+    held as they were when the window opened, the calls' new values are
+    combined by their elementwise max in the collection
+    `params["_overwrite_with_gradient_max"]` (added by `create`, shaped like
+    the metadata; the model ignores it), and the max is written when the
+    window closes: the history rolls once per optimizer step, and every
+    micro-step of a window is quantized with the same scales.
+
+    The same in one line on Flax's own class, for a subclass of your own:
+    `params, opt_state = gradaccum_jax.apply_gradients(state.tx, grads,
+    state.opt_state, state.params)`, then `state.replace(step=state.step + 1,
+    params=params, opt_state=opt_state)`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import gradaccum_jax as ga
+      >>> from gradaccum_jax.flax import TrainState
+      >>> state = TrainState.create(
+      ...     apply_fn=None, params={"w": jnp.ones(2)}, tx=ga.accumulate(optax.sgd(0.5), 2)
+      ... )
+      >>> state = state.apply_gradients(grads={"w": jnp.ones(2)})
+      >>> state = state.apply_gradients(grads={"w": jnp.full(2, 3.0)})
+      >>> state.params["w"]  # 1 - 0.5 * mean([1, 3])
+      Array([0., 0.], dtype=float32)
+    """
+
+    @classmethod
+    def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> TrainState:
+        """Flax's `create`; with fp8 metadata in `params`, their window's running max as well."""
+        overwrite = train_state.OVERWRITE_WITH_GRADIENT
+        if isinstance(params, dict) and overwrite in params and WINDOW_MAX not in params:
+            # A collection beside the metadata rather than a field: checkpoints of
+            # states without fp8 layers keep Flax's structure.
+            params = {**params, WINDOW_MAX: window_start(params[overwrite])}
+        state: TrainState = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        return state
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """Updates `step`, `params` and `opt_state`, as Flax's; other keywords: fields or `tx`'s.
+
+        A keyword that names a field of the state (`step`, `params`, `opt_state`,
+        `apply_fn`, `tx`, or a field of your subclass, such as `batch_stats`) is
+        replaced, as in Flax. Any other keyword is an extra argument of
+        `tx.update`: `weight=` for a weighted window, `value=` for
+        `optax.contrib.reduce_on_plateau`. A keyword one letter or so from a
+        field's name (`param=`, `batch_stat=`) is refused rather than passed on,
+        since optax drops extra arguments that no transformation takes.
+
+        Args:
+          grads: Gradients with the structure of `params` (a top-level
+            `overwrite_with_gradient` collection replaces its params, as in Flax).
+          **kwargs: Fields to replace, and extra arguments for `tx.update`.
+
+        Returns:
+          The new state, `step` incremented by one.
+
+        Raises:
+          TypeError: If a keyword is not a field but close to a field's name.
+
+        Examples:
+          >>> import jax.numpy as jnp, optax
+          >>> import gradaccum_jax as ga
+          >>> from gradaccum_jax.flax import TrainState
+          >>> state = TrainState.create(
+          ...     apply_fn=None, params={"w": jnp.ones(1)}, tx=ga.accumulate(optax.sgd(1.0), 2)
+          ... )
+          >>> state = state.apply_gradients(grads={"w": jnp.ones(1)}, weight=3.0)
+          >>> state = state.apply_gradients(grads={"w": jnp.full(1, 5.0)}, weight=1.0)
+          >>> state.params["w"], state.optimizer_step  # 1 - (3 * 1 + 1 * 5) / 4
+          (Array([-1.], dtype=float32), Array(1, dtype=int32))
+        """
+        fields = [field.name for field in dataclasses.fields(self)]
+        to_replace = {name: value for name, value in kwargs.items() if name in fields}
+        extra_args = {name: value for name, value in kwargs.items() if name not in fields}
+        for name in extra_args:
+            close = difflib.get_close_matches(name, fields, n=1, cutoff=0.8)
+            if close:
+                raise TypeError(
+                    f"apply_gradients got {name}=, which is not a field of "
+                    f"{type(self).__name__} ({', '.join(fields)}) but is close to "
+                    f"{close[0]!r}. Keywords that name a field are replaced; any other goes "
+                    f"to tx.update as an extra argument, where a misspelt field would be "
+                    f"dropped without a word. Did you mean {close[0]}=?"
+                )
+        overwrite = train_state.OVERWRITE_WITH_GRADIENT
+        if overwrite in grads:
+            new_params, new_opt_state = apply_gradients(
+                self.tx, grads["params"], self.opt_state, self.params["params"], **extra_args
+            )
+            meta, running = hold_for_window(
+                self.params[overwrite],
+                self.params.get(WINDOW_MAX),
+                grads[overwrite],
+                self.opt_state,
+                new_opt_state,
+            )
+            new_params = {"params": new_params, overwrite: meta}
+            if running is not None:
+                new_params[WINDOW_MAX] = running
+        else:
+            new_params, new_opt_state = apply_gradients(
+                self.tx, grads, self.opt_state, self.params, **extra_args
+            )
+        return self.replace(
+            step=self.step + 1, params=new_params, opt_state=new_opt_state, **to_replace
+        )
+
+    @property
+    def optimizer_step(self) -> jax.Array:
+        """Optimizer steps (windows that applied an update) so far; `step` counts calls.
+
+        `gradaccum_jax.optimizer_step(self.opt_state)`: an `int32` scalar.
+        """
+        return _accumulation.optimizer_step(self.opt_state)
+
+
+class Optimizer(nnx.Optimizer):
+    """`flax.nnx.Optimizer`, stepping with `gradaccum_jax.apply_gradients`.
+
+    Built and used as Flax's (`Optimizer(model, tx, wrt=nnx.Param)`,
+    `optimizer.update(model, grads, **extra_args)`); with `tx =
+    gradaccum_jax.accumulate(...)` the model's params are updated inside the
+    window's close, and a micro-step moves only the gradient and the
+    accumulator. `update` returns `None`: the updates that Flax's returns are
+    what the fused step avoids writing. `step` counts calls (micro-steps),
+    `optimizer_step` the windows that applied an update.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> import gradaccum_jax as ga
+      >>> from gradaccum_jax.flax import Optimizer
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> optimizer = Optimizer(model, ga.accumulate(optax.sgd(0.1), 2), wrt=nnx.Param)
+      >>> grads = nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model)
+      >>> optimizer.update(model, grads)
+      >>> int(optimizer.step[...])
+      1
+    """
+
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:
+        """Applies `grads` to `model`'s `wrt` state, as Flax's, without returning updates.
+
+        Args:
+          model: The model whose params to update.
+          grads: The gradients from `nnx.grad`.
+          **kwargs: Extra arguments for `tx.update` (`weight=`, `value=`, ...).
+        """
+        # Newer flax takes a graph option; flax 0.12.1 (the oldest supported) has none.
+        pure = compat.plain_values
+        graph = {"graph": self.graph} if hasattr(self, "graph") else {}
+        params = pure(nnx.state(model, self.wrt, **graph))
+        grads = pure(nnx.state(grads, self.wrt, **graph))
+        opt_state = pure(self.opt_state)
+        new_params, new_opt_state = apply_gradients(
+            self.tx, grads, opt_state, params, **pure(kwargs)
+        )
+        nnx.update(model, new_params)
+        nnx.update(self.opt_state, nnx.state(new_opt_state, **graph))
+        self.step[...] += 1
+
+    @property
+    def optimizer_step(self) -> jax.Array:
+        """Optimizer steps (windows that applied an update) so far; `step` counts calls.
+
+        `gradaccum_jax.optimizer_step(self.opt_state)`: an `int32` scalar.
+        """
+        return _accumulation.optimizer_step(self.opt_state)

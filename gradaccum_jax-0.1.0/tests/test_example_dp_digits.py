@@ -1,0 +1,37 @@
+"""The DP-SGD digits example runs at its reduced size and shows what it claims."""
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+from gradaccum_jax import privacy
+
+pytestmark = pytest.mark.slow  # runs an example end to end
+
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "dp_digits.py"
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("dp_digits", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run(capsys):
+    out = _load_example().main(["--quick"])
+    printed = capsys.readouterr().out
+    assert "epsilon = " in printed and "PLD accountant" in printed
+    # Poisson logical batches: their sizes vary around B = 256.
+    assert min(out["sizes"]) < 256 < max(out["sizes"])
+    # epsilon counts logical batches (windows), one per Poisson batch, not micro-steps.
+    assert out["windows"] == len(out["sizes"]) == 6 * round(1 / out["q"])
+    want = privacy.epsilon(2.5, out["q"], out["windows"], 1e-5, sampling="poisson")
+    assert out["epsilon"] == want
+    # The point of micro-batches: per-example gradients of m examples, not of B.
+    assert out["temp_bytes"][256] > 4 * out["temp_bytes"][32]
+    assert out["history"][-1] > 0.5, "the private run learned something"
+    assert out["plain_history"][-1] > 0.8
+    assert np.all(np.isfinite(out["history"]))

@@ -1,0 +1,132 @@
+"""The measuring harness (benchmarks/harness.py) reads compiled HLO the way the tests rely on."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import harness
+
+# A hand-written module in the printed form of XLA:CPU: a combined all-reduce whose
+# tuple type has spaces and an index comment, an asynchronous pair, a conditional
+# whose boundary branch reduces, and a copy of a broadcast made by a fusion.
+HLO = """\
+HloModule jit_step
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%wrapped_broadcast_computation (p: f32[]) -> f32[4,4] {
+  %p = f32[] parameter(0)
+  ROOT %b = f32[4,4]{1,0} broadcast(%p), dimensions={}
+}
+
+%skip (arg: (f32[4,4], f32[4,4])) -> (f32[4,4], f32[4,4]) {
+  %arg = (f32[4,4]{1,0}, f32[4,4]{1,0}) parameter(0)
+  %zero = f32[] constant(0)
+  %wrapped_broadcast = f32[4,4]{1,0} fusion(%zero), kind=kLoop, calls=%wrapped_broadcast_computation
+  %copy.1 = f32[4,4]{1,0} copy(%wrapped_broadcast)
+  ROOT %t = (f32[4,4]{1,0}, f32[4,4]{1,0}) tuple(%wrapped_broadcast, %copy.1)
+}
+
+%apply (arg: (f32[4,4], f32[4,4])) -> (f32[4,4], f32[4,4]) {
+  %arg = (f32[4,4]{1,0}, f32[4,4]{1,0}) parameter(0)
+  %a = f32[4,4]{1,0} get-tuple-element(%arg), index=0
+  %b = f32[4,4]{1,0} get-tuple-element(%arg), index=1
+  %c = f32[2]{0} constant({1, 2})
+  %ar = (f32[4,4]{1,0}, f32[4,4]{1,0}, f32[], f32[], f32[], \
+/*index=5*/f32[2]{0}) all-reduce(%a, %b, %zero, %zero, %zero, \
+/*index=5*/%c), replica_groups={}, to_apply=%add
+  %copy.2 = f32[4,4]{1,0} copy(%a)
+  ROOT %t = (f32[4,4]{1,0}, f32[4,4]{1,0}) tuple(%copy.2, %b)
+}
+
+ENTRY %main (p0: f32[4,4], p1: f32[4,4], flag: pred[]) -> (f32[4,4], f32[4,4]) {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = f32[4,4]{1,0} parameter(1)
+  %flag = pred[] parameter(2)
+  %start = f32[4,4]{1,0} all-reduce-start(%p0), replica_groups={}, to_apply=%add
+  %done = f32[4,4]{1,0} all-reduce-done(%start)
+  %pair = (f32[4,4]{1,0}, f32[4,4]{1,0}) tuple(%done, %p1)
+  %copy.3 = f32[4,4]{1,0} copy(%p1)
+  ROOT %cond = (f32[4,4]{1,0}, f32[4,4]{1,0}) conditional(%flag, %pair, %pair), \
+branch_computations={%skip, %apply}
+}
+"""
+
+
+def test_regions_and_collectives():
+    hlo = harness.Hlo(HLO)
+    assert hlo.entry == "main"
+    assert hlo.every_step() == {"main", "add"}
+    assert hlo.conditionals() == [["skip", "apply"]]
+    assert [op.name for op in hlo.ops("all-reduce", hlo.every_step())] == ["start"]
+    (combined,) = hlo.ops("all-reduce", hlo.reachable(["apply"]))
+    assert combined.elements == 2 * 16 + 3 + 2
+    assert combined.nbytes == 4 * combined.elements
+    # The asynchronous op runs on each of K calls, the combined one once per window.
+    assert hlo.per_window("all-reduce", 4) == (4 + 1, 4 * 16 * 4 + 4 * 37)
+    assert hlo.collective_counts()["all-reduce"] == 2
+
+
+def test_copies_and_their_sources():
+    hlo = harness.Hlo(HLO)
+    copies = {c.name: hlo.source(c) for c in hlo.copies(16)}
+    assert copies == {"copy.1": "broadcast", "copy.2": "get-tuple-element", "copy.3": "parameter"}
+    assert [c.name for c in hlo.copies(16, within=[hlo.entry])] == ["copy.3"]
+    assert hlo.copies(17) == []
+
+
+def test_compiled_program_and_memory():
+    def step(state, g):
+        return jax.tree.map(jnp.add, state, g)
+
+    tree = {"a": jnp.zeros((8, 8)), "b": jnp.zeros((8, 8))}
+    compiled = jax.jit(step, donate_argnums=0).lower(tree, tree).compile()
+    memory = harness.compiled_memory(compiled)
+    assert memory.argument_bytes == 2 * 2 * 8 * 8 * 4
+    # Each donated leaf aliases its output: counted once in the peak.
+    assert memory.alias_bytes == 2 * 8 * 8 * 4 <= memory.output_bytes
+    assert memory.peak_bytes < memory.argument_bytes + memory.output_bytes
+    assert harness.Hlo(compiled).copies(1) == []
+
+
+def test_interleaved_medians_alternate_the_order():
+    calls = []
+    medians = harness.interleaved_medians(
+        {"x": lambda: calls.append("x"), "y": lambda: calls.append("y")}, repeats=3, warmup=1
+    )
+    assert calls == ["x", "y", "x", "y", "y", "x", "x", "y"]
+    assert set(medians) == {"x", "y"} and all(t >= 0 for t in medians.values())
+
+
+def test_interleaved_times_keep_every_round_and_ratio_quartiles_read_them():
+    times = harness.interleaved_times({"x": lambda: None, "y": lambda: None}, repeats=5)
+    assert {name: len(t) for name, t in times.items()} == {"x": 5, "y": 5}
+    median, q1, q3 = harness.ratio_quartiles([2.0, 4.0, 6.0, 8.0, 10.0], [1.0] * 5)
+    assert (q1, median, q3) == (4.0, 6.0, 8.0)
+    assert harness.ratio_quartiles([3.0], [2.0]) == (1.5, 1.5, 1.5)
+
+
+def test_no_entry_is_an_error():
+    with pytest.raises(ValueError, match="ENTRY"):
+        harness.Hlo("HloModule empty\n")
+
+
+def test_bytes_moved_takes_the_ordinary_branch_of_a_boolean_fallback():
+    from gradaccum_jax._base import trees
+
+    x = jnp.ones((256, 256))
+
+    def check_then_add(acc, g):
+        ok = trees.all_finite_by_squares(g)
+        return jnp.where(ok, acc + g, acc)
+
+    hlo = harness.Hlo(jax.jit(check_then_add).lower(x, x).compile())
+    assert len(hlo.conditionals()) == 1
+    # Either `branch` counts the quick branch (nothing), not the exact fallback (a
+    # read of g): the same total, at least the sums of squares (P) and the add (3 P).
+    # (jax 0.8.1's compiler moves 6 P here, jax 0.10.2's 4 P.)
+    assert hlo.bytes_moved(0) == hlo.bytes_moved(1) >= 4 * x.nbytes
