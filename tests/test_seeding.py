@@ -14,6 +14,7 @@ from flax import nnx
 from flax.linen import fp8_ops
 
 import gradaccum_jax as ga
+from gradaccum_jax._base import compat
 from gradaccum_jax._batching.splitting import _check_options
 
 
@@ -236,6 +237,12 @@ def test_coupled_global_view_route_takes_the_max_across_devices():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     sharded = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
     replicated = jax.device_put(variables, jax.NamedSharding(mesh, jax.P()))
+    step = jax.jit(ga.coupled_value_and_grad(loss, embed, 2))
     with jax.set_mesh(mesh):
-        _, grads = jax.jit(ga.coupled_value_and_grad(loss, embed, 2))(replicated, sharded)
+        if not compat.FP8_COUPLED_ON_MESHES:
+            # JAX 0.8.1 gives wrong parameter gradients here: refused, naming the fix.
+            with pytest.raises(ValueError, match=r"jax>=0\.10"):
+                step(replicated, sharded)
+            return
+        _, grads = step(replicated, sharded)
     _check(grads, ref)

@@ -641,6 +641,7 @@ class CoupledValueAndGrad:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec, args, finish = self._pure(args)
+        _refuse_fp8_on_old_meshes(args[0])
         axes = None if spec.axis_name else devices.batch_axes(args, spec.options, self._counts)
         counts = self._counts
         if isinstance(counts, str):
@@ -679,6 +680,20 @@ class CoupledValueAndGrad:
             cache_key=("coupled", spec, axes),
             shards=devices.devices(axes),
             axis_name=spec.axis_name,
+        )
+
+
+def _refuse_fp8_on_old_meshes(params: Any) -> None:
+    """Raises for Flax fp8 layers under a mesh context on a JAX release measured wrong there."""
+    if compat.FP8_COUPLED_ON_MESHES or jax.sharding.get_abstract_mesh().empty:
+        return
+    fp8 = reduce_rules.max_paths(reduce_rules.max_mask(params))
+    if fp8:
+        raise ValueError(
+            f"coupled_value_and_grad got Flax fp8 layers ({fp8[0]}, ...) under a mesh "
+            f"context with JAX {jax.__version__}: measured with JAX 0.8.1, their parameter "
+            "gradients there are wrong (JAX 0.10.2 gives the large batch's). Upgrade to "
+            "jax>=0.10, or call it outside the mesh context (jax.set_mesh)."
         )
 
 

@@ -1,1 +1,0 @@
-"""Micro-batching a loss: the planner, micro-batched and per-device (unreduced) `value_and_grad`."""

@@ -1,1 +1,0 @@
-"""Clipping by family: overflow-free measures, norm/value clipping, EMA and growth clippers, AGC."""

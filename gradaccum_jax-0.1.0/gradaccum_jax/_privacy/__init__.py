@@ -1,1 +1,0 @@
-"""Differential privacy with accumulation: per-example clipping, the noisy window, accounting."""
