@@ -1,0 +1,287 @@
+"""The tiled pairwise kernel behind `gradaccum_jax.losses`: statistics, then gradients.
+
+Two sweeps over the tiles of `s = scale * q @ k.T`, never the whole matrix:
+
+* `statistics` (no autodiff through it) keeps, per row and per column, the running maximum
+  `m`, the sums of `exp(s - m)` over the positives (`l_pos`) and over the other valid
+  entries (`l_neg`) apart, the sum of the positives' logits and their number; for the
+  sigmoid loss, each row's sum of `-log sigmoid(z s)`.
+* `cross_entropies` turns those statistics into each row's (and column's) term, and its
+  `jax.custom_vjp` backward sweeps the tiles again with the gradient written so that no
+  term is the difference of two numbers near 1: a positive's `p - 1/|P|` is
+  `-l_neg / l` for a single positive, `(e - l_pos/|P|)/l - l_neg/(|P| l)` for several,
+  and `p = exp(s - m) / l` with `s - m` taken in the tile, not against a float32
+  log-sum-exp (whose rounding at logits of 1e4 is 1e-3); the sigmoid's is `-z sigmoid(-z x)`.
+
+The statistics of devices that each hold some rows of a column combine with
+`combine_statistics` (N-vectors), so that the backward of every device uses the global
+statistics of the columns it sees.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
+
+SOFTMAX = "softmax"
+SIGMOID = "sigmoid"
+# Running maximum before any column was seen: finite, so that `m - new_m` is never inf - inf.
+_FLOOR = -1e30
+
+
+class Stats(NamedTuple):
+    """Softmax statistics of rows (or columns), each `(rows,)` in the accumulation dtype.
+
+    For the sigmoid loss `l_neg` holds each row's summed loss and the others are unused.
+    """
+
+    m: jax.Array  # running maximum of the valid logits (_FLOOR when none)
+    l_pos: jax.Array  # sum of exp(s - m) over the positives
+    l_neg: jax.Array  # sum of exp(s - m) over the other valid entries
+    pos_sum: jax.Array  # sum of the positives' logits
+    count: jax.Array  # number of positives (int32)
+
+
+def _empty_stats(rows: int, acc: Any) -> Stats:
+    zeros = jnp.zeros(rows, acc)
+    return Stats(jnp.full(rows, _FLOOR, acc), zeros, zeros, zeros, jnp.zeros(rows, jnp.int32))
+
+
+def pad_rows(x: jax.Array, rows: int, value: Any = 0) -> jax.Array:
+    extra = rows - x.shape[0]
+    if extra == 0:
+        return x
+    pad = [(0, extra)] + [(0, 0)] * (x.ndim - 1)
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _match_vma(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    # Inside shard_map a cotangent may vary along axes its primal does not (an invariant
+    # `scale` used by varying rows): autodiff of the implicit broadcast sums it there.
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal), key=str))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
+def _joint_axes(*xs: Any) -> frozenset:
+    return frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(xs)))
+
+
+def _vary(tree: Any, axes: frozenset) -> Any:
+    # Scan carries start as constants; inside shard_map they must vary like the values
+    # the loop body adds to them.
+    def cast(x):
+        missing = tuple(sorted(axes - varying_axes(x), key=str))
+        return pcast_to_varying(x, missing) if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def acc_dtype(q: jax.Array, k: jax.Array) -> Any:
+    # float32 for 16- and 32-bit inputs; float64 inputs (with jax_enable_x64) keep float64.
+    return jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), jnp.float32)
+
+
+def _block(x, i, bs):
+    return jax.lax.dynamic_slice_in_dim(x, i * bs, bs)
+
+
+def _tile(q, k, i, j, bs):
+    qb, kb = _block(q, i, bs), _block(k, j, bs)
+    raw = jax.lax.dot_general(
+        qb,
+        kb,
+        (((1,), (1,)), ((), ())),
+        preferred_element_type=acc_dtype(q, k),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    return qb, kb, raw
+
+
+class Meta(NamedTuple):
+    """What the tiles need besides the embeddings: labels and validity, padded to tiles."""
+
+    rlab: jax.Array  # (rows,) int32
+    clab: jax.Array  # (cols,) int32
+    rvalid: jax.Array  # (rows,) bool
+    cvalid: jax.Array  # (cols,) bool
+    cpair: jax.Array  # (cols,) bool: columns that can be positives (paired keys)
+
+
+def _positives(meta: Meta, i, j, bs):
+    rl, rv = _block(meta.rlab, i, bs), _block(meta.rvalid, i, bs)
+    cl, cv, cp = _block(meta.clab, j, bs), _block(meta.cvalid, j, bs), _block(meta.cpair, j, bs)
+    pos = (rl[:, None] == cl[None, :]) & cp[None, :] & rv[:, None] & cv[None, :]
+    return pos, rv, cv
+
+
+def _update(st: Stats, s, pos, valid, axis):
+    """Adds one tile's logits `s` to the statistics along `axis` (1: rows, 0: columns)."""
+    sm = jnp.where(valid, s, -jnp.inf)
+    new_m = jnp.maximum(st.m, sm.max(axis))
+    e = jnp.exp(sm - jnp.expand_dims(new_m, axis))
+    rescale = jnp.exp(st.m - new_m)
+    return Stats(
+        new_m,
+        st.l_pos * rescale + jnp.where(pos, e, 0.0).sum(axis),
+        st.l_neg * rescale + jnp.where(pos, 0.0, e).sum(axis),
+        st.pos_sum + jnp.where(pos, s, 0.0).sum(axis),
+        st.count + pos.sum(axis, dtype=jnp.int32),
+    )
+
+
+def statistics(mode, both, bs, q, k, scale, bias, meta: Meta) -> tuple[Stats, Stats]:
+    """One sweep over the tiles: the row statistics and (when `both`) the column ones."""
+    nr, nc = q.shape[0] // bs, k.shape[0] // bs
+    acc = acc_dtype(q, k)
+    scale_acc, bias_acc = scale.astype(acc), bias.astype(acc)
+    axes = _joint_axes(q, k, scale, bias, meta)
+
+    def row_block(cols, i):
+        def col_block(carry, j):
+            row, cols = carry
+            s = scale_acc * _tile(q, k, i, j, bs)[2]
+            pos, rv, cv = _positives(meta, i, j, bs)
+            if mode == SIGMOID:
+                term = jax.nn.softplus(jnp.where(pos, -(s + bias_acc), s + bias_acc))
+                term = jnp.where(rv[:, None] & cv[None, :], term, 0.0)
+                return (row._replace(l_neg=row.l_neg + term.sum(1)), cols), None
+            row = _update(row, s, pos, cv[None, :], 1)
+            if both:
+                mine = jax.tree.map(lambda x: _block(x, j, bs), cols)
+                mine = _update(mine, s, pos, rv[:, None], 0)
+                cols = jax.tree.map(
+                    lambda x, b: jax.lax.dynamic_update_slice_in_dim(x, b, j * bs, 0), cols, mine
+                )
+            return (row, cols), None
+
+        init = (_vary(_empty_stats(bs, acc), axes), cols)
+        (row, cols), _ = jax.lax.scan(col_block, init, jnp.arange(nc))
+        return cols, row
+
+    cols0 = _vary(_empty_stats(k.shape[0] if both else 0, acc), axes)
+    cols, rows = jax.lax.scan(row_block, cols0, jnp.arange(nr))
+    return jax.tree.map(lambda x: x.reshape(-1), rows), cols
+
+
+def combine_statistics(st: Stats, axis_name: Any) -> Stats:
+    """The statistics over all devices' rows of each column, from each device's own."""
+    top = jax.lax.pmax(st.m, axis_name)
+    rescale = jnp.exp(st.m - top)
+    return Stats(
+        top,
+        jax.lax.psum(st.l_pos * rescale, axis_name),
+        jax.lax.psum(st.l_neg * rescale, axis_name),
+        jax.lax.psum(st.pos_sum, axis_name),
+        jax.lax.psum(st.count, axis_name),
+    )
+
+
+def _total(st: Stats) -> jax.Array:
+    total = st.l_pos + st.l_neg
+    # A row with no valid entry (masked or padding) has total 0: 1 keeps its terms finite.
+    return jnp.where(total > 0, total, 1.0)
+
+
+def _terms(mode, st: Stats, valid) -> jax.Array:
+    if mode == SIGMOID:
+        return jnp.where(valid, st.l_neg, 0.0)
+    ce = st.m + jnp.log(_total(st)) - st.pos_sum / jnp.maximum(st.count, 1)
+    return jnp.where(valid, ce, 0.0)
+
+
+def _softmax_grad(e, pos, valid, st: Stats, axis):
+    """d term / d s for the tile's entries `e = exp(s - m)`, along `axis` (1: rows)."""
+
+    def per(x):
+        return jnp.expand_dims(x, axis)
+
+    total, count = per(_total(st)), per(jnp.maximum(st.count, 1).astype(e.dtype))
+    # Several positives: the difference from their mean is the positives' own spread; one
+    # positive: that difference is 0 exactly (e and l_pos may differ by rounding).
+    spread = jnp.where(count > 1, e - per(st.l_pos) / count, 0.0)
+    d_pos = (spread - per(st.l_neg) / count) / total
+    return jnp.where(valid, jnp.where(pos, d_pos, e / total), 0.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def cross_entropies(mode, both, bs, col_share, q, k, scale, bias, meta, rows, cols):
+    """Each row's term (and column's, when `both`) from the statistics of `statistics`.
+
+    Differentiable in `q`, `k`, `scale` and `bias` (the statistics are constants whose
+    dependence on them the backward accounts for). `col_share`: the column terms are
+    computed alike on that many devices and each device's backward carries its rows'
+    whole share of them (the caller sums the devices' copies divided by `col_share`).
+    """
+    return _ce_fwd(mode, both, bs, col_share, q, k, scale, bias, meta, rows, cols)[0]
+
+
+def _ce_fwd(mode, both, bs, col_share, q, k, scale, bias, meta, rows, cols):
+    axes = _joint_axes(q, k, scale, bias, meta, rows, cols)
+    row_terms = _terms(mode, rows, meta.rvalid)
+    col_terms = _terms(mode, cols, meta.cvalid) if both else jnp.zeros(0, row_terms.dtype)
+    out = _vary((row_terms, col_terms), axes)
+    return out, (q, k, scale, bias, meta, rows, cols)
+
+
+def _ce_bwd(mode, both, bs, col_share, res, cts):
+    q, k, scale, bias, meta, rows, cols = res
+    acc = acc_dtype(q, k)
+    g_row = jnp.where(meta.rvalid, cts[0].astype(acc), 0.0)
+    g_col = jnp.where(meta.cvalid, col_share * cts[1].astype(acc), 0.0) if both else None
+    nr, nc = q.shape[0] // bs, k.shape[0] // bs
+    scale_acc, bias_acc = scale.astype(acc), bias.astype(acc)
+    axes = _joint_axes(q, k, scale, bias, meta, rows, cols, cts)
+
+    def row_block(carry, i):
+        row = jax.tree.map(lambda x: _block(x, i, bs), rows)
+        gr = _block(g_row, i, bs)
+
+        def col_block(carry, j):
+            dq_b, dk, dscale, dbias = carry
+            qb, kb, raw = _tile(q, k, i, j, bs)
+            s = scale_acc * raw
+            pos, rv, cv = _positives(meta, i, j, bs)
+            if mode == SIGMOID:
+                # d softplus(-z x) / dx = -z sigmoid(-z x): no 1 - sigmoid for positives.
+                x = s + bias_acc
+                ds = jnp.where(pos, -jax.nn.sigmoid(-x), jax.nn.sigmoid(x))
+                ds = jnp.where(rv[:, None] & cv[None, :], gr[:, None] * ds, 0.0)
+                dbias = dbias + ds.sum()
+            else:
+                e = jnp.exp(s - row.m[:, None])
+                ds = gr[:, None] * _softmax_grad(e, pos, cv[None, :], row, 1)
+                if both:
+                    col = jax.tree.map(lambda x: _block(x, j, bs), cols)
+                    ec = jnp.exp(s - col.m[None, :])
+                    gc = _block(g_col, j, bs)[None, :]
+                    ds = ds + gc * _softmax_grad(ec, pos, rv[:, None], col, 0)
+            dscale = dscale + (ds * raw).sum()
+            ds_in = (scale_acc * ds).astype(q.dtype)
+            dq_b = dq_b + jnp.dot(ds_in, kb, preferred_element_type=acc)
+            dk_b = _block(dk, j, bs) + jax.lax.dot_general(
+                ds_in, qb, (((0,), (0,)), ((), ())), preferred_element_type=acc
+            )
+            dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_b, j * bs, 0)
+            return (dq_b, dk, dscale, dbias), None
+
+        dq0 = _vary(jnp.zeros((bs, q.shape[1]), acc), axes)
+        (dq_b, *carry), _ = jax.lax.scan(col_block, (dq0, *carry), jnp.arange(nc))
+        return tuple(carry), dq_b
+
+    zero = jnp.zeros((), acc)
+    init = _vary((jnp.zeros(k.shape, acc), zero, zero), axes)
+    (dk, dscale, dbias), dq = jax.lax.scan(row_block, init, jnp.arange(nr))
+    dq = _match_vma(dq.reshape(q.shape).astype(q.dtype), q)
+    dk = _match_vma(dk.astype(k.dtype), k)
+    dscale = _match_vma(dscale.astype(scale.dtype), scale)
+    dbias = _match_vma(dbias.astype(bias.dtype), bias)
+    zeros = jax.tree.map(jnp.zeros_like, (rows, cols))
+    return (dq, dk, dscale, dbias, jax.tree.map(lambda _: None, meta), *zeros)
+
+
+cross_entropies.defvjp(_ce_fwd, _ce_bwd)
