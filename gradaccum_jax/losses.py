@@ -192,7 +192,7 @@ def _run(mode, both, block_size, q, k, scale, bias, rlab, clab, rvalid, cvalid, 
     rows, cols = tiles.statistics(mode, both, bs, *frozen, meta)
     share = 1
     if both and axis_name is not None:
-        cols = tiles.combine_statistics(cols, axis_name)
+        cols = tiles.combine_statistics(cols, jax.lax.stop_gradient(scale), axis_name)
         share = _device_index_and_count(axis_name)[1]
     row_terms, col_terms = tiles.cross_entropies(
         mode, both, bs, share, q, k, scale, bias, meta, rows, cols

@@ -40,7 +40,7 @@ class Stats(NamedTuple):
     For the sigmoid loss `l_neg` holds each row's summed loss and the others are unused.
     """
 
-    m: jax.Array  # running maximum of the valid logits (_FLOOR when none)
+    m: jax.Array  # running maximum of the valid logits / |scale| (_FLOOR when none)
     l_pos: jax.Array  # sum of exp(s - m) over the positives
     l_neg: jax.Array  # sum of exp(s - m) over the other valid entries
     pos_sum: jax.Array  # sum of the positives' logits
@@ -119,12 +119,20 @@ def _positives(meta: Meta, i, j, bs):
     return pos, rv, cv
 
 
-def _update(st: Stats, s, pos, valid, axis):
-    """Adds one tile's logits `s` to the statistics along `axis` (1: rows, 0: columns)."""
-    sm = jnp.where(valid, s, -jnp.inf)
-    new_m = jnp.maximum(st.m, sm.max(axis))
-    e = jnp.exp(sm - jnp.expand_dims(new_m, axis))
-    rescale = jnp.exp(st.m - new_m)
+def _magnitude(scale):
+    """`|scale|` and `sign(scale) * raw`: logits are `|scale| * t`, differences taken in `t`."""
+    return jnp.abs(scale), lambda raw: jnp.where(scale < 0, -raw, raw)
+
+
+def _update(st: Stats, t, mag, s, pos, valid, axis):
+    """Adds one tile's logits `s = mag * t` to the statistics along `axis` (1: rows)."""
+    tm = jnp.where(valid, t, -jnp.inf)
+    new_m = jnp.maximum(st.m, tm.max(axis))
+    # `t - m` is exact near the maximum (both float32 of the same size) and one product
+    # rounds it; `s - mag * m` would round at the size of the logits, and a fused
+    # multiply-add in one pass but not the other would give the maximum exp(+-ulp).
+    e = jnp.exp(mag * (tm - jnp.expand_dims(new_m, axis)))
+    rescale = jnp.exp(mag * (st.m - new_m))
     return Stats(
         new_m,
         st.l_pos * rescale + jnp.where(pos, e, 0.0).sum(axis),
@@ -139,21 +147,23 @@ def statistics(mode, both, bs, q, k, scale, bias, meta: Meta) -> tuple[Stats, St
     nr, nc = q.shape[0] // bs, k.shape[0] // bs
     acc = acc_dtype(q, k)
     scale_acc, bias_acc = scale.astype(acc), bias.astype(acc)
+    mag, signed = _magnitude(scale_acc)
     axes = _joint_axes(q, k, scale, bias, meta)
 
     def row_block(cols, i):
         def col_block(carry, j):
             row, cols = carry
-            s = scale_acc * _tile(q, k, i, j, bs)[2]
+            t = signed(_tile(q, k, i, j, bs)[2])
+            s = mag * t
             pos, rv, cv = _positives(meta, i, j, bs)
             if mode == SIGMOID:
                 term = jax.nn.softplus(jnp.where(pos, -(s + bias_acc), s + bias_acc))
                 term = jnp.where(rv[:, None] & cv[None, :], term, 0.0)
                 return (row._replace(l_neg=row.l_neg + term.sum(1)), cols), None
-            row = _update(row, s, pos, cv[None, :], 1)
+            row = _update(row, t, mag, s, pos, cv[None, :], 1)
             if both:
                 mine = jax.tree.map(lambda x: _block(x, j, bs), cols)
-                mine = _update(mine, s, pos, rv[:, None], 0)
+                mine = _update(mine, t, mag, s, pos, rv[:, None], 0)
                 cols = jax.tree.map(
                     lambda x, b: jax.lax.dynamic_update_slice_in_dim(x, b, j * bs, 0), cols, mine
                 )
@@ -168,10 +178,10 @@ def statistics(mode, both, bs, q, k, scale, bias, meta: Meta) -> tuple[Stats, St
     return jax.tree.map(lambda x: x.reshape(-1), rows), cols
 
 
-def combine_statistics(st: Stats, axis_name: Any) -> Stats:
+def combine_statistics(st: Stats, scale, axis_name: Any) -> Stats:
     """The statistics over all devices' rows of each column, from each device's own."""
     top = jax.lax.pmax(st.m, axis_name)
-    rescale = jnp.exp(st.m - top)
+    rescale = jnp.exp(jnp.abs(scale.astype(st.m.dtype)) * (st.m - top))
     return Stats(
         top,
         jax.lax.psum(st.l_pos * rescale, axis_name),
@@ -187,10 +197,10 @@ def _total(st: Stats) -> jax.Array:
     return jnp.where(total > 0, total, 1.0)
 
 
-def _terms(mode, st: Stats, valid) -> jax.Array:
+def _terms(mode, st: Stats, mag, valid) -> jax.Array:
     if mode == SIGMOID:
         return jnp.where(valid, st.l_neg, 0.0)
-    ce = st.m + jnp.log(_total(st)) - st.pos_sum / jnp.maximum(st.count, 1)
+    ce = mag * st.m + jnp.log(_total(st)) - st.pos_sum / jnp.maximum(st.count, 1)
     return jnp.where(valid, ce, 0.0)
 
 
@@ -222,8 +232,9 @@ def cross_entropies(mode, both, bs, col_share, q, k, scale, bias, meta, rows, co
 
 def _ce_fwd(mode, both, bs, col_share, q, k, scale, bias, meta, rows, cols):
     axes = _joint_axes(q, k, scale, bias, meta, rows, cols)
-    row_terms = _terms(mode, rows, meta.rvalid)
-    col_terms = _terms(mode, cols, meta.cvalid) if both else jnp.zeros(0, row_terms.dtype)
+    mag = jnp.abs(scale.astype(acc_dtype(q, k)))
+    row_terms = _terms(mode, rows, mag, meta.rvalid)
+    col_terms = _terms(mode, cols, mag, meta.cvalid) if both else jnp.zeros(0, row_terms.dtype)
     out = _vary((row_terms, col_terms), axes)
     return out, (q, k, scale, bias, meta, rows, cols)
 
@@ -235,6 +246,7 @@ def _ce_bwd(mode, both, bs, col_share, res, cts):
     g_col = jnp.where(meta.cvalid, col_share * cts[1].astype(acc), 0.0) if both else None
     nr, nc = q.shape[0] // bs, k.shape[0] // bs
     scale_acc, bias_acc = scale.astype(acc), bias.astype(acc)
+    mag, signed = _magnitude(scale_acc)
     axes = _joint_axes(q, k, scale, bias, meta, rows, cols, cts)
 
     def row_block(carry, i):
@@ -253,11 +265,12 @@ def _ce_bwd(mode, both, bs, col_share, res, cts):
                 ds = jnp.where(rv[:, None] & cv[None, :], gr[:, None] * ds, 0.0)
                 dbias = dbias + ds.sum()
             else:
-                e = jnp.exp(s - row.m[:, None])
+                t = signed(raw)
+                e = jnp.exp(mag * (t - row.m[:, None]))
                 ds = gr[:, None] * _softmax_grad(e, pos, cv[None, :], row, 1)
                 if both:
                     col = jax.tree.map(lambda x: _block(x, j, bs), cols)
-                    ec = jnp.exp(s - col.m[None, :])
+                    ec = jnp.exp(mag * (t - col.m[None, :]))
                     gc = _block(g_col, j, bs)[None, :]
                     ds = ds + gc * _softmax_grad(ec, pos, rv[:, None], col, 0)
             dscale = dscale + (ds * raw).sum()
