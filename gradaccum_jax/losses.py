@@ -51,6 +51,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 from jax.typing import ArrayLike
 
 from gradaccum_jax._base import tiles
@@ -299,28 +300,57 @@ def _explicit_batch_axes(x: jax.Array) -> tuple[Any, ...] | None:
         return None
     axes = entries[0] if isinstance(entries[0], tuple) else (entries[0],)
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    if not all(types.get(axis) == jax.sharding.AxisType.Explicit for axis in axes):
+    if not all(types.get(axis) == AxisType.Explicit for axis in axes):
         return None
     return axes
 
 
-def _dispatch(impl, x, y, scale, bias, mask, labels, block_size, axis_name):
-    """Runs `impl`; under jit with rows sharded over Explicit mesh axes, one shard per device.
+def _auto_batch_axes(x: jax.Array, rows: int, extra: int) -> tuple[Any, Any] | None:
+    """The mesh and the Auto axes to spread the rows over under global-view jit, if any.
 
-    With Auto axes the compiler partitions the tiled loops itself. Explicit axes make
-    sharding part of the types, where the tiles' products of two row-sharded blocks have
-    no legal sharding; there each device runs `impl` on its own rows with `axis_name`
-    inside `jax.shard_map`, and the mean over devices is the loss.
+    Auto axes do not show in the types how the batch is sharded, and the compiler, left
+    to itself, runs every tile on every device. The tiles are N² work for N x D inputs,
+    so the rows go over every Auto axis (in mesh order) whose size still divides the
+    rows and the extra keys: moving the inputs there costs far less than the tiles.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.axis_names:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", mesh)
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    # Inside shard_map the rows are already one device's: leave them there.
+    if not types or any(t == AxisType.Manual for t in types.values()):
+        return None
+    axes, size = [], 1
+    for axis, kind in types.items():
+        grown = size * mesh.shape[axis]
+        if kind == AxisType.Auto and grown > size and rows % grown == 0 and extra % grown == 0:
+            axes.append(axis)
+            size = grown
+    return (mesh, tuple(axes)) if axes else None
+
+
+def _dispatch(impl, x, y, scale, bias, mask, labels, block_size, axis_name):
+    """Runs `impl`; under global-view jit over a mesh, on each device's own rows.
+
+    Sharding is part of the types on Explicit axes, where the tiles' products of two
+    row-sharded blocks have no legal sharding; on Auto axes the compiler partitions the
+    tiled loops by repeating them on every device. Either way each device runs `impl` on
+    its own rows with `axis_name` inside `jax.shard_map`, and the mean over devices is the
+    loss.
     """
     if axis_name is None:
         axes = _explicit_batch_axes(x) or _explicit_batch_axes(y)
         if axes is not None:
-            return _global_view(impl, axes, x, y, scale, bias, mask, labels, block_size)
+            mesh = jax.typeof(x if _explicit_batch_axes(x) else y).sharding.mesh
+            return _global_view(impl, mesh, axes, x, y, scale, bias, mask, labels, block_size)
+        auto = _auto_batch_axes(x, x.shape[0], y.shape[0] - x.shape[0])
+        if auto is not None:
+            return _global_view(impl, *auto, x, y, scale, bias, mask, labels, block_size)
     return impl(x, y, scale, bias, mask, labels, block_size, axis_name)
 
 
-def _global_view(impl, axes, x, y, scale, bias, mask, labels, block_size):
-    mesh = jax.typeof(x).sharding.mesh if _explicit_batch_axes(x) else jax.typeof(y).sharding.mesh
+def _global_view(impl, mesh, axes, x, y, scale, bias, mask, labels, block_size):
+    explicit = mesh.axis_types[mesh.axis_names.index(axes[0])] == AxisType.Explicit
     size = 1
     for axis in axes:
         size *= mesh.shape[axis]
@@ -335,9 +365,10 @@ def _global_view(impl, axes, x, y, scale, bias, mask, labels, block_size):
     # Extra keys (info_nce with M > N) are split like the paired ones; each device appends
     # its share after its paired keys, the layout `impl` expects under axis_name.
     pairs, extra = y[:n], y[n:]
-    x, pairs, extra = reshard(x, rows), reshard(pairs, rows), reshard(extra, rows)
-    valid, lab = reshard(valid, vec), reshard(lab, vec)
-    scale, bias = reshard(scale, jax.P()), reshard(bias, jax.P())
+    if explicit:  # shard_map takes Explicit inputs only in the sharding its specs name
+        x, pairs, extra = reshard(x, rows), reshard(pairs, rows), reshard(extra, rows)
+        valid, lab = reshard(valid, vec), reshard(lab, vec)
+        scale, bias = reshard(scale, jax.P()), reshard(bias, jax.P())
     name = axes if len(axes) > 1 else axes[0]
 
     def local(x, pairs, extra, scale, bias, valid, lab):

@@ -249,7 +249,9 @@ def _ce_bwd(mode, both, bs, col_share, res, cts):
     mag, signed = _magnitude(scale_acc)
     axes = _joint_axes(q, k, scale, bias, meta, rows, cols, cts)
 
-    def row_block(carry, i):
+    # `scale` and `bias` gather sums of N^2 terms of both signs: summed per row first (the
+    # rows' sums leave the loop as outputs), not into one running float32 number.
+    def row_block(dk, i):
         row = jax.tree.map(lambda x: _block(x, i, bs), rows)
         gr = _block(g_row, i, bs)
 
@@ -263,7 +265,7 @@ def _ce_bwd(mode, both, bs, col_share, res, cts):
                 x = s + bias_acc
                 ds = jnp.where(pos, -jax.nn.sigmoid(-x), jax.nn.sigmoid(x))
                 ds = jnp.where(rv[:, None] & cv[None, :], gr[:, None] * ds, 0.0)
-                dbias = dbias + ds.sum()
+                dbias = dbias + ds.sum(1)
             else:
                 t = signed(raw)
                 e = jnp.exp(mag * (t - row.m[:, None]))
@@ -273,7 +275,7 @@ def _ce_bwd(mode, both, bs, col_share, res, cts):
                     ec = jnp.exp(mag * (t - col.m[None, :]))
                     gc = _block(g_col, j, bs)[None, :]
                     ds = ds + gc * _softmax_grad(ec, pos, rv[:, None], col, 0)
-            dscale = dscale + (ds * raw).sum()
+            dscale = dscale + (ds * raw).sum(1)
             ds_in = (scale_acc * ds).astype(q.dtype)
             dq_b = dq_b + jnp.dot(ds_in, kb, preferred_element_type=acc)
             dk_b = _block(dk, j, bs) + jax.lax.dot_general(
@@ -282,17 +284,21 @@ def _ce_bwd(mode, both, bs, col_share, res, cts):
             dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_b, j * bs, 0)
             return (dq_b, dk, dscale, dbias), None
 
-        dq0 = _vary(jnp.zeros((bs, q.shape[1]), acc), axes)
-        (dq_b, *carry), _ = jax.lax.scan(col_block, (dq0, *carry), jnp.arange(nc))
-        return tuple(carry), dq_b
+        init = _vary(
+            (jnp.zeros((bs, q.shape[1]), acc), jnp.zeros(bs, acc), jnp.zeros(bs, acc)), axes
+        )
+        (dq_b, dk, dscale, dbias), _ = jax.lax.scan(
+            col_block, (init[0], dk, *init[1:]), jnp.arange(nc)
+        )
+        return dk, (dq_b, dscale, dbias)
 
-    zero = jnp.zeros((), acc)
-    init = _vary((jnp.zeros(k.shape, acc), zero, zero), axes)
-    (dk, dscale, dbias), dq = jax.lax.scan(row_block, init, jnp.arange(nr))
+    dk, (dq, dscale, dbias) = jax.lax.scan(
+        row_block, _vary(jnp.zeros(k.shape, acc), axes), jnp.arange(nr)
+    )
     dq = _match_vma(dq.reshape(q.shape).astype(q.dtype), q)
     dk = _match_vma(dk.astype(k.dtype), k)
-    dscale = _match_vma(dscale.astype(scale.dtype), scale)
-    dbias = _match_vma(dbias.astype(bias.dtype), bias)
+    dscale = _match_vma(dscale.sum().astype(scale.dtype), scale)
+    dbias = _match_vma(dbias.sum().astype(bias.dtype), bias)
     zeros = jax.tree.map(jnp.zeros_like, (rows, cols))
     return (dq, dk, dscale, dbias, jax.tree.map(lambda _: None, meta), *zeros)
 
