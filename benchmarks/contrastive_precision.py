@@ -113,11 +113,17 @@ def rel_error(got: Any, want: list[np.ndarray]) -> float:
     return worst
 
 
-def table(n: int, d: int, block_size: int, scales: tuple[float, ...] = SCALES) -> list[dict]:
+def table(
+    n: int,
+    d: int,
+    block_size: int,
+    scales: tuple[float, ...] = SCALES,
+    names: tuple[str, ...] = NAMES,
+) -> list[dict]:
     """One row per (loss, batch, scale): the dense and tiled errors and whether the tiled
     one is within 10x the dense one (floor 1e-6)."""
     rows = []
-    for name in NAMES:
+    for name in names:
         fns = grad_fns(name, block_size)
         for kind in KINDS:
             a, b = batch(name, n, d, kind)
