@@ -133,12 +133,26 @@ def _update(st: Stats, t, mag, s, pos, valid, axis):
     # multiply-add in one pass but not the other would give the maximum exp(+-ulp).
     e = jnp.exp(mag * (tm - jnp.expand_dims(new_m, axis)))
     rescale = jnp.exp(mag * (st.m - new_m))
+    # One reduction of four operands: the tile's exponentials feed it in the loop that
+    # computes them instead of being written out for separate sums.
+    zero = jnp.zeros((), e.dtype)
+    l_pos, l_neg, pos_sum, count = jax.lax.reduce(
+        (
+            jnp.where(pos, e, zero),
+            jnp.where(pos, zero, e),
+            jnp.where(pos, s, zero),
+            pos.astype(jnp.int32),
+        ),
+        (zero, zero, zero, jnp.zeros((), jnp.int32)),
+        lambda x, y: tuple(a + b for a, b in zip(x, y, strict=True)),
+        (axis,),
+    )
     return Stats(
         new_m,
-        st.l_pos * rescale + jnp.where(pos, e, 0.0).sum(axis),
-        st.l_neg * rescale + jnp.where(pos, 0.0, e).sum(axis),
-        st.pos_sum + jnp.where(pos, s, 0.0).sum(axis),
-        st.count + pos.sum(axis, dtype=jnp.int32),
+        st.l_pos * rescale + l_pos,
+        st.l_neg * rescale + l_neg,
+        st.pos_sum + pos_sum,
+        st.count + count,
     )
 
 
@@ -210,12 +224,16 @@ def _softmax_grad(e, pos, valid, st: Stats, axis):
     def per(x):
         return jnp.expand_dims(x, axis)
 
-    total, count = per(_total(st)), per(jnp.maximum(st.count, 1).astype(e.dtype))
-    # Several positives: the difference from their mean is the positives' own spread; one
-    # positive: that difference is 0 exactly (e and l_pos may differ by rounding).
-    spread = jnp.where(count > 1, e - per(st.l_pos) / count, 0.0)
-    d_pos = (spread - per(st.l_neg) / count) / total
-    return jnp.where(valid, jnp.where(pos, d_pos, e / total), 0.0)
+    # Per row: the weights of the cross-entropy's gradient, so that an entry costs a
+    # product, not a division.
+    inv = 1.0 / _total(st)
+    count = jnp.maximum(st.count, 1).astype(e.dtype)
+    neg_share = per(st.l_neg / count * inv)
+    # Several positives: their spread about their mean, (e - l_pos/count) / l; one
+    # positive: that spread is 0 exactly (e and l_pos may differ by rounding).
+    several = per(st.count > 1)
+    spread = jnp.where(several, (e - per(st.l_pos / count)) * per(inv), 0.0)
+    return jnp.where(valid, jnp.where(pos, spread - neg_share, e * per(inv)), 0.0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -246,7 +264,7 @@ def _ce_bwd(mode, both, bs, col_share, res, cts):
     g_col = jnp.where(meta.cvalid, col_share * cts[1].astype(acc), 0.0) if both else None
     nr, nc = q.shape[0] // bs, k.shape[0] // bs
     scale_acc, bias_acc = scale.astype(acc), bias.astype(acc)
-    mag, signed = _magnitude(scale_acc)
+    signed = _magnitude(scale_acc)[1]
     axes = _joint_axes(q, k, scale, bias, meta, rows, cols, cts)
 
     # `scale` and `bias` gather sums of N^2 terms of both signs: summed per row first (the
@@ -263,16 +281,16 @@ def _ce_bwd(mode, both, bs, col_share, res, cts):
             if mode == SIGMOID:
                 # d softplus(-z x) / dx = -z sigmoid(-z x): no 1 - sigmoid for positives.
                 x = s + bias_acc
-                ds = jnp.where(pos, -jax.nn.sigmoid(-x), jax.nn.sigmoid(x))
-                ds = jnp.where(rv[:, None] & cv[None, :], gr[:, None] * ds, 0.0)
+                g = jax.nn.sigmoid(jnp.where(pos, -x, x))
+                ds = jnp.where(rv[:, None] & cv[None, :], gr[:, None] * jnp.where(pos, -g, g), 0.0)
                 dbias = dbias + ds.sum(1)
             else:
-                t = signed(raw)
-                e = jnp.exp(mag * (t - row.m[:, None]))
+                # mag * (t - m) as scale * (raw - sign * m): the same number, no select.
+                e = jnp.exp(scale_acc * (raw - signed(row.m)[:, None]))
                 ds = gr[:, None] * _softmax_grad(e, pos, cv[None, :], row, 1)
                 if both:
                     col = jax.tree.map(lambda x: _block(x, j, bs), cols)
-                    ec = jnp.exp(mag * (t - col.m[None, :]))
+                    ec = jnp.exp(scale_acc * (raw - signed(col.m)[None, :]))
                     gc = _block(g_col, j, bs)[None, :]
                     ds = ds + gc * _softmax_grad(ec, pos, rv[:, None], col, 0)
             dscale = dscale + (ds * raw).sum(1)
