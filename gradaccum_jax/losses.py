@@ -163,14 +163,18 @@ def _check_axis_name(axis_name: Any) -> None:
 # ----------------------------------------------------------------------------- kernel
 
 
-def _run(mode, both, block_size, q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, axis_name):
+def _run(
+    mode, both, block_size, q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, axis_name,
+    rpos=None,
+):  # fmt: skip
     """Each row's term (and each column's, when `both`), unpadded, from whole tiles.
 
     Softmax: the cross-entropy of each row over the valid columns against the uniform
     distribution over its positives (and of each column over the valid rows). Sigmoid:
     each row's sum of `-log sigmoid(z s)` over the valid columns. Under `axis_name` the
     columns' statistics combine over the devices, and each device's column terms are
-    those of all columns, its gradient carrying its rows' whole share of them.
+    those of all columns, its gradient carrying its rows' whole share of them. `rpos`
+    (without labels): the column of each row's positive, -1 for none (see `tiles.Meta`).
     """
     n, m = q.shape[0], k.shape[0]
     bs = min(block_size, max(n, m))
@@ -186,6 +190,7 @@ def _run(mode, both, block_size, q, k, scale, bias, rlab, clab, rvalid, cvalid, 
         tiles.pad_rows(rvalid, np_, False),
         tiles.pad_rows(cvalid, mp, False),
         tiles.pad_rows(cpair, mp, False),
+        None if rpos is None else tiles.pad_rows(rpos, np_, -1),
     )
     # The statistics are constants to autodiff: the backward of `cross_entropies` holds
     # the whole gradient.
@@ -237,27 +242,31 @@ def _normalise(total, valid, count, axis_name):
 
 
 def _clip(a, b, scale, bias, mask, labels, block_size, axis_name):
-    valid, lab, count = _setup(a.shape[0], mask, labels, axis_name)
-    pair = jnp.ones(a.shape[0], jnp.bool_)
+    n = a.shape[0]
+    valid, lab, count = _setup(n, mask, labels, axis_name)
+    pair = jnp.ones(n, jnp.bool_)
+    # Without labels row i's positive is column i (global numbering under axis_name).
+    rpos = None if labels is not None else jnp.where(valid, lab, -1)
     if axis_name is None:
         # One pass over the tiles gives both directions: per-row and per-column statistics.
         rows, cols = _run(
-            SOFTMAX, True, block_size, a, b, scale, bias, lab, lab, valid, valid, pair, None
-        )
+            SOFTMAX, True, block_size, a, b, scale, bias, lab, lab, valid, valid, pair, None,
+            rpos,
+        )  # fmt: skip
         return _normalise(0.5 * (rows.sum() + cols.sum()), valid, count, axis_name)
     # Sharded: this device's rows of `a` against all of `b` give its rows' terms and every
     # column's statistics over its rows; combined across devices (N-vectors), they give
     # every column's term on every device.
     g_lab, g_valid, g_pair = (_gather(x, axis_name) for x in (lab, valid, pair))
+    index, _ = _device_index_and_count(axis_name)
     rows, cols = _run(
         SOFTMAX, True, block_size, a, _gather(b, axis_name), scale, bias,
-        lab, g_lab, valid, g_valid, g_pair, axis_name,
+        lab, g_lab, valid, g_valid, g_pair, axis_name, rpos,
     )  # fmt: skip
     # The value counts this device's own columns; the gradient comes through the mean of
     # all columns over the devices (1/count of each), which `_run` scaled back to whole
     # shares for this device's rows. The two agree over devices.
-    index, _ = _device_index_and_count(axis_name)
-    own = jax.lax.dynamic_slice_in_dim(cols, index * a.shape[0], a.shape[0]).sum()
+    own = jax.lax.dynamic_slice_in_dim(cols, index * n, n).sum()
     spread = cols.sum() / count
     col_total = spread + jax.lax.stop_gradient(own - spread)
     return _normalise(0.5 * (rows.sum() + col_total), valid, count, axis_name)
@@ -270,11 +279,14 @@ def _info_nce(q, k, scale, bias, mask, labels, block_size, axis_name):
     clab = jnp.concatenate([lab, jnp.zeros(extra, jnp.int32)])
     cvalid = jnp.concatenate([valid, jnp.ones(extra, jnp.bool_)])
     cpair = jnp.arange(m) < n
+    # Without labels query i's key: each device's keys are its paired ones, then its extras.
+    rpos = None if labels is not None else jnp.where(valid, lab + lab // n * extra, -1)
     if axis_name is not None:
         k, clab, cvalid, cpair = (_gather(x, axis_name) for x in (k, clab, cvalid, cpair))
     rows, _ = _run(
-        SOFTMAX, False, block_size, q, k, scale, bias, lab, clab, valid, cvalid, cpair, axis_name
-    )
+        SOFTMAX, False, block_size, q, k, scale, bias, lab, clab, valid, cvalid, cpair, axis_name,
+        rpos,
+    )  # fmt: skip
     return _normalise(rows.sum(), valid, count, axis_name)
 
 

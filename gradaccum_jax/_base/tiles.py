@@ -110,6 +110,10 @@ class Meta(NamedTuple):
     rvalid: jax.Array  # (rows,) bool
     cvalid: jax.Array  # (cols,) bool
     cpair: jax.Array  # (cols,) bool: columns that can be positives (paired keys)
+    # Without labels every valid row has one positive: its column (`rpos`, (rows,) int32,
+    # -1 for none), and each paired column has one row. The sweep then reads the
+    # positives' logits from the tile instead of summing over a mask of positives.
+    rpos: jax.Array | None = None
 
 
 def _positives(meta: Meta, i, j, bs):
@@ -124,29 +128,51 @@ def _magnitude(scale):
     return jnp.abs(scale), lambda raw: jnp.where(scale < 0, -raw, raw)
 
 
-def _update(st: Stats, t, mag, s, pos, valid, axis):
-    """Adds one tile's logits `s = mag * t` to the statistics along `axis` (1: rows)."""
-    tm = jnp.where(valid, t, -jnp.inf)
-    new_m = jnp.maximum(st.m, tm.max(axis))
+def _single_positives(t, rpos, offset, bs):
+    """The tile's entries of the rows' and the columns' single positives.
+
+    `rpos`: the rows' positive columns (-1 for none), `offset`: the tile's first column.
+    Returns `(t, inside)` for the rows and for the columns: the positives' `t` and
+    whether each positive is in the tile.
+    """
+    local = rpos - offset
+    inside = (local >= 0) & (local < bs)
+    t_row = jnp.take_along_axis(t, jnp.clip(local, 0, bs - 1)[:, None], axis=1)[:, 0]
+    # Column c's positive is the row whose positive is c: scatter the rows' (index bs
+    # is out of range, dropped).
+    at = jnp.where(inside, local, bs)
+    t_col = jnp.zeros(bs, t.dtype).at[at].set(t_row, mode="drop")
+    in_col = jnp.zeros(bs, jnp.bool_).at[at].set(True, mode="drop")
+    return (t_row, inside), (t_col, in_col)
+
+
+def _update(st: Stats, t, mag, pos, valid, axis, single=None):
+    """Adds one tile of `t` (logits `mag * t`) to the statistics along `axis` (1: rows).
+
+    `single`: `(t of each one's positive, whether it is in the tile)` when every row has
+    at most one positive; the positives are then read, not summed under a mask.
+    """
+    new_m = jnp.maximum(st.m, jnp.where(valid, t, -jnp.inf).max(axis))
+
     # `t - m` is exact near the maximum (both float32 of the same size) and one product
     # rounds it; `s - mag * m` would round at the size of the logits, and a fused
     # multiply-add in one pass but not the other would give the maximum exp(+-ulp).
-    e = jnp.exp(mag * (tm - jnp.expand_dims(new_m, axis)))
+    # Each sum masks the exponentials it reads, so that each reads only the tile `t`.
+    def masked_sum(x, mask):
+        return jnp.where(mask, jnp.exp(mag * (x - jnp.expand_dims(new_m, axis))), 0.0).sum(axis)
+
     rescale = jnp.exp(mag * (st.m - new_m))
-    # One reduction of four operands: the tile's exponentials feed it in the loop that
-    # computes them instead of being written out for separate sums.
-    zero = jnp.zeros((), e.dtype)
-    l_pos, l_neg, pos_sum, count = jax.lax.reduce(
-        (
-            jnp.where(pos, e, zero),
-            jnp.where(pos, zero, e),
-            jnp.where(pos, s, zero),
-            pos.astype(jnp.int32),
-        ),
-        (zero, zero, zero, jnp.zeros((), jnp.int32)),
-        lambda x, y: tuple(a + b for a, b in zip(x, y, strict=True)),
-        (axis,),
-    )
+    if single is None:
+        l_pos = masked_sum(t, pos)
+        pos_sum = jnp.where(pos, mag * t, 0.0).sum(axis)
+        count = pos.sum(axis, dtype=jnp.int32)
+    else:
+        t_pos, inside = single
+        l_pos = jnp.where(inside, jnp.exp(mag * (t_pos - new_m)), 0.0)
+        pos_sum = jnp.where(inside, mag * t_pos, 0.0)
+        count = inside.astype(jnp.int32)
+    # The others' sum on its own: 1 - p of a positive near 1 is this sum over the total.
+    l_neg = masked_sum(t, valid & ~pos)
     return Stats(
         new_m,
         st.l_pos * rescale + l_pos,
@@ -168,16 +194,21 @@ def statistics(mode, both, bs, q, k, scale, bias, meta: Meta) -> tuple[Stats, St
         def col_block(carry, j):
             row, cols = carry
             t = signed(_tile(q, k, i, j, bs)[2])
-            s = mag * t
             pos, rv, cv = _positives(meta, i, j, bs)
             if mode == SIGMOID:
-                term = jax.nn.softplus(jnp.where(pos, -(s + bias_acc), s + bias_acc))
+                x = mag * t + bias_acc
+                term = jax.nn.softplus(jnp.where(pos, -x, x))
                 term = jnp.where(rv[:, None] & cv[None, :], term, 0.0)
                 return (row._replace(l_neg=row.l_neg + term.sum(1)), cols), None
-            row = _update(row, t, mag, s, pos, cv[None, :], 1)
+            single_row = single_col = None
+            if meta.rpos is not None:
+                rpos = _block(meta.rpos, i, bs)
+                pos = jnp.arange(bs)[None, :] + j * bs == rpos[:, None]
+                single_row, single_col = _single_positives(t, rpos, j * bs, bs)
+            row = _update(row, t, mag, pos, cv[None, :], 1, single_row)
             if both:
                 mine = jax.tree.map(lambda x: _block(x, j, bs), cols)
-                mine = _update(mine, t, mag, s, pos, rv[:, None], 0)
+                mine = _update(mine, t, mag, pos, rv[:, None], 0, single_col)
                 cols = jax.tree.map(
                     lambda x, b: jax.lax.dynamic_update_slice_in_dim(x, b, j * bs, 0), cols, mine
                 )
