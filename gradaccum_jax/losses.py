@@ -7,14 +7,18 @@ columns are cut into blocks of `block_size`, each tile of logits is computed,
 used and dropped, and
 
 * the softmax losses keep an online log-sum-exp per row (and per column for
-  `clip_loss`): a running maximum and a running sum of exponentials, both in
-  float32 for 16- and 32-bit inputs (float64 for float64 inputs);
+  `clip_loss`): a running maximum and running sums of exponentials (the
+  positives' and the others' apart), in float32 for 16- and 32-bit inputs
+  (float64 for float64 inputs);
 * the backward pass (a `jax.custom_vjp`) recomputes each tile from the inputs
-  and the saved per-row (and per-column) log-sum-exps, so what stays alive
-  between the passes is the inputs and a few N-vectors.
+  and those saved statistics, so what stays alive between the passes is the
+  inputs and a few N-vectors.
 
 The results equal the dense formulas to float32 rounding, for values and for
-gradients with respect to the embeddings, `scale` and `bias`.
+gradients with respect to the embeddings, `scale` and `bias`; the gradients keep
+their precision where a dense float32 log-softmax keeps it, at logits of 1e4 and
+on batches whose loss is near 0 (`1 - p` of a positive is the others' share, not
+a difference near 1).
 
 Masks and extra positives:
 
@@ -28,6 +32,10 @@ Masks and extra positives:
   "outside" form of supervised contrastive losses); for `siglip_loss` the
   sign `z_ij` is +1 for every positive pair. Without `labels` the positives
   are the diagonal.
+
+Under global-view `jax.jit` over a mesh (Auto or Explicit axes) each device runs
+its own rows' tiles inside a `jax.shard_map` the loss opens itself (see
+docs/losses.md, "Sharded batches").
 
 Sharded batches: with `axis_name=` (inside `jax.shard_map` or `jax.pmap`)
 each device passes its own rows; the columns are gathered with

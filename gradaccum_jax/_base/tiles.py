@@ -44,7 +44,7 @@ class Stats(NamedTuple):
     l_pos: jax.Array  # sum of exp(s - m) over the positives
     l_neg: jax.Array  # sum of exp(s - m) over the other valid entries
     pos_sum: jax.Array  # sum of the positives' logits
-    count: jax.Array  # number of positives (int32)
+    n_pos: jax.Array  # number of positives (int32)
 
 
 def _empty_stats(rows: int, acc: Any) -> Stats:
@@ -178,7 +178,7 @@ def _update(st: Stats, t, mag, pos, valid, axis, single=None):
         st.l_pos * rescale + l_pos,
         st.l_neg * rescale + l_neg,
         st.pos_sum + pos_sum,
-        st.count + count,
+        st.n_pos + count,
     )
 
 
@@ -232,7 +232,7 @@ def combine_statistics(st: Stats, scale, axis_name: Any) -> Stats:
         jax.lax.psum(st.l_pos * rescale, axis_name),
         jax.lax.psum(st.l_neg * rescale, axis_name),
         jax.lax.psum(st.pos_sum, axis_name),
-        jax.lax.psum(st.count, axis_name),
+        jax.lax.psum(st.n_pos, axis_name),
     )
 
 
@@ -245,7 +245,7 @@ def _total(st: Stats) -> jax.Array:
 def _terms(mode, st: Stats, mag, valid) -> jax.Array:
     if mode == SIGMOID:
         return jnp.where(valid, st.l_neg, 0.0)
-    ce = mag * st.m + jnp.log(_total(st)) - st.pos_sum / jnp.maximum(st.count, 1)
+    ce = mag * st.m + jnp.log(_total(st)) - st.pos_sum / jnp.maximum(st.n_pos, 1)
     return jnp.where(valid, ce, 0.0)
 
 
@@ -258,11 +258,11 @@ def _softmax_grad(e, pos, valid, st: Stats, axis):
     # Per row: the weights of the cross-entropy's gradient, so that an entry costs a
     # product, not a division.
     inv = 1.0 / _total(st)
-    count = jnp.maximum(st.count, 1).astype(e.dtype)
+    count = jnp.maximum(st.n_pos, 1).astype(e.dtype)
     neg_share = per(st.l_neg / count * inv)
     # Several positives: their spread about their mean, (e - l_pos/count) / l; one
     # positive: that spread is 0 exactly (e and l_pos may differ by rounding).
-    several = per(st.count > 1)
+    several = per(st.n_pos > 1)
     spread = jnp.where(several, (e - per(st.l_pos / count)) * per(inv), 0.0)
     return jnp.where(valid, jnp.where(pos, spread - neg_share, e * per(inv)), 0.0)
 
