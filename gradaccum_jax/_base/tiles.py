@@ -249,7 +249,7 @@ def _terms(mode, st: Stats, mag, valid) -> jax.Array:
     return jnp.where(valid, ce, 0.0)
 
 
-def _softmax_grad(e, pos, valid, st: Stats, axis):
+def _softmax_grad(e, pos, valid, st: Stats, axis, single):
     """d term / d s for the tile's entries `e = exp(s - m)`, along `axis` (1: rows)."""
 
     def per(x):
@@ -262,9 +262,12 @@ def _softmax_grad(e, pos, valid, st: Stats, axis):
     neg_share = per(st.l_neg / count * inv)
     # Several positives: their spread about their mean, (e - l_pos/count) / l; one
     # positive: that spread is 0 exactly (e and l_pos may differ by rounding).
-    several = per(st.n_pos > 1)
-    spread = jnp.where(several, (e - per(st.l_pos / count)) * per(inv), 0.0)
-    return jnp.where(valid, jnp.where(pos, spread - neg_share, e * per(inv)), 0.0)
+    if single:  # no labels: one positive per row
+        d_pos = -neg_share
+    else:
+        several = per(st.n_pos > 1)
+        d_pos = jnp.where(several, (e - per(st.l_pos / count)) * per(inv), 0.0) - neg_share
+    return jnp.where(valid, jnp.where(pos, d_pos, e * per(inv)), 0.0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -296,6 +299,7 @@ def _ce_bwd(mode, both, bs, col_share, res, cts):
     nr, nc = q.shape[0] // bs, k.shape[0] // bs
     scale_acc, bias_acc = scale.astype(acc), bias.astype(acc)
     signed = _magnitude(scale_acc)[1]
+    single = meta.rpos is not None
     axes = _joint_axes(q, k, scale, bias, meta, rows, cols, cts)
 
     # `scale` and `bias` gather sums of N^2 terms of both signs: summed per row first (the
@@ -318,12 +322,12 @@ def _ce_bwd(mode, both, bs, col_share, res, cts):
             else:
                 # mag * (t - m) as scale * (raw - sign * m): the same number, no select.
                 e = jnp.exp(scale_acc * (raw - signed(row.m)[:, None]))
-                ds = gr[:, None] * _softmax_grad(e, pos, cv[None, :], row, 1)
+                ds = gr[:, None] * _softmax_grad(e, pos, cv[None, :], row, 1, single)
                 if both:
                     col = jax.tree.map(lambda x: _block(x, j, bs), cols)
                     ec = jnp.exp(scale_acc * (raw - signed(col.m)[None, :]))
                     gc = _block(g_col, j, bs)[None, :]
-                    ds = ds + gc * _softmax_grad(ec, pos, rv[:, None], col, 0)
+                    ds = ds + gc * _softmax_grad(ec, pos, rv[:, None], col, 0, single)
             dscale = dscale + (ds * raw).sum(1)
             ds_in = (scale_acc * ds).astype(q.dtype)
             dq_b = dq_b + jnp.dot(ds_in, kb, preferred_element_type=acc)
