@@ -16,6 +16,21 @@ D = 128 and growing N and reports
 Targets (issue 28), at N = 8192, D = 128: tiled time <= 1.5x dense, tiled temp <= 5% of one
 N x N float32 matrix.
 
+Two more tables in the same run (issue 35):
+
+* 8 host devices against one (rows ``part: devices``): the tiled loss's
+  `jax.jit(jax.value_and_grad(...))` at N = 8192, D = 64 with the rows sharded over an
+  8-device mesh of `AxisType.Auto` and of `AxisType.Explicit`, and on one device,
+  measured in turn. The 8 host devices share the machine's cores, so work repeated on
+  every device shows as a multiple of the one-device time; each device running only its
+  rows' tiles gives about 1x (target: at most 1.3x). ``loops_*``: the known trip
+  counts of the compiled loops (the row and column tile loops of the forward and the
+  backward; a loop of one trip is no loop).
+* precision (rows ``part: precision``): the gradient error against float64 truth of the
+  dense float32 loss and of the tiled one, at scales 1 to 1e4 on random, aligned and easy
+  batches (`benchmarks/contrastive_precision.py`; target: tiled within 10x dense, floor
+  1e-6).
+
     python benchmarks/contrastive_losses.py [--quick] [--reps 3]
 """
 
@@ -23,19 +38,32 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import re
 from collections.abc import Callable
 from typing import Any
 
+# XLA reads the device count once, when the CPU backend starts: set it before jax.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import contrastive_precision
 import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding
 
 from gradaccum_jax import losses
 
 D = 128
 SIZES = {"default": (1024, 2048, 4096, 8192, 16384), "quick": (256, 512)}
 TARGET_N = 8192
+# The 8-device comparison (issue 35's setting) and the precision table: (N, D, block_size).
+DEVICES_SIZE = {"default": (8192, 64, losses.DEFAULT_BLOCK_SIZE), "quick": (1024, 64, 128)}
+PRECISION_SIZE = {"default": (512, 256, 128), "quick": (128, 256, 32)}
 
 
 def dense_clip(a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
@@ -123,6 +151,55 @@ def measure(sizes: tuple[int, ...], reps: int, dense_budget: float) -> list[dict
     return rows
 
 
+def _trip_counts(compiled: Any) -> str:
+    """The compiled loops' known trip counts, sorted: per pass, row tiles and column tiles."""
+    found = re.findall(r'known_trip_count":\{"n":"(\d+)"', compiled.as_text())
+    return " ".join(str(n) for n in sorted(int(n) for n in found))
+
+
+def measure_devices(n: int, d: int, block: int, reps: int) -> list[dict]:
+    """The tiled losses on 8 host devices (Auto and Explicit meshes) against one device."""
+    ka, kb = jax.random.split(jax.random.key(n))
+    a = jax.random.normal(ka, (n, d))
+    b = a + jax.random.normal(kb, (n, d))
+    a = a / jnp.linalg.norm(a, axis=1, keepdims=True)
+    b = b / jnp.linalg.norm(b, axis=1, keepdims=True)
+    rows = []
+    for name in contrastive_precision.NAMES:
+
+        def loss(a, b, name=name):
+            if name == "siglip_loss":
+                return losses.siglip_loss(a, b, 10.0, -10.0, block_size=block)
+            return getattr(losses, name)(a, b, 10.0, block_size=block)
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        runs = {"one": functools.partial(step.lower(a, b).compile(), a, b)}
+        trips = {}
+        for kind in (AxisType.Auto, AxisType.Explicit):
+            mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+            sharded = [jax.device_put(x, NamedSharding(mesh, jax.P("data"))) for x in (a, b)]
+            with jax.set_mesh(mesh):
+                compiled = step.lower(*sharded).compile()
+            runs[kind.name] = functools.partial(compiled, *sharded)
+            trips[kind.name] = _trip_counts(compiled)
+        ms = harness.interleaved_medians(runs, reps)
+        row: dict[str, Any] = {"part": "devices", "loss": name, "global_n": n, "d": d}
+        row["block_size"] = block
+        row["ms_one_device"] = round(ms["one"] * 1e3, 1)
+        for kind in ("Auto", "Explicit"):
+            row[f"ms_8_devices_{kind.lower()}"] = round(ms[kind] * 1e3, 1)
+            row[f"{kind.lower()}_vs_one"] = round(ms[kind] / ms["one"], 2)
+            row[f"loops_{kind.lower()}"] = trips[kind]
+        row["target_met"] = bool(max(row["auto_vs_one"], row["explicit_vs_one"]) <= 1.3)
+        rows.append(row)
+    return rows
+
+
+def measure_precision(n: int, d: int, block: int) -> list[dict]:
+    rows = contrastive_precision.table(n, d, block)
+    return [{"part": "precision", "global_n": n, "d": d, **r} for r in rows]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
@@ -130,13 +207,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--dense-budget-gb", type=float, default=4.0)
     args = parser.parse_args(argv)
     sizes = SIZES["quick" if args.quick else "default"]
+    size = "quick" if args.quick else "default"
     rows = measure(sizes, args.reps, args.dense_budget_gb * 2**30)
     harness.print_rows(
         f"contrastive losses, value_and_grad, D = {D}: tiled (block "
         f"{losses.DEFAULT_BLOCK_SIZE}) vs dense",
         rows,
     )
-    return rows
+    devices = measure_devices(*DEVICES_SIZE[size], args.reps)
+    harness.print_rows(
+        "tiled losses, value_and_grad on 8 host devices (rows sharded on 'data') vs one "
+        "device; the devices share the cores (noisy machine)",
+        devices,
+    )
+    precision = measure_precision(*PRECISION_SIZE[size])
+    harness.print_rows(
+        "gradient error against float64 truth: dense float32 vs tiled (float32 inputs)",
+        precision,
+    )
+    return rows + devices + precision
 
 
 if __name__ == "__main__":

@@ -7,14 +7,18 @@ columns are cut into blocks of `block_size`, each tile of logits is computed,
 used and dropped, and
 
 * the softmax losses keep an online log-sum-exp per row (and per column for
-  `clip_loss`): a running maximum and a running sum of exponentials, both in
-  float32 for 16- and 32-bit inputs (float64 for float64 inputs);
+  `clip_loss`): a running maximum and running sums of exponentials (the
+  positives' and the others' apart), in float32 for 16- and 32-bit inputs
+  (float64 for float64 inputs);
 * the backward pass (a `jax.custom_vjp`) recomputes each tile from the inputs
-  and the saved per-row (and per-column) log-sum-exps, so what stays alive
-  between the passes is the inputs and a few N-vectors.
+  and those saved statistics, so what stays alive between the passes is the
+  inputs and a few N-vectors.
 
 The results equal the dense formulas to float32 rounding, for values and for
-gradients with respect to the embeddings, `scale` and `bias`.
+gradients with respect to the embeddings, `scale` and `bias`; the gradients keep
+their precision where a dense float32 log-softmax keeps it, at logits of 1e4 and
+on batches whose loss is near 0 (`1 - p` of a positive is the others' share, not
+a difference near 1).
 
 Masks and extra positives:
 
@@ -28,6 +32,10 @@ Masks and extra positives:
   "outside" form of supervised contrastive losses); for `siglip_loss` the
   sign `z_ij` is +1 for every positive pair. Without `labels` the positives
   are the diagonal.
+
+Under global-view `jax.jit` over a mesh (Auto or Explicit axes) each device runs
+its own rows' tiles inside a `jax.shard_map` the loss opens itself (see
+docs/losses.md, "Sharded batches").
 
 Sharded batches: with `axis_name=` (inside `jax.shard_map` or `jax.pmap`)
 each device passes its own rows; the columns are gathered with
@@ -47,14 +55,16 @@ that nothing is reduced before `accumulate` does it.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 from jax.typing import ArrayLike
 
-from gradaccum_jax._base.compat import partitions, pcast_to_varying, reshard, varying_axes
+from gradaccum_jax._base import tiles
+from gradaccum_jax._base.compat import partitions, reshard
+from gradaccum_jax._base.tiles import SIGMOID, SOFTMAX
 
 __all__ = ["clip_loss", "info_nce", "siglip_loss"]
 
@@ -160,217 +170,19 @@ def _check_axis_name(axis_name: Any) -> None:
 
 # ----------------------------------------------------------------------------- kernel
 
-_SOFTMAX = "softmax"
-_SIGMOID = "sigmoid"
-# Running maximum before any column was seen: finite, so that `m - new_m` is never inf - inf.
-_FLOOR = -1e30
 
+def _run(
+    mode, both, block_size, q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, axis_name,
+    rpos=None,
+):  # fmt: skip
+    """Each row's term (and each column's, when `both`), unpadded, from whole tiles.
 
-def _pad_rows(x: jax.Array, rows: int, value: Any = 0) -> jax.Array:
-    extra = rows - x.shape[0]
-    if extra == 0:
-        return x
-    pad = [(0, extra)] + [(0, 0)] * (x.ndim - 1)
-    return jnp.pad(x, pad, constant_values=value)
-
-
-def _match_vma(ct: jax.Array, primal: jax.Array) -> jax.Array:
-    # Inside shard_map a cotangent may vary along axes its primal does not (an invariant
-    # `scale` used by varying rows): autodiff of the implicit broadcast sums it there.
-    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal), key=str))
-    return jax.lax.psum(ct, extra) if extra else ct
-
-
-def _joint_axes(*xs: jax.Array) -> frozenset:
-    return frozenset().union(*(varying_axes(x) for x in xs))
-
-
-def _vary(tree: Any, axes: frozenset) -> Any:
-    # Scan carries start as constants; inside shard_map they must vary like the values
-    # the loop body adds to them.
-    def cast(x):
-        missing = tuple(sorted(axes - varying_axes(x), key=str))
-        return pcast_to_varying(x, missing) if missing else x
-
-    return jax.tree.map(cast, tree)
-
-
-def _acc_dtype(q: jax.Array, k: jax.Array) -> Any:
-    # float32 for 16- and 32-bit inputs; float64 inputs (with jax_enable_x64) keep float64.
-    return jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), jnp.float32)
-
-
-def _tile(q, k, i, j, bs):
-    acc = _acc_dtype(q, k)
-    qb = jax.lax.dynamic_slice_in_dim(q, i * bs, bs)
-    kb = jax.lax.dynamic_slice_in_dim(k, j * bs, bs)
-    raw = jax.lax.dot_general(
-        qb,
-        kb,
-        (((1,), (1,)), ((), ())),
-        preferred_element_type=acc,
-        precision=jax.lax.Precision.HIGHEST,
-    )
-    return qb, kb, raw
-
-
-def _block(x, i, bs):
-    return jax.lax.dynamic_slice_in_dim(x, i * bs, bs)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _pairwise(mode, both, bs, q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair):
-    return _pairwise_fwd(mode, both, bs, q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair)[0]
-
-
-def _positives(rlab_b, clab_b, rv_b, cv_b, cp_b):
-    return (rlab_b[:, None] == clab_b[None, :]) & cp_b[None, :] & rv_b[:, None] & cv_b[None, :]
-
-
-def _pairwise_fwd(mode, both, bs, q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair):
-    nr, nc = q.shape[0] // bs, k.shape[0] // bs
-    acc = _acc_dtype(q, k)
-    scale_acc, bias_acc = scale.astype(acc), bias.astype(acc)
-    mc = k.shape[0]
-    axes = _joint_axes(q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair)
-
-    def row_block(col_carry, i):
-        rl, rv = _block(rlab, i, bs), _block(rvalid, i, bs)
-
-        def col_block(carry, j):
-            (m, sumexp, psum_, pcnt), cols = carry
-            _, _, raw = _tile(q, k, i, j, bs)
-            s = scale_acc * raw
-            cl, cv, cp = _block(clab, j, bs), _block(cvalid, j, bs), _block(cpair, j, bs)
-            pos = _positives(rl, cl, rv, cv, cp)
-            if mode == _SIGMOID:
-                x = s + bias_acc
-                term = jax.nn.softplus(jnp.where(pos, -x, x))
-                term = jnp.where(rv[:, None] & cv[None, :], term, 0.0)
-                return ((m, sumexp + term.sum(1), psum_, pcnt), cols), None
-            sm = jnp.where(cv[None, :], s, -jnp.inf)
-            new_m = jnp.maximum(m, sm.max(1))
-            sumexp = sumexp * jnp.exp(m - new_m) + jnp.exp(sm - new_m[:, None]).sum(1)
-            psum_ = psum_ + jnp.where(pos, s, 0.0).sum(1)
-            pcnt = pcnt + pos.sum(1, dtype=jnp.int32)
-            if both:
-                cm, csum, cps, ccnt = cols
-                cm_b, cs_b = _block(cm, j, bs), _block(csum, j, bs)
-                st = jnp.where(rv[:, None], s, -jnp.inf)
-                new_cm = jnp.maximum(cm_b, st.max(0))
-                cs_b = cs_b * jnp.exp(cm_b - new_cm) + jnp.exp(st - new_cm[None, :]).sum(0)
-                cps_b = _block(cps, j, bs) + jnp.where(pos, s, 0.0).sum(0)
-                ccnt_b = _block(ccnt, j, bs) + pos.sum(0, dtype=jnp.int32)
-                upd = jax.lax.dynamic_update_slice_in_dim
-                cols = (
-                    upd(cm, new_cm, j * bs, 0),
-                    upd(csum, cs_b, j * bs, 0),
-                    upd(cps, cps_b, j * bs, 0),
-                    upd(ccnt, ccnt_b, j * bs, 0),
-                )
-            return ((new_m, sumexp, psum_, pcnt), cols), None
-
-        zeros = jnp.zeros(bs, acc)
-        init = _vary(((jnp.full(bs, _FLOOR, acc), zeros, zeros, jnp.zeros(bs, jnp.int32)),), axes)
-        ((m, sumexp, psum_, pcnt), col_carry), _ = jax.lax.scan(
-            col_block, (*init, col_carry), jnp.arange(nc)
-        )
-        if mode == _SIGMOID:
-            return col_carry, (sumexp, jnp.zeros(bs, acc), pcnt)
-        return col_carry, (m + jnp.log(sumexp), psum_, pcnt)
-
-    cols0 = (
-        (
-            jnp.full(mc, _FLOOR, acc),
-            jnp.zeros(mc, acc),
-            jnp.zeros(mc, acc),
-            jnp.zeros(mc, jnp.int32),
-        )
-        if both
-        else ()
-    )
-    cols, rows = jax.lax.scan(row_block, _vary(cols0, axes), jnp.arange(nr))
-    lse, psum_, pcnt = (x.reshape(-1) for x in rows)
-    if both:
-        cm, csum, cps, ccnt = cols
-        clse = cm + jnp.log(csum)
-    else:
-        clse, cps, ccnt = jnp.zeros(mc, acc), jnp.zeros(mc, acc), jnp.zeros(mc, jnp.int32)
-    res = (q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, lse, clse)
-    return (lse, psum_, clse, cps, pcnt, ccnt), res
-
-
-def _pairwise_bwd(mode, both, bs, res, cts):
-    q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, lse, clse = res
-    acc = _acc_dtype(q, k)
-    g_lse, g_pos, g_clse, g_cpos = (
-        jnp.where(valid, ct.astype(acc), 0.0)
-        for ct, valid in zip(cts[:4], (rvalid, rvalid, cvalid, cvalid), strict=True)
-    )
-    nr, nc = q.shape[0] // bs, k.shape[0] // bs
-    scale_acc, bias_acc = scale.astype(acc), bias.astype(acc)
-    axes = _joint_axes(q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair, *cts[:4])
-
-    def row_block(carry, i):
-        dk, dscale, dbias = carry
-        rl, rv = _block(rlab, i, bs), _block(rvalid, i, bs)
-        gr, gp, lr = _block(g_lse, i, bs), _block(g_pos, i, bs), _block(lse, i, bs)
-
-        def col_block(carry, j):
-            dq_b, dk, dscale, dbias = carry
-            qb, kb, raw = _tile(q, k, i, j, bs)
-            s = scale_acc * raw
-            cl, cv, cp = _block(clab, j, bs), _block(cvalid, j, bs), _block(cpair, j, bs)
-            pos = _positives(rl, cl, rv, cv, cp)
-            if mode == _SIGMOID:
-                x = s + bias_acc
-                # d softplus(-z x) / dx = sigmoid(x) - [z = +1]
-                ds = jax.nn.sigmoid(x) - pos.astype(acc)
-                ds = jnp.where(rv[:, None] & cv[None, :], gr[:, None] * ds, 0.0)
-                dbias = dbias + ds.sum()
-            else:
-                # d lse_i / d s_ij is row i's softmax; d (sum of positives) / d s_ij is pos_ij.
-                p = jnp.where(cv[None, :], jnp.exp(s - lr[:, None]), 0.0)
-                ds = gr[:, None] * p + jnp.where(pos, gp[:, None], 0.0)
-                if both:
-                    gc, gcp = _block(g_clse, j, bs), _block(g_cpos, j, bs)
-                    pc = jnp.where(rv[:, None], jnp.exp(s - _block(clse, j, bs)[None, :]), 0.0)
-                    ds = ds + gc[None, :] * pc + jnp.where(pos, gcp[None, :], 0.0)
-            dscale = dscale + (ds * raw).sum()
-            ds_in = (scale_acc * ds).astype(q.dtype)
-            dq_b = dq_b + jnp.dot(ds_in, kb, preferred_element_type=acc)
-            dk_b = jax.lax.dynamic_slice_in_dim(dk, j * bs, bs) + jax.lax.dot_general(
-                ds_in, qb, (((0,), (0,)), ((), ())), preferred_element_type=acc
-            )
-            dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_b, j * bs, 0)
-            return (dq_b, dk, dscale, dbias), None
-
-        dq0 = _vary(jnp.zeros((bs, q.shape[1]), acc), axes)
-        (dq_b, dk, dscale, dbias), _ = jax.lax.scan(
-            col_block, (dq0, dk, dscale, dbias), jnp.arange(nc)
-        )
-        return (dk, dscale, dbias), dq_b
-
-    zero = jnp.zeros((), acc)
-    init = _vary((jnp.zeros(k.shape, acc), zero, zero), axes)
-    (dk, dscale, dbias), dq = jax.lax.scan(row_block, init, jnp.arange(nr))
-    dq = _match_vma(dq.reshape(q.shape).astype(q.dtype), q)
-    dk = _match_vma(dk.astype(k.dtype), k)
-    dscale = _match_vma(dscale.astype(scale.dtype), scale)
-    dbias = _match_vma(dbias.astype(bias.dtype), bias)
-    return (dq, dk, dscale, dbias, None, None, None, None, None)
-
-
-_pairwise.defvjp(_pairwise_fwd, _pairwise_bwd)
-
-
-def _run(mode, both, block_size, q, k, scale, bias, rlab, clab, rvalid, cvalid, cpair):
-    """Pads rows and columns to whole tiles; returns the statistics of `_pairwise`, unpadded.
-
-    Softmax: `(row_lse, row_pos, col_lse, col_pos, row_count, col_count)`: the log-sum-exp
-    of each row's logits over the valid columns (and each column's over the valid rows,
-    when `both`), the sum of the logits over the positives and their number. Sigmoid:
-    `row_lse` holds each row's sum of `-log sigmoid(z s)` over the valid columns.
+    Softmax: the cross-entropy of each row over the valid columns against the uniform
+    distribution over its positives (and of each column over the valid rows). Sigmoid:
+    each row's sum of `-log sigmoid(z s)` over the valid columns. Under `axis_name` the
+    columns' statistics combine over the devices, and each device's column terms are
+    those of all columns, its gradient carrying its rows' whole share of them. `rpos`
+    (without labels): the column of each row's positive, -1 for none (see `tiles.Meta`).
     """
     n, m = q.shape[0], k.shape[0]
     bs = min(block_size, max(n, m))
@@ -378,28 +190,28 @@ def _run(mode, both, block_size, q, k, scale, bias, rlab, clab, rvalid, cvalid, 
     np_, mp = -(-n // bs) * bs, -(-m // bs) * bs
     # Masked rows take no part: zeroed, so that padding holding inf or NaN cannot reach
     # the sums through a zero weight (0 * NaN is NaN).
-    q = jnp.where(rvalid[:, None], q, jnp.zeros((), q.dtype))
-    k = jnp.where(cvalid[:, None], k, jnp.zeros((), k.dtype))
-    stats = _pairwise(
-        mode,
-        both,
-        bs,
-        _pad_rows(q, np_),
-        _pad_rows(k, mp),
-        scale,
-        bias,
-        _pad_rows(rlab, np_),
-        _pad_rows(clab, mp),
-        _pad_rows(rvalid, np_, False),
-        _pad_rows(cvalid, mp, False),
-        _pad_rows(cpair, mp, False),
+    q = tiles.pad_rows(jnp.where(rvalid[:, None], q, jnp.zeros((), q.dtype)), np_)
+    k = tiles.pad_rows(jnp.where(cvalid[:, None], k, jnp.zeros((), k.dtype)), mp)
+    meta = tiles.Meta(
+        tiles.pad_rows(rlab, np_),
+        tiles.pad_rows(clab, mp),
+        tiles.pad_rows(rvalid, np_, False),
+        tiles.pad_rows(cvalid, mp, False),
+        tiles.pad_rows(cpair, mp, False),
+        None if rpos is None else tiles.pad_rows(rpos, np_, -1),
     )
-    return tuple(x[:size] for x, size in zip(stats, (n, n, m, m, n, m), strict=True))
-
-
-def _cross_entropy(lse, pos_sum, pos_count, valid):
-    """Each row's cross-entropy against the uniform distribution over its positives."""
-    return jnp.where(valid, lse - pos_sum / jnp.maximum(pos_count, 1), 0.0)
+    # The statistics are constants to autodiff: the backward of `cross_entropies` holds
+    # the whole gradient.
+    frozen = jax.lax.stop_gradient((q, k, scale, bias))
+    rows, cols = tiles.statistics(mode, both, bs, *frozen, meta)
+    share = 1
+    if both and axis_name is not None:
+        cols = tiles.combine_statistics(cols, jax.lax.stop_gradient(scale), axis_name)
+        share = _device_index_and_count(axis_name)[1]
+    row_terms, col_terms = tiles.cross_entropies(
+        mode, both, bs, share, q, k, scale, bias, meta, rows, cols
+    )
+    return row_terms[:n], col_terms[:m]
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -438,34 +250,34 @@ def _normalise(total, valid, count, axis_name):
 
 
 def _clip(a, b, scale, bias, mask, labels, block_size, axis_name):
-    valid, lab, count = _setup(a.shape[0], mask, labels, axis_name)
-    pair = jnp.ones(a.shape[0], jnp.bool_)
+    n = a.shape[0]
+    valid, lab, count = _setup(n, mask, labels, axis_name)
+    pair = jnp.ones(n, jnp.bool_)
+    # Without labels row i's positive is column i (global numbering under axis_name).
+    rpos = None if labels is not None else jnp.where(valid, lab, -1)
     if axis_name is None:
         # One pass over the tiles gives both directions: per-row and per-column statistics.
-        rl, rp, cl, cp, rc, cc = _run(
-            _SOFTMAX, True, block_size, a, b, scale, bias, lab, lab, valid, valid, pair
-        )
-        total = _cross_entropy(rl, rp, rc, valid).sum() + _cross_entropy(cl, cp, cc, valid).sum()
-        return _normalise(0.5 * total, valid, count, axis_name)
-    # Sharded: this device's rows of `a` against all of `b` give its rows' terms and, for
-    # every column, statistics over this device's rows. The columns' log-sum-exps are
-    # combined across devices (N-vectors) and each device keeps its own columns' terms.
+        rows, cols = _run(
+            SOFTMAX, True, block_size, a, b, scale, bias, lab, lab, valid, valid, pair, None,
+            rpos,
+        )  # fmt: skip
+        return _normalise(0.5 * (rows.sum() + cols.sum()), valid, count, axis_name)
+    # Sharded: this device's rows of `a` against all of `b` give its rows' terms and every
+    # column's statistics over its rows; combined across devices (N-vectors), they give
+    # every column's term on every device.
     g_lab, g_valid, g_pair = (_gather(x, axis_name) for x in (lab, valid, pair))
-    rl, rp, cl, cp, rc, cc = _run(
-        _SOFTMAX, True, block_size, a, _gather(b, axis_name), scale, bias,
-        lab, g_lab, valid, g_valid, g_pair,
-    )  # fmt: skip
-    top = jax.lax.pmax(jax.lax.stop_gradient(cl), axis_name)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    sumexp = jax.lax.psum(jnp.exp(cl - top), axis_name)
-    # A column with no valid row anywhere is masked itself: log(1) keeps its gradient finite.
-    cl = top + jnp.log(jnp.where(g_valid, sumexp, 1.0))
-    cp, cc = jax.lax.psum(cp, axis_name), jax.lax.psum(cc, axis_name)
     index, _ = _device_index_and_count(axis_name)
-    n = a.shape[0]
-    own = [jax.lax.dynamic_slice_in_dim(x, index * n, n) for x in (cl, cp, cc)]
-    total = _cross_entropy(rl, rp, rc, valid).sum() + _cross_entropy(*own, valid).sum()
-    return _normalise(0.5 * total, valid, count, axis_name)
+    rows, cols = _run(
+        SOFTMAX, True, block_size, a, _gather(b, axis_name), scale, bias,
+        lab, g_lab, valid, g_valid, g_pair, axis_name, rpos,
+    )  # fmt: skip
+    # The value counts this device's own columns; the gradient comes through the mean of
+    # all columns over the devices (1/count of each), which `_run` scaled back to whole
+    # shares for this device's rows. The two agree over devices.
+    own = jax.lax.dynamic_slice_in_dim(cols, index * n, n).sum()
+    spread = cols.sum() / count
+    col_total = spread + jax.lax.stop_gradient(own - spread)
+    return _normalise(0.5 * (rows.sum() + col_total), valid, count, axis_name)
 
 
 def _info_nce(q, k, scale, bias, mask, labels, block_size, axis_name):
@@ -475,12 +287,15 @@ def _info_nce(q, k, scale, bias, mask, labels, block_size, axis_name):
     clab = jnp.concatenate([lab, jnp.zeros(extra, jnp.int32)])
     cvalid = jnp.concatenate([valid, jnp.ones(extra, jnp.bool_)])
     cpair = jnp.arange(m) < n
+    # Without labels query i's key: each device's keys are its paired ones, then its extras.
+    rpos = None if labels is not None else jnp.where(valid, lab + lab // n * extra, -1)
     if axis_name is not None:
         k, clab, cvalid, cpair = (_gather(x, axis_name) for x in (k, clab, cvalid, cpair))
-    rl, rp, _, _, rc, _ = _run(
-        _SOFTMAX, False, block_size, q, k, scale, bias, lab, clab, valid, cvalid, cpair
-    )
-    return _normalise(_cross_entropy(rl, rp, rc, valid).sum(), valid, count, axis_name)
+    rows, _ = _run(
+        SOFTMAX, False, block_size, q, k, scale, bias, lab, clab, valid, cvalid, cpair, axis_name,
+        rpos,
+    )  # fmt: skip
+    return _normalise(rows.sum(), valid, count, axis_name)
 
 
 def _siglip(a, b, scale, bias, mask, labels, block_size, axis_name):
@@ -488,8 +303,10 @@ def _siglip(a, b, scale, bias, mask, labels, block_size, axis_name):
     clab, cvalid, cpair = lab, valid, jnp.ones(a.shape[0], jnp.bool_)
     if axis_name is not None:
         b, clab, cvalid, cpair = (_gather(x, axis_name) for x in (b, clab, cvalid, cpair))
-    row = _run(_SIGMOID, False, block_size, a, b, scale, bias, lab, clab, valid, cvalid, cpair)[0]
-    return _normalise(row.sum(), valid, count, axis_name)
+    rows, _ = _run(
+        SIGMOID, False, block_size, a, b, scale, bias, lab, clab, valid, cvalid, cpair, axis_name
+    )
+    return _normalise(rows.sum(), valid, count, axis_name)
 
 
 def _explicit_batch_axes(x: jax.Array) -> tuple[Any, ...] | None:
@@ -503,28 +320,57 @@ def _explicit_batch_axes(x: jax.Array) -> tuple[Any, ...] | None:
         return None
     axes = entries[0] if isinstance(entries[0], tuple) else (entries[0],)
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    if not all(types.get(axis) == jax.sharding.AxisType.Explicit for axis in axes):
+    if not all(types.get(axis) == AxisType.Explicit for axis in axes):
         return None
     return axes
 
 
-def _dispatch(impl, x, y, scale, bias, mask, labels, block_size, axis_name):
-    """Runs `impl`; under jit with rows sharded over Explicit mesh axes, one shard per device.
+def _auto_batch_axes(x: jax.Array, rows: int, extra: int) -> tuple[Any, Any] | None:
+    """The mesh and the Auto axes to spread the rows over under global-view jit, if any.
 
-    With Auto axes the compiler partitions the tiled loops itself. Explicit axes make
-    sharding part of the types, where the tiles' products of two row-sharded blocks have
-    no legal sharding; there each device runs `impl` on its own rows with `axis_name`
-    inside `jax.shard_map`, and the mean over devices is the loss.
+    Auto axes do not show in the types how the batch is sharded, and the compiler, left
+    to itself, runs every tile on every device. The tiles are N² work for N x D inputs,
+    so the rows go over every Auto axis (in mesh order) whose size still divides the
+    rows and the extra keys: moving the inputs there costs far less than the tiles.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.axis_names:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", mesh)
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    # Inside shard_map the rows are already one device's: leave them there.
+    if not types or any(t == AxisType.Manual for t in types.values()):
+        return None
+    axes, size = [], 1
+    for axis, kind in types.items():
+        grown = size * mesh.shape[axis]
+        if kind == AxisType.Auto and grown > size and rows % grown == 0 and extra % grown == 0:
+            axes.append(axis)
+            size = grown
+    return (mesh, tuple(axes)) if axes else None
+
+
+def _dispatch(impl, x, y, scale, bias, mask, labels, block_size, axis_name):
+    """Runs `impl`; under global-view jit over a mesh, on each device's own rows.
+
+    Sharding is part of the types on Explicit axes, where the tiles' products of two
+    row-sharded blocks have no legal sharding; on Auto axes the compiler partitions the
+    tiled loops by repeating them on every device. Either way each device runs `impl` on
+    its own rows with `axis_name` inside `jax.shard_map`, and the mean over devices is the
+    loss.
     """
     if axis_name is None:
         axes = _explicit_batch_axes(x) or _explicit_batch_axes(y)
         if axes is not None:
-            return _global_view(impl, axes, x, y, scale, bias, mask, labels, block_size)
+            mesh = jax.typeof(x if _explicit_batch_axes(x) else y).sharding.mesh
+            return _global_view(impl, mesh, axes, x, y, scale, bias, mask, labels, block_size)
+        auto = _auto_batch_axes(x, x.shape[0], y.shape[0] - x.shape[0])
+        if auto is not None:
+            return _global_view(impl, *auto, x, y, scale, bias, mask, labels, block_size)
     return impl(x, y, scale, bias, mask, labels, block_size, axis_name)
 
 
-def _global_view(impl, axes, x, y, scale, bias, mask, labels, block_size):
-    mesh = jax.typeof(x).sharding.mesh if _explicit_batch_axes(x) else jax.typeof(y).sharding.mesh
+def _global_view(impl, mesh, axes, x, y, scale, bias, mask, labels, block_size):
+    explicit = mesh.axis_types[mesh.axis_names.index(axes[0])] == AxisType.Explicit
     size = 1
     for axis in axes:
         size *= mesh.shape[axis]
@@ -539,9 +385,10 @@ def _global_view(impl, axes, x, y, scale, bias, mask, labels, block_size):
     # Extra keys (info_nce with M > N) are split like the paired ones; each device appends
     # its share after its paired keys, the layout `impl` expects under axis_name.
     pairs, extra = y[:n], y[n:]
-    x, pairs, extra = reshard(x, rows), reshard(pairs, rows), reshard(extra, rows)
-    valid, lab = reshard(valid, vec), reshard(lab, vec)
-    scale, bias = reshard(scale, jax.P()), reshard(bias, jax.P())
+    if explicit:  # shard_map takes Explicit inputs only in the sharding its specs name
+        x, pairs, extra = reshard(x, rows), reshard(pairs, rows), reshard(extra, rows)
+        valid, lab = reshard(valid, vec), reshard(lab, vec)
+        scale, bias = reshard(scale, jax.P()), reshard(bias, jax.P())
     name = axes if len(axes) > 1 else axes[0]
 
     def local(x, pairs, extra, scale, bias, valid, lab):

@@ -434,9 +434,14 @@ def coupled_largest(rows: Rows, prefix: str) -> str:
     return f"{found[0]['largest_n']:,}"
 
 
+def _contrastive(rows: Rows, part: str | None) -> list[dict[str, Any]]:
+    """The contrastive_losses rows of one part (None: the time and memory table's)."""
+    return [r for r in rows["contrastive_losses"] if r.get("part") == part]
+
+
 def contrastive_losses_table(rows: Rows) -> str:
     lines = []
-    for r in rows["contrastive_losses"]:
+    for r in _contrastive(rows, None):
         ran = isinstance(r["ms_dense"], (int, float))
         lines.append(
             [
@@ -460,6 +465,50 @@ def contrastive_losses_table(rows: Rows) -> str:
             f"tiled temp MiB (of one N{TIMES}N)",
             f"dense temp MiB (N{TIMES}N)",
             "max rel. error",
+        ],
+        lines,
+    )
+
+
+def _error(x: float) -> str:
+    return "0" if x == 0 else f"{x:.0e}"
+
+
+def contrastive_precision_table(rows: Rows) -> str:
+    found = _contrastive(rows, "precision")
+    scales = sorted({r["scale"] for r in found})
+    lines = []
+    for loss in LOSS_NAMES:
+        for batch in dict.fromkeys(r["batch"] for r in found):
+            by_scale = {r["scale"]: r for r in found if r["loss"] == loss and r["batch"] == batch}
+            cells = [
+                f"{_error(by_scale[x]['err_dense'])} / {_error(by_scale[x]['err_tiled'])}"
+                for x in scales
+            ]
+            lines.append([f"`{loss}`", batch, *cells])
+    return table(["loss", "batch", *[f"scale {x:g}: dense / tiled" for x in scales]], lines)
+
+
+def contrastive_devices_table(rows: Rows) -> str:
+    lines = [
+        [
+            f"`{r['loss']}`",
+            f"{r['ms_one_device']:.0f}",
+            f"{r['ms_8_devices_auto']:.0f} ({r['auto_vs_one']:.2f}{TIMES})",
+            f"{r['ms_8_devices_explicit']:.0f} ({r['explicit_vs_one']:.2f}{TIMES})",
+            r["loops_auto"],
+            r["loops_explicit"],
+        ]
+        for r in _contrastive(rows, "devices")
+    ]
+    return table(
+        [
+            "loss",
+            "one device ms",
+            "8 devices, Auto: ms (vs one)",
+            "8 devices, Explicit: ms (vs one)",
+            "loops, Auto",
+            "loops, Explicit",
         ],
         lines,
     )
@@ -684,6 +733,8 @@ FIGURES: dict[str, Callable[[Rows], str]] = {
         r, "zero1", "time_over_shard_map"
     ),
     "table.contrastive_losses": contrastive_losses_table,
+    "table.contrastive_precision": contrastive_precision_table,
+    "table.contrastive_devices": contrastive_devices_table,
     "losses.clip_8192.tiled_vs_dense": lambda r: times(_losses_row(r)["tiled_vs_dense"]),
     "losses.clip_8192.temp_pct": lambda r: f"{100 * _losses_row(r)['temp_tiled_vs_nn']:.1f} %",
     "losses.clip_8192.dense_temp_vs_nn": lambda r: times(_losses_row(r)["temp_dense_vs_nn"], 1),
