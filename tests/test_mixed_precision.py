@@ -382,7 +382,7 @@ def test_flax_bfloat16_compute_with_float32_params_matches_large_batch():
 @pytest.mark.slow
 def test_docs_flax_pattern_with_agc_and_accum_batchnorm_runs_in_bfloat16():
     page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "mixed_precision.md"
-    section = page.read_text().split("## Flax: bfloat16 compute")[1].split("## API")[0]
+    section = page.read_text().split("## Flax: bfloat16 compute")[1].split("\n## ")[0]
     block, _ = re.findall(r"```python\n(.*?)```", section, re.S)
     ns: dict = {}
     exec(compile(block, "mixed_precision.md[flax]", "exec"), ns)
@@ -407,7 +407,7 @@ def test_docs_flax_pattern_with_agc_and_accum_batchnorm_runs_in_bfloat16():
 @pytest.mark.slow
 def test_docs_float16_flax_pattern_with_loss_scale_runs():
     page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "mixed_precision.md"
-    section = page.read_text().split("## Flax: bfloat16 compute")[1].split("## API")[0]
+    section = page.read_text().split("## Flax: bfloat16 compute")[1].split("\n## ")[0]
     _, block = re.findall(r"```python\n(.*?)```", section, re.S)
     ns: dict = {}
     exec(compile(block, "mixed_precision.md[float16]", "exec"), ns)
