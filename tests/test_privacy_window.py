@@ -568,6 +568,29 @@ def test_sums_clipped_to_another_norm_are_refused():
     jax.jit(agreeing)({"w": jnp.ones(2)}, state)
 
 
+def test_clipped_grad_with_another_norm_in_the_same_trace_is_refused():
+    # The real pair, as a user writes it: clipped_grad's sums reach dp_accumulate in
+    # one jitted step, and their clip norms are compared there.
+    def loss(params, batch):
+        return jnp.sum((batch @ params["w"]) ** 2)
+
+    tx = _dp(2)
+    params, batch = {"w": jnp.ones(2)}, jnp.ones((4, 2))
+    state = tx.init(params)
+    for clip, refused in ((2 * C, True), (C, False)):
+        clipped = privacy.clipped_grad(loss, clip)
+
+        def step(params, state, batch, clipped=clipped):
+            _, sums = clipped(params, batch)
+            return tx.update(sums, state, params)
+
+        if refused:
+            with pytest.raises(ValueError, match="same l2_clip_norm"):
+                jax.jit(step)(params, state, batch)
+        else:
+            jax.jit(step)(params, state, batch)
+
+
 def test_bad_arguments_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="noise_multiplier= and key="):
         privacy.dp_accumulate(optax.sgd(1.0), 2, l2_clip_norm=1.0, expected_batch_size=4)
