@@ -155,7 +155,7 @@ def test_coupled_fp8_metadata_equal_the_large_batch():
     ref = jax.grad(lambda v, x: loss(v, embed(v, x)))(variables, x)
     for k in (2, 4):
         _, grads = jax.jit(ga.coupled_value_and_grad(loss, embed, k))(variables, x)
-        _check(grads, ref)
+        _check(grads, ref, meta_rtol=1e-6)  # output-gradient amax: round-off
 
 
 def test_coupled_refuses_metadata_with_axis_name():
@@ -245,4 +245,4 @@ def test_coupled_global_view_route_takes_the_max_across_devices():
                 step(replicated, sharded)
             return
         _, grads = step(replicated, sharded)
-    _check(grads, ref)
+    _check(grads, ref, meta_rtol=1e-6)  # output-gradient amax: round-off

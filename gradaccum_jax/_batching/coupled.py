@@ -641,7 +641,7 @@ class CoupledValueAndGrad:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec, args, finish = self._pure(args)
-        _refuse_fp8_on_old_meshes(args[0])
+        _refuse_fp8_on_old_meshes(spec, args[0])
         axes = None if spec.axis_name else devices.batch_axes(args, spec.options, self._counts)
         counts = self._counts
         if isinstance(counts, str):
@@ -683,11 +683,15 @@ class CoupledValueAndGrad:
         )
 
 
-def _refuse_fp8_on_old_meshes(params: Any) -> None:
+def _refuse_fp8_on_old_meshes(spec: _Spec, params: Any) -> None:
     """Raises for Flax fp8 layers under a mesh context on a JAX release measured wrong there."""
     if compat.FP8_COUPLED_ON_MESHES or jax.sharding.get_abstract_mesh().empty:
         return
     fp8 = reduce_rules.max_paths(reduce_rules.max_mask(params))
+    if spec.axis_name is not None and reduce_rules.any_max(
+        reduce_rules.max_mask(params, spec.options.max_leaves)
+    ):
+        return  # refused where the max leaves meet axis_name, with that fix (_max_mask)
     if fp8:
         raise ValueError(
             f"coupled_value_and_grad got Flax fp8 layers ({fp8[0]}, ...) under a mesh "
