@@ -141,7 +141,8 @@ def test_nnx_bridge_fp8_metadata_equal_the_large_batch():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_coupled_fp8_metadata_equal_the_large_batch():
+def _contrastive_fp8():
+    """An fp8 encoder, an InfoNCE-style loss of its embeddings, and the large batch's gradient."""
     encoder = Mlp()
     variables, (x, _) = warm_variables(encoder), batch()
 
@@ -153,6 +154,11 @@ def test_coupled_fp8_metadata_equal_the_large_batch():
         return jnp.mean(jax.nn.logsumexp(logits, axis=1) - jnp.diag(logits))
 
     ref = jax.grad(lambda v, x: loss(v, embed(v, x)))(variables, x)
+    return variables, x, embed, loss, ref
+
+
+def test_coupled_fp8_metadata_equal_the_large_batch():
+    variables, x, embed, loss, ref = _contrastive_fp8()
     for k in (2, 4):
         _, grads = jax.jit(ga.coupled_value_and_grad(loss, embed, k))(variables, x)
         _check(grads, ref, meta_rtol=1e-6)  # output-gradient amax: round-off
@@ -223,17 +229,7 @@ def test_global_view_jit_over_a_sharded_batch():
 def test_coupled_global_view_route_takes_the_max_across_devices():
     # Under global-view jit each device runs both passes on its rows; the metadata
     # leaves combine by max across the devices (a psum would add 8 maxima).
-    encoder = Mlp()
-    variables, (x, _) = warm_variables(encoder), batch()
-
-    def embed(variables, x):
-        return encoder.apply(variables, x)
-
-    def loss(variables, z):
-        logits = z @ z.T
-        return jnp.mean(jax.nn.logsumexp(logits, axis=1) - jnp.diag(logits))
-
-    ref = jax.grad(lambda v, x: loss(v, embed(v, x)))(variables, x)
+    variables, x, embed, loss, ref = _contrastive_fp8()
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     sharded = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
     replicated = jax.device_put(variables, jax.NamedSharding(mesh, jax.P()))
