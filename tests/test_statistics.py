@@ -3,6 +3,7 @@
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -283,12 +284,56 @@ def test_statistics_keyword_errors():
     with pytest.raises(TypeError, match="keyword argument 'statistics'"):
         fn(PARAMS, BATCH, KEY, statistics=None)
 
-    def strings(params, batch, key):
+    def keys(params, batch, key):
         return {"name": jax.random.key(0)}
 
-    bad = ga.microbatch_value_and_grad(moe_loss, 2, has_aux=True, statistics_fn=strings)
+    bad = ga.microbatch_value_and_grad(moe_loss, 2, has_aux=True, statistics_fn=keys)
     with pytest.raises(TypeError, match=r"must return numbers.*\['name'\]"):
         bad(PARAMS, BATCH, KEY)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize(
+    ("leaf", "shown"),
+    [
+        ("expert 3", r"is 'expert 3' of type str"),
+        (object(), r"is <object object at 0x\w+> of type object"),
+        (np.array(["a", "b"]), r"\(ndarray\) has dtype <U1"),
+    ],
+    ids=["str", "object", "str-array"],
+)
+def test_statistics_fn_returning_a_non_number_names_the_leaf(leaf, shown, k):
+    # Not JAX's bare "not a valid JAX array type": statistics_fn, the leaf's path and
+    # type, and what it may return.
+    def labelled(params, batch, key):
+        return {"counts": moe_statistics(params, batch, key)["counts"], "tag": [0, leaf]}
+
+    bad = ga.microbatch_value_and_grad(moe_loss, k, has_aux=True, statistics_fn=labelled)
+    message = r"statistics_fn must return numbers.*\['tag'\]\[1\]. " + shown
+    for run in (bad, jax.jit(bad)):
+        with pytest.raises(TypeError, match=message + r".*integers or bools for counts"):
+            run(PARAMS, BATCH, KEY)
+
+
+def test_statistics_fn_may_return_python_and_numpy_numbers():
+    # Scalars without a JAX dtype are summed like arrays: NumPy's 64-bit ones in JAX's
+    # default 32 bits (no x64 warning), Python numbers as JAX types them.
+    def scalars(params, batch, key):
+        return {
+            "counts": moe_statistics(params, batch, key)["counts"],
+            "n": 1,
+            "w": np.float64(0.5),
+        }
+
+    seen = {}
+
+    def loss(params, batch, key, *, statistics):
+        seen.update(n=statistics["n"], w=statistics["w"])
+        return moe_loss(params, batch, key, statistics={"counts": statistics["counts"]})
+
+    ga.microbatch_value_and_grad(loss, 4, has_aux=True, statistics_fn=scalars)(PARAMS, BATCH, KEY)
+    assert (seen["n"].dtype, seen["w"].dtype) == (jnp.int32, jnp.float32)
+    assert (int(seen["n"]), float(seen["w"])) == (4, 2.0)
 
 
 def test_nnx_module_with_statistics_fn_names_the_split():

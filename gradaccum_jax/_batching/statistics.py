@@ -50,6 +50,12 @@ def check_options(
     return validation.check_axis_name("axis_name", axis_name)
 
 
+_ALLOWED = (
+    "Return arrays (or Python / NumPy scalars) of integers or bools for counts and of "
+    "floats for sums."
+)
+
+
 def summed_dtype(dtype: Any, where: str) -> Any:
     """The dtype a statistic of `dtype` is summed in: exact for counts, float32 for 16-bit floats.
 
@@ -67,19 +73,33 @@ def summed_dtype(dtype: Any, where: str) -> Any:
         return jnp.promote_types(dtype, jnp.float32)
     raise TypeError(
         f"statistics_fn must return numbers (sums over its micro-batch); {where} has dtype "
-        f"{dtype}. Return counts as integers, or sums as floats."
+        f"{dtype}. {_ALLOWED}"
     )
+
+
+def _leaf_dtype(path: Any, leaf: Any) -> Any:
+    """The dtype `leaf` (a leaf of what `statistics_fn` returned) is summed in."""
+    where = f"the leaf at {jax.tree_util.keystr(path)!r}"
+    # Arrays, tracers and NumPy scalars carry a dtype; Python numbers take JAX's
+    # (weak) one. Anything else (a string, an object) has no number to sum.
+    if hasattr(leaf, "dtype"):
+        dtype = leaf.dtype
+    elif isinstance(leaf, (bool, int, float, complex)):
+        dtype = jnp.result_type(leaf)
+    else:
+        raise TypeError(
+            f"statistics_fn must return numbers (sums over its micro-batch); {where} is "
+            f"{leaf!r:.60} of type {type(leaf).__name__}. {_ALLOWED}"
+        )
+    # NumPy's 64-bit dtypes narrow to JAX's 32-bit ones unless x64 is on, as jnp.asarray does.
+    return jax.dtypes.canonicalize_dtype(summed_dtype(dtype, f"{where} ({type(leaf).__name__})"))
 
 
 def _cast(tree: Any) -> Any:
     """`tree` in the dtypes its sums are kept in."""
     paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    cast = [
-        jnp.asarray(x).astype(
-            summed_dtype(jnp.result_type(x), f"the leaf at {jax.tree_util.keystr(path)!r}")
-        )
-        for path, x in paths_and_leaves
-    ]
+    dtypes = [_leaf_dtype(path, x) for path, x in paths_and_leaves]
+    cast = [jnp.asarray(x).astype(d) for (_, x), d in zip(paths_and_leaves, dtypes, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, cast)
 
 
