@@ -16,20 +16,16 @@ D = 128 and growing N and reports
 Targets (issue 28), at N = 8192, D = 128: tiled time <= 1.5x dense, tiled temp <= 5% of one
 N x N float32 matrix.
 
-Two more tables in the same run (issue 35):
+One more table in the same run (issue 35), rows ``part: devices``: 8 host devices against
+one. The tiled loss's `jax.jit(jax.value_and_grad(...))` at N = 8192, D = 64 with the rows
+sharded over an 8-device mesh of `AxisType.Auto` and of `AxisType.Explicit`, and on one
+device, measured in turn. The 8 host devices share the machine's cores, so work repeated
+on every device shows as a multiple of the one-device time; each device running only its
+rows' tiles gives about 1x (target: at most 1.3x). ``loops_*``: the known trip counts of
+the compiled loops (the row and column tile loops of the forward and the backward; a loop
+of one trip is no loop).
 
-* 8 host devices against one (rows ``part: devices``): the tiled loss's
-  `jax.jit(jax.value_and_grad(...))` at N = 8192, D = 64 with the rows sharded over an
-  8-device mesh of `AxisType.Auto` and of `AxisType.Explicit`, and on one device,
-  measured in turn. The 8 host devices share the machine's cores, so work repeated on
-  every device shows as a multiple of the one-device time; each device running only its
-  rows' tiles gives about 1x (target: at most 1.3x). ``loops_*``: the known trip
-  counts of the compiled loops (the row and column tile loops of the forward and the
-  backward; a loop of one trip is no loop).
-* precision (rows ``part: precision``): the gradient error against float64 truth of the
-  dense float32 loss and of the tiled one, at scales 1 to 1e4 on random, aligned and easy
-  batches (`benchmarks/contrastive_precision.py`; target: tiled within 10x dense, floor
-  1e-6).
+The gradients' precision against float64 truth is `benchmarks/contrastive_precision.py`'s.
 
     python benchmarks/contrastive_losses.py [--quick] [--reps 3]
 """
@@ -49,7 +45,6 @@ os.environ["XLA_FLAGS"] = " ".join(
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import contrastive_precision
 import harness
 import jax
 import jax.numpy as jnp
@@ -61,9 +56,8 @@ from gradaccum_jax import losses
 D = 128
 SIZES = {"default": (1024, 2048, 4096, 8192, 16384), "quick": (256, 512)}
 TARGET_N = 8192
-# The 8-device comparison (issue 35's setting) and the precision table: (N, D, block_size).
+# The 8-device comparison (issue 35's setting): (N, D, block_size).
 DEVICES_SIZE = {"default": (8192, 64, losses.DEFAULT_BLOCK_SIZE), "quick": (1024, 64, 128)}
-PRECISION_SIZE = {"default": (512, 256, 128), "quick": (128, 256, 32)}
 
 
 def dense_clip(a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
@@ -165,7 +159,7 @@ def measure_devices(n: int, d: int, block: int, reps: int) -> list[dict]:
     a = a / jnp.linalg.norm(a, axis=1, keepdims=True)
     b = b / jnp.linalg.norm(b, axis=1, keepdims=True)
     rows = []
-    for name in contrastive_precision.NAMES:
+    for name in CANDIDATES:
 
         def loss(a, b, name=name):
             if name == "siglip_loss":
@@ -195,11 +189,6 @@ def measure_devices(n: int, d: int, block: int, reps: int) -> list[dict]:
     return rows
 
 
-def measure_precision(n: int, d: int, block: int) -> list[dict]:
-    rows = contrastive_precision.table(n, d, block)
-    return [{"part": "precision", "global_n": n, "d": d, **r} for r in rows]
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
@@ -220,12 +209,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "device; the devices share the cores (noisy machine)",
         devices,
     )
-    precision = measure_precision(*PRECISION_SIZE[size])
-    harness.print_rows(
-        "gradient error against float64 truth: dense float32 vs tiled (float32 inputs)",
-        precision,
-    )
-    return rows + devices + precision
+    return rows + devices
 
 
 if __name__ == "__main__":

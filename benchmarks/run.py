@@ -37,6 +37,7 @@ BENCHMARKS = [
     "fused",
     "coupled",
     "contrastive_losses",
+    "contrastive_precision",
     "compile_time",
     "global_statistics",
 ]

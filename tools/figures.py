@@ -475,7 +475,7 @@ def _error(x: float) -> str:
 
 
 def contrastive_precision_table(rows: Rows) -> str:
-    found = _contrastive(rows, "precision")
+    found = rows["contrastive_precision"]
     scales = sorted({r["scale"] for r in found})
     lines = []
     for loss in LOSS_NAMES:
@@ -564,6 +564,14 @@ LOSS_NAMES = ("clip_loss", "info_nce", "siglip_loss")
 
 def _losses_row(rows: Rows, loss: str = "clip_loss", n: int = 8192) -> dict[str, Any]:
     return row(rows, "contrastive_losses", loss=loss, n=n)
+
+
+LOW_LOSS_BATCH = "low loss, N = 32, D = 16"
+
+
+def _precision(rows: Rows, batch: str, scale: float, loss: str = "clip_loss") -> dict[str, Any]:
+    """One cell of the precision table."""
+    return row(rows, "contrastive_precision", loss=loss, batch=batch, scale=scale)
 
 
 def statistics_ratios(rows: Rows, key: str) -> str:
@@ -734,6 +742,21 @@ FIGURES: dict[str, Callable[[Rows], str]] = {
     ),
     "table.contrastive_losses": contrastive_losses_table,
     "table.contrastive_precision": contrastive_precision_table,
+    "losses.easy_30.truth_norm": lambda r: sci(_precision(r, "easy", 30.0)["truth_norm"]),
+    "losses.easy_30.err_tiled": lambda r: _error(_precision(r, "easy", 30.0)["err_tiled"]),
+    "losses.easy_30.err_dense": lambda r: _error(_precision(r, "easy", 30.0)["err_dense"]),
+    "losses.low_loss_100.truth_norm": lambda r: sci(
+        _precision(r, LOW_LOSS_BATCH, 100.0)["truth_norm"]
+    ),
+    "losses.low_loss_100.err_p_minus_1": lambda r: (
+        f"{_precision(r, LOW_LOSS_BATCH, 100.0)['err_float64_p_minus_1']:.1f}"
+    ),
+    "losses.low_loss_100.err_tiled": lambda r: _error(
+        _precision(r, LOW_LOSS_BATCH, 100.0)["err_tiled"]
+    ),
+    "losses.low_loss_100.err_dense": lambda r: _error(
+        _precision(r, LOW_LOSS_BATCH, 100.0)["err_dense"]
+    ),
     "table.contrastive_devices": contrastive_devices_table,
     "losses.clip_8192.tiled_vs_dense": lambda r: times(_losses_row(r)["tiled_vs_dense"]),
     "losses.clip_8192.temp_pct": lambda r: f"{100 * _losses_row(r)['temp_tiled_vs_nn']:.1f} %",
