@@ -7,6 +7,8 @@ window lengths and schedules, and where NaN or Inf replace a gradient entry.
 References are written in float64 NumPy from the semantics in SPEC.md §3, §6
 and §7. Each property runs a few examples in the quick loop and many more
 under the `slow` marker; inputs that once found a bug stay as `@example`s.
+Every run draws the same examples (conftest.py's Hypothesis profile);
+`HYPOTHESIS_PROFILE=explore` draws new ones.
 
 The clipping family's properties live in tests/test_properties_clipping.py.
 """
@@ -17,6 +19,9 @@ import contextlib
 import dataclasses
 import functools
 import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +32,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import gradaccum_jax as ga
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 QUICK = settings(
     max_examples=4,
@@ -57,6 +64,35 @@ def quick_and_slow(*strategies: st.SearchStrategy, quick=None, examples=()):
         return fast, pytest.mark.slow(make(body, SLOW, strategies))
 
     return decorate
+
+
+@pytest.mark.parametrize(
+    ("environ", "reproduces"),
+    [
+        ({}, True),
+        ({"HYPOTHESIS_PROFILE": "explore"}, False),
+        ({"CI": "true", "HYPOTHESIS_PROFILE": "explore"}, True),
+    ],
+)
+def test_the_draws_are_the_same_on_every_run_unless_asked_to_explore(environ, reproduces):
+    # Issue 40, item 16: a fresh clone failed on a draw no earlier run had made. conftest.py
+    # derives the seed from each test (derandomize, no example database), in CI always;
+    # HYPOTHESIS_PROFILE=explore draws new examples, as README's Development section says.
+    code = (
+        "import conftest\n"
+        "from hypothesis import settings\n"
+        "print(settings.default.derandomize, settings.default.database is None)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "HYPOTHESIS_PROFILE")}
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env | environ,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert run.stdout.split() == [str(reproduces)] * 2, run.stdout
 
 
 # --- generators ---------------------------------------------------------------------------
