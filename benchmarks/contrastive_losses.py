@@ -36,7 +36,6 @@ Two more tables in the same run (issue 35):
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import re
@@ -201,8 +200,7 @@ def measure_precision(n: int, d: int, block: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
+    parser = harness.benchmark_parser(__doc__)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dense-budget-gb", type=float, default=4.0)
     args = parser.parse_args(argv)
