@@ -1,4 +1,4 @@
-"""Test configuration for tests/ and the doctests: 8 forced host devices; the `requires` marker.
+"""Test configuration: 8 forced host devices, reproducible Hypothesis draws, the `requires` marker.
 
 This file sits at the repository root so that pytest loads it before it imports
 any module that imports jax.
@@ -9,6 +9,7 @@ import os
 import re
 
 import pytest
+from hypothesis import settings
 
 # Multi-device tests run on 8 CPU devices; XLA reads this flag once, when the
 # backend starts, so it must be set before anything imports jax.
@@ -40,6 +41,17 @@ if os.environ.get("GRADACCUM_XLA_DEFAULTS", "") in ("", "0"):
     _FAST = "--xla_cpu_use_fusion_emitters=false"
     if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " " + _FAST
+
+# Hypothesis (the property tests) draws the same examples on every run and machine: the seed
+# comes from each test's source (`derandomize`), with no example database, so that no
+# submission fails on a new random draw and any failure reproduces by running the test again.
+# `HYPOTHESIS_PROFILE=explore` draws new examples on every run and replays the failures it
+# saved in `.hypothesis/` first (with GRADACCUM_FUZZ_EXAMPLES=150 for a deeper search); a
+# failure it finds is kept as an `@example` of its test. CI (`CI=true`) always reproduces.
+settings.register_profile("reproduce", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
+settings.load_profile("reproduce" if _CI else os.environ.get("HYPOTHESIS_PROFILE", "reproduce"))
 
 
 def _release(version: str) -> tuple[int, ...]:

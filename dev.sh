@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a virtual environment (once) and runs a project task.
 #   bash dev.sh run          the main job: the example training run
-#   bash dev.sh test         the test suite
+#   bash dev.sh test         the test suite; the property tests draw the same examples on
+#                            every run, HYPOTHESIS_PROFILE=explore new ones (conftest.py)
 #   bash dev.sh lint         ruff lint and format check, mypy type check
 #   bash dev.sh docs         build the documentation site (mkdocs, --strict) into site/
 #   bash dev.sh bench        run every benchmark; report under benchmarks/results/

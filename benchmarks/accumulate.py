@@ -25,7 +25,6 @@ Tables:
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 from collections.abc import Callable
@@ -315,8 +314,7 @@ print_rows = harness.print_rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, a smoke test")
+    parser = harness.benchmark_parser(__doc__, quick="small sizes, a smoke test")
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 15)

@@ -18,7 +18,6 @@ interleaved (median of repetitions, all under `jit`, inputs donated nowhere):
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import harness
@@ -104,8 +103,7 @@ def time_pair(new, plain, grads, params, reps: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
+    parser = harness.benchmark_parser(__doc__)
     args = parser.parse_args(argv)
     total = 100_000 if args.quick else 30_000_000
     reps = 3 if args.quick else 21

@@ -32,7 +32,6 @@ the state and traced nothing else).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -159,8 +158,7 @@ def _child_peak(name: str, layers: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small trees, one round")
+    parser = harness.benchmark_parser(__doc__, quick="small trees, one round")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--only", nargs="*", default=None, help="candidate names")
     parser.add_argument("--no-memory", action="store_true", help="skip the child processes")

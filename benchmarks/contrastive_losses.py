@@ -32,7 +32,6 @@ The gradients' precision against float64 truth is `benchmarks/contrastive_precis
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import re
@@ -190,8 +189,7 @@ def measure_devices(n: int, d: int, block: int, reps: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
+    parser = harness.benchmark_parser(__doc__)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dense-budget-gb", type=float, default=4.0)
     args = parser.parse_args(argv)

@@ -24,7 +24,6 @@ micro-batches of 256 examples (found by compiling only; nothing runs).
 
 from __future__ import annotations
 
-import argparse
 import functools
 from typing import Any
 
@@ -148,9 +147,7 @@ def largest_fitting(build: Any, params: Any, size: dict[str, Any]) -> tuple[int,
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions")
+    parser = harness.benchmark_parser(__doc__, reps="timed repetitions")
     args = parser.parse_args(argv)
     size = SIZES["quick" if args.quick else "default"]
     reps = args.reps or (3 if args.quick else 5)

@@ -22,7 +22,6 @@ ours / usual.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -108,9 +107,7 @@ def window_runner(step, carry, k, x, y):
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
-    parser.add_argument("--reps", type=int, default=None, help="timed windows per candidate")
+    parser = harness.benchmark_parser(__doc__, reps="timed windows per candidate")
     parser.add_argument(
         "--per-replica", type=int, default=None, help="examples per replica and micro-step"
     )

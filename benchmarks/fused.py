@@ -31,7 +31,6 @@ path: 4 micro-batches of 64 (separate calls, and one scan) against one batch.
 
 from __future__ import annotations
 
-import argparse
 import platform
 from collections.abc import Callable
 
@@ -300,8 +299,7 @@ print_rows = harness.print_rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, a smoke test")
+    parser = harness.benchmark_parser(__doc__, quick="small sizes, a smoke test")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--skip-train", action="store_true", help="only the step tables")
     args = parser.parse_args(argv)

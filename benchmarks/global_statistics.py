@@ -28,7 +28,6 @@ module, which ``harness`` imports.
 
 from __future__ import annotations
 
-import argparse
 import functools
 from typing import Any
 
@@ -114,9 +113,7 @@ def _flops(compiled: Any) -> float:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions")
+    parser = harness.benchmark_parser(__doc__, reps="timed repetitions")
     args = parser.parse_args(argv)
     size = SIZES["quick" if args.quick else "default"]
     reps = args.reps or (3 if args.quick else 9)

@@ -35,7 +35,6 @@ the arrays' shards) and the compiled step's temporaries
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -130,9 +129,7 @@ def inner_state_of(name: str, state):
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
-    parser.add_argument("--reps", type=int, default=None, help="timed windows per candidate")
+    parser = harness.benchmark_parser(__doc__, reps="timed windows per candidate")
     parser.add_argument(
         "--per-replica", type=int, default=None, help="examples per replica and micro-step"
     )

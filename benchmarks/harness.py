@@ -9,7 +9,8 @@ One place answers the questions both ask of a compiled step:
 * `Hlo`: the compiled program's text parsed into computations and
   instructions, to count parameter-sized copies (`Hlo.copies`) and collectives
   (`Hlo.ops`), split into what runs on every step (`Hlo.every_step`) and what
-  runs only inside a conditional's branches, once per window.
+  runs only inside a conditional's branches, once per window;
+* `benchmark_parser`: the command line every benchmark takes (`--quick`, `--reps`).
 
 Tests import it as `benchmarks.harness` (the repository root is on `sys.path`
 under pytest); the benchmark scripts, run from `benchmarks/`, as `harness`.
@@ -17,6 +18,7 @@ under pytest); the benchmark scripts, run from `benchmarks/`, as `harness`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import math
@@ -399,6 +401,25 @@ def replica_groups(attributes: str, devices: int) -> list[tuple[int, ...]]:
     ids = np.moveaxis(ids, along, list(range(len(sizes) - len(along), len(sizes))))
     size = math.prod(sizes[i] for i in along)
     return sorted(tuple(int(d) for d in row) for row in ids.reshape(-1, size))
+
+
+def benchmark_parser(
+    doc: str | None, *, quick: str = "tiny sizes, a smoke test", reps: str | None = None
+) -> argparse.ArgumentParser:
+    """The command line every benchmark shares; each adds its own options to it.
+
+    Args:
+      doc: the benchmark module's docstring, whose first line describes the command.
+      quick: what `--quick` does, for `--help`: `benchmarks/run.py --quick` passes it on to
+        every benchmark (the smoke run of tests/test_benchmarks.py).
+      reps: the help of an integer `--reps` (default None: the benchmark's own count, which
+        depends on `--quick`), or None for a benchmark that takes none.
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    if reps is not None:
+        parser.add_argument("--reps", type=int, default=None, help=reps)
+    return parser
 
 
 def print_rows(title: str, rows: list[dict]) -> None:

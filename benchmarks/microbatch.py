@@ -23,7 +23,6 @@ loss and gradients from the full batch. The targets checked are
 
 from __future__ import annotations
 
-import argparse
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -95,9 +94,7 @@ def candidates(batch_size: int) -> list[tuple[str, int, Callable[..., Any]]]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions")
+    parser = harness.benchmark_parser(__doc__, reps="timed repetitions")
     args = parser.parse_args(argv)
     size = SIZES["quick" if args.quick else "default"]
     reps = args.reps or (3 if args.quick else 7)

@@ -20,8 +20,6 @@ measured interleaved (median of repetitions).
 
 from __future__ import annotations
 
-import argparse
-
 import flax.linen as nn
 import harness
 import jax
@@ -201,8 +199,7 @@ def memory_rows(quick: bool, reps: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
+    parser = harness.benchmark_parser(__doc__)
     args = parser.parse_args(argv)
 
     rows = accuracy_rows(args.quick)

@@ -12,9 +12,9 @@ no extra parameter-sized temporary (compiled temp bytes, on vs off).
 
 from __future__ import annotations
 
-import argparse
 import time
 
+import harness
 import jax
 import numpy as np
 import optax
@@ -74,8 +74,7 @@ def measure(total: int, reps: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
+    parser = harness.benchmark_parser(__doc__)
     args = parser.parse_args(argv)
     total = 100_000 if args.quick else 8_000_000
     reps = 3 if args.quick else 15

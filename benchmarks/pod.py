@@ -46,7 +46,6 @@ relative to fsdp_plain.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
@@ -255,9 +254,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
-    parser.add_argument("--reps", type=int, default=None, help="timed windows per route")
+    parser = harness.benchmark_parser(__doc__, reps="timed windows per route")
     parser.add_argument("--per-device", type=int, default=None, help="examples per device")
     args = parser.parse_args(argv)
     sizes = [32, 64, 32] if args.quick else [256, 1024, 1024, 256]

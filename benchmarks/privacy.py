@@ -21,7 +21,6 @@ The machine is shared and noisy: read the ratios, measured side by side.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import harness
@@ -153,8 +152,7 @@ def measure(widths: tuple[int, ...], batch: int, micro: int, reps: int) -> list[
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
+    parser = harness.benchmark_parser(__doc__)
     args = parser.parse_args(argv)
     if args.quick:
         widths, batch, micro, reps = (64, 32, 10), 32, 8, 3

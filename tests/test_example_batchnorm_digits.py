@@ -1,29 +1,14 @@
 """The AccumBatchNorm digits example runs at its reduced size and shows what it claims."""
 
-import importlib.util
-import pathlib
-import sys
-
 import numpy as np
 import pytest
+from _examples import load_example
 
 pytestmark = pytest.mark.slow  # runs an example end to end
 
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "batchnorm_digits.py"
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("batchnorm_digits", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    # Flax modules are dataclasses, which look their module up in sys.modules.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_quick_run(capsys):
-    rows = _load_example().main(["--quick"])
+    rows = load_example("batchnorm_digits").main(["--quick"])
     printed = capsys.readouterr().out
     assert "seed's averaging" in printed and "AccumBatchNorm" in printed
     large, *accumulated = rows

@@ -1,25 +1,14 @@
 """The contrastive digits example runs at its reduced size and shows what it claims."""
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
+from _examples import load_example
 
 pytestmark = pytest.mark.slow  # runs an example end to end
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "contrastive_digits.py"
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("contrastive_digits", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_quick_run(tmp_path, capsys):
-    out = _load_example().main(["--quick", "--plot", str(tmp_path / "plot.png")])
+    out = load_example("contrastive_digits").main(["--quick", "--plot", str(tmp_path / "plot.png")])
     printed = capsys.readouterr().out
     assert "coupled vs large batch" in printed and "probe acc" in printed
     # (a) coupled follows the large batch to float32 rounding on the same steps ...

@@ -1,21 +1,13 @@
 """Runs examples/delayed_gradients.py at its reduced size and checks what it reports."""
 
-import importlib.util
-import pathlib
-
 import pytest
+from _examples import load_example
 
 pytestmark = pytest.mark.slow  # runs an example end to end
 
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "delayed_gradients.py"
-
-
 def test_delayed_gradients_quick(capsys):
-    spec = importlib.util.spec_from_file_location("delayed_gradients", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    results = module.main(["--quick"])
+    results = load_example("delayed_gradients").main(["--quick"])
     out = capsys.readouterr().out
     assert "dropped as stale" in out
     # Delays produce stale gradients; a staleness allowance keeps more of them.

@@ -1,20 +1,14 @@
 """The main job (README's first command), at reduced size."""
 
-import pathlib
-import sys
-
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-
+from _examples import load_example
 
 pytestmark = pytest.mark.slow  # runs an example end to end
 
 
 @pytest.mark.slow  # four training runs, about 10 s of CPU time
 def test_digits_convnet_quick(tmp_path, capsys):
-    import digits_convnet  # at run time: the example imports its plotting and data libraries
-
+    digits_convnet = load_example("digits_convnet")
     plot = tmp_path / "curves.png"
     result = digits_convnet.main(["--quick", "--no-progress", "--plot", str(plot)])
     out = capsys.readouterr().out

@@ -1,27 +1,16 @@
 """The DP-SGD digits example runs at its reduced size and shows what it claims."""
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
+from _examples import load_example
 
 from gradaccum_jax import privacy
 
 pytestmark = pytest.mark.slow  # runs an example end to end
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "dp_digits.py"
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("dp_digits", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_quick_run(capsys):
-    out = _load_example().main(["--quick"])
+    out = load_example("dp_digits").main(["--quick"])
     printed = capsys.readouterr().out
     assert "epsilon = " in printed and "PLD accountant" in printed
     # Poisson logical batches: their sizes vary around B = 256.

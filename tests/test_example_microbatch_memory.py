@@ -1,22 +1,14 @@
 """Runs examples/microbatch_memory.py at its reduced size."""
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
+from _examples import load_example
 
 pytestmark = pytest.mark.slow  # runs an example end to end
 
 
-_PATH = pathlib.Path(__file__).parents[1] / "examples" / "microbatch_memory.py"
-
-
 def test_example_microbatch_memory(capsys):
-    spec = importlib.util.spec_from_file_location("microbatch_memory", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    result = module.main(["--small", "--steps", "3"])
+    result = load_example("microbatch_memory").main(["--small", "--steps", "3"])
     printed = capsys.readouterr().out
     assert "K=1: compiled temp bytes" in printed and "K=8: compiled temp bytes" in printed
     temp = result["temp_bytes"]

@@ -1,25 +1,14 @@
 """The MoE global-balancing example runs at its reduced size and shows what it claims."""
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
+from _examples import load_example
 
 pytestmark = pytest.mark.slow  # trains two models end to end (about 15 s)
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "moe_global_balancing.py"
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("moe_global_balancing", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_quick_run(capsys):
-    runs = _load_example().main(["--quick"])
+    runs = load_example("moe_global_balancing").main(["--quick"])
     printed = capsys.readouterr().out
     assert "expert load per domain" in printed and "specialisation" in printed
     local, whole = runs["per micro-batch"], runs["global batch"]

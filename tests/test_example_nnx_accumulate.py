@@ -1,17 +1,12 @@
 """The NNX example: nnx.Optimizer + accumulate, and NNXAccumBatchNorm, against the large batch."""
 
-import pathlib
-import sys
-
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from _examples import load_example
 
 
 @pytest.mark.slow  # five short training runs, about 6 s of CPU time
 def test_nnx_accumulate_matches_large_batch(capsys):
-    import nnx_accumulate  # at run time: the example imports its plotting and data libraries
-
+    nnx_accumulate = load_example("nnx_accumulate")
     result = nnx_accumulate.main(["--steps", "6", "--k", "3", "--micro-batch", "8"])
     assert "running statistics vs nnx.BatchNorm" in capsys.readouterr().out
     assert result["optimizer_steps"] == 6

@@ -1,24 +1,14 @@
 """Runs examples/shard_map_data_parallel.py at its reduced size."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from _examples import load_example
 
 pytestmark = pytest.mark.slow  # runs an example end to end
 
 
-def _load(name):
-    path = Path(__file__).parent.parent / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.requires("the example uses jax.lax.pcast, new in JAX 0.8.2", jax="0.8.2")
 def test_shard_map_example_matches_large_batch_without_per_step_all_reduce(capsys):
-    result = _load("shard_map_data_parallel").main(["--quick", "--k", "3"])
+    result = load_example("shard_map_data_parallel").main(["--quick", "--k", "3"])
     out = capsys.readouterr().out
     assert result["max_diff"] < 1e-5
     assert result["all_reduce_ops"] >= 1

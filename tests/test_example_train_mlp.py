@@ -1,19 +1,13 @@
 """The MLP example: accumulated training equals large-batch training."""
 
-import pathlib
-import sys
-
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-
+from _examples import load_example
 
 pytestmark = pytest.mark.slow  # runs an example end to end
 
 
 def test_train_mlp_matches_large_batch(capsys):
-    import train_mlp  # at run time: the example imports its plotting and data libraries
-
+    train_mlp = load_example("train_mlp")
     result = train_mlp.main(["--steps", "12", "--k", "3", "--micro-batch", "16"])
     out = capsys.readouterr().out
     assert "largest parameter difference" in out

@@ -1,29 +1,15 @@
 """Runs examples/transformer_lm.py at its reduced size and checks what it reports."""
 
-import importlib.util
-import pathlib
-import sys
-
 import numpy as np
 import pytest
+from _examples import load_example
 
 pytestmark = pytest.mark.slow  # runs an example end to end
 
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "transformer_lm.py"
-
-
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("example_transformer_lm", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    # Flax modules are dataclasses, which look their module up in sys.modules.
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+    return load_example("transformer_lm")
 
 
 def test_transformer_lm_quick_bfloat16(example, tmp_path, capsys):

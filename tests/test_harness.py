@@ -1,5 +1,7 @@
 """The measuring harness (benchmarks/harness.py) reads compiled HLO the way the tests rely on."""
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -130,3 +132,19 @@ def test_bytes_moved_takes_the_ordinary_branch_of_a_boolean_fallback():
     # read of g): the same total, at least the sums of squares (P) and the add (3 P).
     # (jax 0.8.1's compiler moves 6 P here, jax 0.10.2's 4 P.)
     assert hlo.bytes_moved(0) == hlo.bytes_moved(1) >= 4 * x.nbytes
+
+
+def test_benchmark_parser_is_every_benchmarks_command_line():
+    parser = harness.benchmark_parser("Times one thing.\n\nDetails.", reps="timed repetitions")
+    assert parser.description == "Times one thing."
+    assert vars(parser.parse_args([])) == {"quick": False, "reps": None}
+    assert vars(parser.parse_args(["--quick", "--reps", "5"])) == {"quick": True, "reps": 5}
+    plain = harness.benchmark_parser("Times another.", quick="small trees, one round")
+    assert vars(plain.parse_args(["--quick"])) == {"quick": True}
+    assert "small trees, one round" in plain.format_help()
+    # Every benchmark builds its command line here (run.py, the runner, has its own).
+    for script in sorted(pathlib.Path(harness.__file__).parent.glob("*.py")):
+        source = script.read_text()
+        if "def main(" in source and script.name != "run.py":
+            assert "harness.benchmark_parser(__doc__" in source, script.name
+            assert "argparse" not in source, script.name

@@ -1,7 +1,6 @@
 """Tests for gradaccum_jax.plan_microbatches and num_microbatches="auto"."""
 
 import ast
-import importlib.util
 import pathlib
 import re
 
@@ -9,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _examples import load_example
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -170,11 +170,7 @@ def test_docs_page_code_runs():
 
 @pytest.mark.slow
 def test_example_plan_microbatches(capsys):
-    path = pathlib.Path(__file__).parents[1] / "examples" / "plan_microbatches.py"
-    spec = importlib.util.spec_from_file_location("plan_microbatches", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    result = module.main([])
+    result = load_example("plan_microbatches").main([])
     printed = capsys.readouterr().out
     plan = result["plan"]
     assert "chosen K=" in printed and "peak MiB" in printed

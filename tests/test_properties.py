@@ -7,6 +7,8 @@ window lengths and schedules, and where NaN or Inf replace a gradient entry.
 References are written in float64 NumPy from the semantics in SPEC.md §3, §6
 and §7. Each property runs a few examples in the quick loop and many more
 under the `slow` marker; inputs that once found a bug stay as `@example`s.
+Every run draws the same examples (conftest.py's Hypothesis profile);
+`HYPOTHESIS_PROFILE=explore` draws new ones.
 
 The clipping family's properties live in tests/test_properties_clipping.py.
 """
@@ -17,6 +19,9 @@ import contextlib
 import dataclasses
 import functools
 import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +32,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import gradaccum_jax as ga
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 QUICK = settings(
     max_examples=4,
@@ -57,6 +64,35 @@ def quick_and_slow(*strategies: st.SearchStrategy, quick=None, examples=()):
         return fast, pytest.mark.slow(make(body, SLOW, strategies))
 
     return decorate
+
+
+@pytest.mark.parametrize(
+    ("environ", "reproduces"),
+    [
+        ({}, True),
+        ({"HYPOTHESIS_PROFILE": "explore"}, False),
+        ({"CI": "true", "HYPOTHESIS_PROFILE": "explore"}, True),
+    ],
+)
+def test_the_draws_are_the_same_on_every_run_unless_asked_to_explore(environ, reproduces):
+    # Issue 40, item 16: a fresh clone failed on a draw no earlier run had made. conftest.py
+    # derives the seed from each test (derandomize, no example database), in CI always;
+    # HYPOTHESIS_PROFILE=explore draws new examples, as README's Development section says.
+    code = (
+        "import conftest\n"
+        "from hypothesis import settings\n"
+        "print(settings.default.derandomize, settings.default.database is None)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "HYPOTHESIS_PROFILE")}
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env | environ,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert run.stdout.split() == [str(reproduces)] * 2, run.stdout
 
 
 # --- generators ---------------------------------------------------------------------------
@@ -490,23 +526,38 @@ def _microbatch_equals_the_full_batch(k, per_micro, features, dtype, seed):
     loss = np.mean(residual**2)
     grad_w = 2.0 * x.T @ residual / residual.size
     grad_b = 2.0 * residual.sum(0) / residual.size
+    # The same expressions on the absolute values of their terms: a computed result's error is
+    # at most γ_m = m·u/(1 - m·u) (u = eps/2) times these, in any order of summation, where m
+    # counts the roundings on the way (Higham, Accuracy and Stability of Numerical Algorithms,
+    # §3.1). The residual can cancel to far below its terms (and a gradient to far below its
+    # size), so no scale built from the results themselves bounds the error.
+    terms = np.abs(x) @ np.abs(w) + np.abs(b) + np.abs(y)
+    magnitude = {
+        "loss": np.mean(terms**2),
+        "w": 2.0 * np.abs(x).T @ terms / terms.size,
+        "b": 2.0 * terms.sum(0) / terms.size,
+    }
+    # Roundings on the path to a result, at most: the residual's, 2 for the inputs of a product
+    # x·w, 1 for it and features + 1 for the additions (features + 4; twice that and 1 in the
+    # loss's square); 3 for the cotangent 2·r/(2n), 2 for the product with a rounded x; 2n - 1
+    # additions over the residual's entries and k - 1 over the micro-batches; 2 for the scalings
+    # by 1/k. eps is 2u, so 2·m·eps is 4·m·u: γ_m for the result and γ_m for the float64
+    # reference's own rounding, with a factor 2 to spare.
+    m = 2 * (features + 4) + 2 * n + k + 4
+    eps = EPS[dtype]
+    tol = {name: 2 * m * eps * size for name, size in magnitude.items()}
     ours, full = _microbatched(k)
     with _x64(dtype):
         params = {"w": jnp.asarray(w, dtype), "b": jnp.asarray(b, dtype)}
         batch = {"x": jnp.asarray(x, dtype), "y": jnp.asarray(y, dtype)}
         value, grads = ours(params, batch)
         full_value, full_grads = full(params, batch)
-    eps = EPS[dtype] * 64
-    scale = np.mean(np.abs(residual)) * np.abs(x).max()
-    np.testing.assert_allclose(float(value), loss, rtol=eps)
-    np.testing.assert_allclose(float(value), float(full_value), rtol=eps)
-    for got, want in ((grads, full_grads), (grads, {"w": grad_w, "b": grad_b})):
-        for name in ("w", "b"):
-            np.testing.assert_allclose(
-                np.asarray(got[name], np.float64),
-                np.asarray(want[name], np.float64),
-                atol=eps * scale,
-            )
+    reference = {"loss": loss, "w": grad_w, "b": grad_b}
+    # Micro-batched and whole-batch results both lie within the bound of the exact values.
+    for got in ({"loss": value, **grads}, {"loss": full_value, **full_grads}):
+        for name, want in reference.items():
+            error = np.abs(np.asarray(got[name], np.float64) - want)
+            assert np.all(error <= tol[name]), (name, error, tol[name])
 
 
 (
@@ -518,4 +569,7 @@ def _microbatch_equals_the_full_batch(k, per_micro, features, dtype, seed):
     st.integers(1, 3),
     st.sampled_from(["float32", "float64"]),
     st.integers(0, 2**32 - 1),
+    # Issue 40: b's gradient 1.5e-7 relative off (one rounding of a residual that cancels)
+    # failed a tolerance of mean |residual| · max |x|, which sits far below it when |x| << 1.
+    examples=[(1, 1, 3, "float32", 29793)],
 )(_microbatch_equals_the_full_batch)
