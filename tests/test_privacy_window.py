@@ -529,6 +529,69 @@ def test_a_window_after_it_or_before_it_is_refused(order):
         jax.jit(tx.update)(params, tx.init(params))
 
 
+DP_NAME = r"gradaccum_jax\.privacy\.dp_accumulate"
+KEEPS_DP = r"ga\.privacy\.dp_accumulate\(optax\.chain\(\.\.\., <what follows>\), K, l2_clip_norm=C"
+WINDOWS_AFTER_DP = {
+    "accumulate": (
+        lambda: ga.accumulate(optax.sgd(1.0), 2),
+        r"gradaccum_jax\.accumulate",
+        KEEPS_DP,
+    ),
+    "dp_accumulate": (lambda: _dp(2), DP_NAME, KEEPS_DP),
+    "MultiSteps": (
+        lambda: optax.MultiSteps(optax.sgd(1.0), 2).gradient_transformation(),
+        r"optax\.MultiSteps",
+        KEEPS_DP,
+    ),
+    "apply_every": (
+        lambda: optax.apply_every(2),
+        r"optax\.apply_every",
+        r"ga\.privacy\.dp_accumulate\(inner, K \* N, .*expected_batch_size=B \* N",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWS_AFTER_DP))
+def test_a_window_after_it_is_refused_at_update_naming_dp_accumulate_and_keeping_it(name):
+    # Issue 40, item 8: the error names dp_accumulate first, and its fix keeps the privacy.
+    second, second_name, fix = WINDOWS_AFTER_DP[name]
+    tx = optax.chain(_dp(2), second())
+    params = {"w": jnp.zeros(2)}
+    message = rf"Two windows in a row: {second_name} comes after {DP_NAME}.*{fix}"
+    with pytest.raises(ValueError, match=message) as info:
+        jax.jit(tx.update)(params, tx.init(params), params)
+    assert "ga.accumulate(" not in str(info.value)
+    with pytest.raises(ValueError, match=message):
+        ga.apply_gradients(tx, params, tx.init(params), params)
+    with pytest.raises(ValueError, match=message):
+        ga.optimizer_step(tx.init(params))
+
+
+def test_a_window_given_its_output_by_hand_names_dp_accumulate():
+    # No chain composes the two: the second window recognises the first one's output.
+    first, second = _dp(2), ga.accumulate(optax.sgd(1.0), 2)
+    params = {"w": jnp.zeros(2)}
+
+    def step(grads, states):
+        updates, _ = first.update(grads, states[0], params)
+        return second.update(updates, states[1], params)
+
+    with pytest.raises(ValueError, match=rf"gradaccum_jax\.accumulate comes after {DP_NAME}"):
+        jax.jit(step)(params, (first.init(params), second.init(params)))
+
+
+def test_weight_decay_after_it_is_refused_naming_the_place_inside_it():
+    params = {"w": jnp.ones(2)}
+    tx = optax.chain(_dp(2), optax.add_decayed_weights(0.1))
+    with pytest.raises(
+        ValueError,
+        match=r"optax\.add_decayed_weights\(\.\.\.\) comes after "
+        + DP_NAME
+        + r".*ga\.privacy\.dp_accumulate\(optax\.chain\(\.\.\., optax\.add_decayed_weights",
+    ):
+        jax.jit(tx.update)(params, tx.init(params), params)
+
+
 def test_a_stateful_element_after_it_is_refused_naming_dp_accumulate():
     # What follows the window runs on its zeros between closes (issue 34, item 3).
     params = {"w": jnp.ones(2)}

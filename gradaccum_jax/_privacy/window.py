@@ -104,14 +104,14 @@ class DPAccumulateState(_DPAccumulateFields):
 
 # What follows dp_accumulate in a chain runs on every micro-step, on its zeros too:
 # the placement checks name this window, and its own factory, in their errors.
-placement.register_window(
-    DPAccumulateState,
-    placement.Window(
-        "gradaccum_jax.privacy.dp_accumulate",
-        "ga.privacy.dp_accumulate(optax.chain(..., {element}), K, l2_clip_norm=C, "
-        "noise_multiplier=sigma, expected_batch_size=B, key=key)",
-    ),
+_WINDOW = placement.Window(
+    "gradaccum_jax.privacy.dp_accumulate",
+    "ga.privacy.dp_accumulate(optax.chain(..., {element}), K, l2_clip_norm=C, "
+    "noise_multiplier=sigma, expected_batch_size=B, key=key)",
+    "ga.privacy.dp_accumulate(inner, K * N, l2_clip_norm=C, noise_multiplier=sigma, "
+    "expected_batch_size=B * N, key=key)",
 )
+placement.register_window(DPAccumulateState, _WINDOW)
 
 
 # --- the clip norm the sums were clipped to --------------------------------------------
@@ -362,8 +362,10 @@ def dp_accumulate(
     params, non-finite, visibly.
 
     Refused with an error that names the fix: `weight=`, `use_grad_mean`,
-    `skip_nonfinite`, `should_skip_update_fn` (see the privacy guide); another
-    `accumulate` or `dp_accumulate` right after it in a chain (at `update`);
+    `skip_nonfinite`, `should_skip_update_fn` (see the privacy guide); a window
+    after it in an optax chain (`accumulate`, `dp_accumulate`, `optax.apply_every`,
+    `optax.MultiSteps`, at `update`), and elements after it that keep state or do
+    not map zero updates to zero (`optax.add_decayed_weights`);
     a window around it (`accumulate` at `init`, `optax.MultiSteps` where a
     state reader sees it); sums marked by `clipped_grad` with another
     `l2_clip_norm`. `gradaccum_jax.optimizer_step`, `closes_window` and
@@ -471,6 +473,7 @@ def dp_accumulate(
         micro_batch_size=None,
         refuse=_refuse_route,
         state_type=CallerClosedAccumulateState if by_caller else AccumulateState,
+        window=_WINDOW,
     )
 
     def init_fn(params: optax.Params) -> DPAccumulateState:
