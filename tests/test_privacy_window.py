@@ -654,6 +654,60 @@ def test_clipped_grad_with_another_norm_in_the_same_trace_is_refused():
             jax.jit(step)(params, state, batch)
 
 
+def test_a_fractional_expected_batch_size_divides_the_sum():
+    # Issue 40, item 10: under Poisson sampling B = q * N need not be an integer.
+    b = 0.01 * 1250  # 12.5
+    tx = _dp(2, sigma=0.0, b=b, inner=optax.sgd(1.0))
+    params = {"w": jnp.zeros(3)}
+    state = tx.init(params)
+    sums = [np.array([1.0, -2.0, 0.25]), np.array([3.0, 0.5, -1.0])]
+    for s in sums:
+        updates, state = jax.jit(tx.update)({"w": jnp.asarray(s, jnp.float32)}, state, params)
+    want = -(sums[0] + sums[1]) / b
+    np.testing.assert_allclose(updates["w"], want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("b", "error", "match"),
+    [
+        (0.0, ValueError, "expected_batch_size must be finite and > 0"),
+        (-3, ValueError, "expected_batch_size must be finite and > 0"),
+        (float("nan"), ValueError, "expected_batch_size must be finite"),
+        (float("inf"), ValueError, "expected_batch_size must be finite"),
+        ("8", TypeError, "expected_batch_size must be a real number"),
+        (True, TypeError, "expected_batch_size must be a real number"),
+    ],
+)
+def test_a_bad_expected_batch_size_is_refused(b, error, match):
+    with pytest.raises(error, match=match):
+        _dp(2, b=b)
+
+
+def test_init_takes_shape_dtype_structs_eagerly_as_under_jit():
+    # Issue 40, item 13: a state built from abstract params, without materialising them.
+    from jax.sharding import NamedSharding
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    sharded = NamedSharding(mesh, P("data"))
+    abstract = {
+        "w": jax.ShapeDtypeStruct((16,), jnp.float32, sharding=sharded),
+        "b": jax.ShapeDtypeStruct((3,), jnp.bfloat16),
+    }
+    concrete = {"w": jnp.zeros(16, jnp.float32), "b": jnp.zeros(3, jnp.bfloat16)}
+    tx = _dp(2, inner=optax.adam(1.0))
+    eager = tx.init(abstract)
+    with jax.set_mesh(mesh):
+        jitted = jax.jit(tx.init)(abstract)
+    for want in (tx.init(concrete), jitted):
+        assert jax.tree.structure(eager) == jax.tree.structure(want)
+        for got, ref in zip(jax.tree.leaves(eager), jax.tree.leaves(want), strict=True):
+            assert got.dtype == ref.dtype
+            np.testing.assert_array_equal(got, ref)
+    assert eager.window.acc_grads["w"].sharding == sharded
+    assert eager.window.acc_grads["b"].dtype == jnp.float32  # bfloat16 summed in float32
+    assert jax.tree.structure(jax.eval_shape(tx.init, abstract)) == jax.tree.structure(eager)
+
+
 def test_bad_arguments_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="noise_multiplier= and key="):
         privacy.dp_accumulate(optax.sgd(1.0), 2, l2_clip_norm=1.0, expected_batch_size=4)
