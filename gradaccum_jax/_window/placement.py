@@ -34,7 +34,7 @@ import sys
 import types
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -131,6 +131,12 @@ def _scale_after_window(first: str) -> ValueError:
     )
 
 
+_RULE = (
+    "After a window only elements that map zero updates to zero updates and hold no state "
+    "are right (optax.scale with a constant, clip_by_global_norm, clip)."
+)
+
+
 def _state_after_window(window: Window, element: str) -> ValueError:
     return ValueError(
         f"In the optimizer's chain, {element} comes after {window.name} and keeps state. "
@@ -141,12 +147,6 @@ def _state_after_window(window: Window, element: str) -> ValueError:
         + window.inside.format(element=element)
         + "."
     )
-
-
-_RULE = (
-    "After a window only elements that map zero updates to zero updates and hold no state "
-    "are right (optax.scale with a constant, clip_by_global_norm, clip)."
-)
 
 
 def _not_zero_after_window(window: Window, element: str, what: str) -> ValueError:
@@ -342,16 +342,15 @@ def _check_frame(kind: str, local: Any) -> None:
     if state is None:
         return
     check_state(state)
-    if kind == "chain":
-        functions, states = local.get("update_fns"), state
-    elif kind == "named_chain":
+    functions, states = None, None
+    if kind == "chain" and isinstance(state, tuple | list):
+        functions, states = local.get("update_fns"), list(state)
+    elif kind == "named_chain" and isinstance(state, Mapping):
         transforms = local.get("transforms") or ()
         functions = [transform.update for _, transform in transforms]
         states = [state.get(name) for name, _ in transforms]
-    else:
-        return
-    if functions is not None and len(functions) == len(states):
-        refuse_not_zero_after_window(list(states), list(functions))
+    if functions is not None and states is not None and len(functions) == len(states):
+        refuse_not_zero_after_window(states, list(functions))
 
 
 # The optax elements that hold no state but do not map zero updates to zero, each with
@@ -391,6 +390,9 @@ def _not_zero_codes() -> dict[types.CodeType, tuple[str, str]]:
     return codes
 
 
+_SEARCHED = (types.FunctionType, functools.partial, tuple, list, dict)
+
+
 def _not_zero_on_zeros(node: Any, seen: set[int], depth: int = 0) -> tuple[str, str] | None:
     """The element of `_NOT_ZERO_ON_ZEROS` that `node` (an update function, an element)
     runs, if any, as `(name, what it returns on zeros)`.
@@ -415,6 +417,8 @@ def _not_zero_on_zeros(node: Any, seen: set[int], depth: int = 0) -> tuple[str, 
     else:
         return None
     for child in children:
+        if not isinstance(child, _SEARCHED):
+            continue  # numbers, arrays, masks' booleans: no element in them
         found = _not_zero_on_zeros(child, seen, depth + 1)
         if found:
             return found
