@@ -333,6 +333,14 @@ def test_eval_shape_init_matches_init():
     chex.assert_trees_all_equal_shapes_and_dtypes(abstract, tx.init(params))
 
 
+def test_init_on_shape_dtype_structs_eagerly_equals_init():
+    # As optax's own init: a state built from abstract params, outside jit too.
+    params = _init_params()
+    tx = ga.accumulate(optax.adam(1e-2), 4)
+    eager = tx.init(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params))
+    chex.assert_trees_all_equal(eager, tx.init(params), strict=True)
+
+
 def test_donated_step_matches_undonated():
     params = _init_params()
     tx = ga.accumulate(optax.adam(1e-2), 2)

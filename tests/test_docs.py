@@ -228,7 +228,9 @@ def test_the_first_commands_say_how_long_the_suite_takes_and_offer_the_quick_loo
 
 @pytest.mark.slow
 def test_multisteps_matches_the_large_batch_as_the_readme_says():
-    # The README's features table: optax.MultiSteps equals the large batch to round-off.
+    # The README's features table: optax.MultiSteps equals the large batch to round-off,
+    # params within 3e-8 after 5 Adam windows of 4 (measured: w exact, b 1.1e-8 off, 6 ulps
+    # of its 0.026, with XLA's defaults and with the suite's flags alike).
     k, windows = 4, 5
     key_x, key_y = jax.random.split(jax.random.key(1))
     x = jax.random.normal(key_x, (windows * k, 8, 3))
@@ -238,7 +240,8 @@ def test_multisteps_matches_the_large_batch_as_the_readme_says():
     big = _train(optax.adam(1e-2), params, windowed)
     multisteps = optax.MultiSteps(optax.adam(1e-2), k).gradient_transformation()
     got = _train(multisteps, params, zip(x, y, strict=True))
-    np.testing.assert_allclose(got["w"], big["w"], rtol=1e-5, atol=1e-7)
+    for name in params:
+        np.testing.assert_allclose(got[name], big[name], rtol=0, atol=3e-8)
 
 
 # --- reStructuredText in the rendered site ------------------------------------------------

@@ -142,6 +142,8 @@ def test_schedule_of_an_outer_inject_hyperparams_is_refused():
     tx = _outer(optax.linear_schedule(1.0, 0.0, 4))
     with pytest.raises(ValueError, match=SCHEDULE_INSIDE):
         _fused_steps(tx, ONES, 1)
+    with pytest.raises(ValueError, match=SCHEDULE_INSIDE):
+        _optax_steps(tx, ONES, 1)  # tx.update: accumulate's update sees the frame around it
     state = tx.init(PARAMS)
     for read in (ga.optimizer_step, ga.closes_window, ga.has_updated):
         with pytest.raises(ValueError, match=SCHEDULE_INSIDE):
@@ -209,6 +211,13 @@ def test_window_after_accumulate_is_refused_by_apply_gradients_and_the_readers(n
         ga.optimizer_step(tx.init(PARAMS))
 
 
+@pytest.mark.parametrize("name", sorted(WINDOW_AFTER))
+def test_any_window_after_accumulate_is_refused_by_update(name):
+    # Issue 40, item 8: the chain's frame shows optax's windows too (apply_every, MultiSteps).
+    with pytest.raises(ValueError, match=TWO_WINDOWS):
+        _optax_steps(WINDOW_AFTER[name](), ONES, 1)
+
+
 def test_apply_every_after_accumulate_names_the_longer_window():
     tx = optax.chain(_acc(), optax.apply_every(2))
     with pytest.raises(ValueError, match=r"ga\.accumulate\(inner, K \* N\)"):
@@ -218,7 +227,8 @@ def test_apply_every_after_accumulate_names_the_longer_window():
 def test_one_window_and_parallel_windows_are_not_refused():
     # A window of windows inside accumulate, and windows side by side, are not in a row.
     nested = ga.accumulate(optax.chain(ga.accumulate(optax.sgd(1.0), 2), optax.identity()), 2)
-    _optax_steps(optax.chain(optax.apply_every(1), nested), ONES, 4)
+    params, _ = _optax_steps(nested, ONES, 4)  # the inner window closes after 2 outer ones
+    np.testing.assert_array_equal(params["w"], [-1.0, -1.0])
     tx = optax.multi_transform({"a": _acc(), "b": _acc(4)}, {"u": "a", "v": "b"})
     params = {"u": jnp.zeros(1), "v": jnp.zeros(1)}
     state = tx.init(params)
@@ -302,6 +312,24 @@ def test_stateful_element_after_accumulate_is_refused_naming_the_place_inside(na
         for read in (ga.optimizer_step, ga.closes_window, ga.has_updated):
             with pytest.raises(ValueError, match=inside):
                 read(state)
+
+
+@pytest.mark.parametrize("name", sorted(STATEFUL_AFTER))
+def test_stateful_element_after_accumulate_is_refused_by_update(name):
+    after, element = STATEFUL_AFTER[name]
+    tx = optax.chain(_acc(4), after())
+    with pytest.raises(
+        ValueError, match=element + r" comes after.*" + STATE_INSIDE.format(element)
+    ):
+        _scalar_steps(tx, 1, step=jax.jit(_optax_step(tx)))
+
+
+def _optax_step(tx):
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
 
 
 def test_schedule_after_accumulate_is_refused_and_inside_gives_the_large_batch_step():
@@ -419,3 +447,210 @@ def test_a_window_registered_from_above_gets_the_same_checks():
     with pytest.raises(ValueError, match=TWO_WINDOWS):
         ga.optimizer_step((outside, _acc().init(PARAMS)))
     placement.check_state((adam, outside))  # before the window: per micro-step, as meant
+
+
+# ---------------------------------------------------------------------------
+# Issue 40, item 9: an element after the window that does not map zeros to zeros.
+
+DECAY = r"optax\.add_decayed_weights\(\.\.\.\)"
+NONNEGATIVE = r"optax\.keep_params_nonnegative\(\)"
+NOT_ZERO_AFTER = {
+    "add_decayed_weights": (lambda: optax.add_decayed_weights(0.1), DECAY),
+    "add_decayed_weights_mask": (lambda: optax.add_decayed_weights(0.1, mask={"w": True}), DECAY),
+    "keep_params_nonnegative": (optax.keep_params_nonnegative, NONNEGATIVE),
+    "masked_nonnegative": (
+        lambda: optax.masked(optax.keep_params_nonnegative(), {"w": True}),
+        NONNEGATIVE,
+    ),
+    "injected_decay": (
+        lambda: optax.inject_hyperparams(optax.add_decayed_weights)(weight_decay=0.1),
+        DECAY,
+    ),
+    "fromage": (lambda: optax.fromage(0.1), DECAY),  # decays inside its own chain
+    "multi_transform_decay": (
+        lambda: optax.multi_transform({"d": optax.add_decayed_weights(0.1)}, {"w": "d"}),
+        DECAY,
+    ),
+    "contrib_normalize": (optax.contrib.normalize, r"optax\.contrib\.normalize\(\)"),
+}
+
+
+def _nnx_update(tx, optimizer_type):
+    from flax import nnx
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = optimizer_type(model, tx, wrt=nnx.Param)
+    optimizer.update(model, nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model))
+
+
+def _train_state_update(tx):
+    from gradaccum_jax.flax import TrainState
+
+    state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
+    state.apply_gradients(grads={"w": jnp.ones(2)})
+
+
+@pytest.mark.parametrize("name", sorted(NOT_ZERO_AFTER))
+def test_element_not_zero_on_zeros_after_accumulate_is_refused_naming_the_place_inside(name):
+    after, element = NOT_ZERO_AFTER[name]
+    message = element + r" comes after gradaccum_jax\.accumulate and does not map zero updates"
+    inside = STATE_INSIDE.format(element)
+    for tx in (
+        optax.chain(_acc(4), after()),
+        optax.named_chain(("acc", _acc(4)), ("after", after())),
+        optax.chain(optax.chain(optax.clip(5.0), _acc(4)), optax.scale(1.0), after()),
+    ):
+        with pytest.raises(ValueError, match=message + ".*" + inside):
+            _scalar_steps(tx, 1, step=jax.jit(_optax_step(tx)))  # tx.update
+        with pytest.raises(ValueError, match=message):
+            _scalar_steps(tx, 1)  # apply_gradients
+    with pytest.raises(ValueError, match=message):
+        _train_state_update(optax.chain(_acc(4), after()))
+    # Its state is empty, as optax.scale's: the state readers cannot tell (accumulate.md).
+    assert int(ga.optimizer_step(optax.chain(_acc(4), after()).init(PARAMS))) == 0
+
+
+def test_weight_decay_after_accumulate_is_refused_by_the_nnx_optimizers():
+    from flax import nnx
+
+    from gradaccum_jax.flax import Optimizer
+
+    message = DECAY + r" comes after gradaccum_jax\.accumulate.*" + STATE_INSIDE.format(DECAY)
+    for optimizer_type in (Optimizer, nnx.Optimizer):  # ours, and Flax's own tx.update
+        with pytest.raises(ValueError, match=message):
+            _nnx_update(optax.chain(_acc(4), optax.add_decayed_weights(0.1)), optimizer_type)
+
+
+def test_element_not_zero_on_zeros_after_other_windows_is_refused():
+    decay = optax.add_decayed_weights(0.1)
+    conditional = optax.chain(ga.conditional_accumulate(optax.sgd(1.0), 2), decay)
+    with pytest.raises(ValueError, match=DECAY + r" comes after gradaccum_jax\.conditional"):
+        ga.apply_gradients(conditional, ONES, conditional.init(PARAMS), PARAMS, local_step=0)
+    split = optax.chain(ga.split_accumulate(2), decay)
+    with pytest.raises(ValueError, match=DECAY + r" comes after gradaccum_jax\.split_accumulate"):
+        jax.jit(split.update)(ONES, split.init(PARAMS), PARAMS)
+    # Before a window it acts on every micro-gradient, which is what the chain says: allowed.
+    before = optax.chain(decay, _acc(2))
+    jax.jit(before.update)(ONES, before.init(PARAMS), PARAMS)
+
+
+def test_weight_decay_inside_the_window_moves_the_params_once_per_window():
+    # The issue's example: w = 1, gradient 0.5, decay 0.1, K = 4. After the window the
+    # params moved on micro-steps 1-3 (0.1, 0.11, 0.121 of decay); inside, only at the
+    # close, by one large-batch step of chain(decay, sgd) on the window's mean gradient.
+    k, lr, wd = 4, 0.5, 0.1
+    grads = [jnp.full((), g) for g in (0.5, 0.25, -1.0, 2.0, 1.0, 0.0, 0.5, 0.75)]
+    tx = ga.accumulate(optax.chain(optax.add_decayed_weights(wd), optax.sgd(lr)), k)
+    for step in (
+        jax.jit(lambda p, s, g: ga.apply_gradients(tx, g, s, p)),
+        jax.jit(_optax_step(tx)),
+    ):
+        params, state = {"w": jnp.ones(())}, tx.init({"w": jnp.ones(())})
+        want = 1.0
+        for i, g in enumerate(grads):
+            before = params["w"]
+            params, state = step(params, state, {"w": g})
+            if (i + 1) % k:
+                assert params["w"] == before  # a micro-step: nothing moves
+            else:
+                mean = float(np.mean([float(x) for x in grads[i + 1 - k : i + 1]]))
+                want = want - lr * (mean + wd * want)
+                np.testing.assert_allclose(params["w"], want, rtol=1e-6)
+
+
+def _probe_arguments(function, numeric_defaults):
+    """0.5 for every required argument (and numeric default, if asked): None if unsure."""
+    import inspect
+
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    arguments = {}
+    for parameter in signature.parameters.values():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        default = parameter.default
+        numeric = isinstance(default, int | float) and not isinstance(default, bool)
+        if default is parameter.empty or (numeric_defaults and numeric):
+            arguments[parameter.name] = 0.5
+    return arguments
+
+
+def _stateless_elements():
+    """Every element of optax's namespaces (and ours) that builds with numbers for its
+    arguments and holds no state: name -> element, twice where a numeric default such as
+    add_decayed_weights' weight_decay=0.0 hides what it does."""
+    import inspect
+    import warnings
+
+    params = {"w": jnp.ones(2)}
+    found = {}
+    for module in (optax, optax.contrib, optax.transforms, ga):
+        names = getattr(module, "__all__", None) or [n for n in dir(module) if n[0] != "_"]
+        for name in sorted(names):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # deprecated names
+                function = getattr(module, name)
+            if inspect.isclass(function) or not callable(function):
+                continue
+            for numeric_defaults in (False, True):
+                arguments = _probe_arguments(function, numeric_defaults)
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        element = function(**arguments)
+                        if not isinstance(element, optax.GradientTransformation):
+                            break
+                        if jax.tree.leaves(element.init(params)):
+                            break  # stateful: refused from the state (above)
+                except Exception:  # needs a schedule, a function, a transformation...
+                    continue
+                found[f"{module.__name__}.{name}{'(0.5, ...)' if numeric_defaults else ''}"] = (
+                    element
+                )
+    return found
+
+
+def test_every_stateless_element_after_a_window_either_keeps_the_zeros_or_is_refused():
+    # The list of elements that do not map zeros to zeros is checked complete here: each
+    # stateless element of optax and gradaccum_jax runs on zero updates with params of both
+    # signs; what returns non-zeros must be refused after a window, and the rest must
+    # pass the window's zeros through unchanged (and not be refused).
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32), "b": jnp.array([-1.0, 2.0])}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    refused, kept = set(), set()
+    for name, element in _stateless_elements().items():
+        try:
+            on_zeros, _ = element.update(zeros, element.init(params), params)
+        except Exception:  # needs extra arguments (value=...)
+            continue
+        not_zero = any(bool(jnp.any(x != 0)) for x in jax.tree.leaves(on_zeros))
+        if name.startswith("gradaccum_jax.clamp_params"):
+            # A projection into its box, the documented last element after split_accumulate
+            # (which has no inner transformation to hold it): it moves only params outside
+            # the box, once, and keeps the zeros of params inside it.
+            assert not_zero
+            continue
+        if name.endswith("add_decayed_weights"):
+            # Its default weight_decay=0.0 keeps the zeros; refused by its code all the same.
+            assert not not_zero
+            continue
+        tx = optax.chain(_acc(4), element)
+        if not_zero:
+            with pytest.raises(ValueError, match="does not map zero updates to zero"):
+                tx.update(zeros, tx.init(params), params)
+            refused.add(name)
+        else:
+            updates, _ = tx.update(params, tx.init(params), params)  # a micro-step
+            assert all(not bool(jnp.any(x != 0)) for x in jax.tree.leaves(updates)), name
+            kept.add(name)
+    assert {
+        "optax.add_decayed_weights(0.5, ...)",
+        "optax.keep_params_nonnegative",
+        "optax.fromage",
+        "optax.contrib.normalize",
+    } <= refused
+    assert {"optax.scale", "optax.clip_by_global_norm", "optax.scale_by_trust_ratio"} <= kept
+    assert len(kept) >= 15

@@ -529,6 +529,69 @@ def test_a_window_after_it_or_before_it_is_refused(order):
         jax.jit(tx.update)(params, tx.init(params))
 
 
+DP_NAME = r"gradaccum_jax\.privacy\.dp_accumulate"
+KEEPS_DP = r"ga\.privacy\.dp_accumulate\(optax\.chain\(\.\.\., <what follows>\), K, l2_clip_norm=C"
+WINDOWS_AFTER_DP = {
+    "accumulate": (
+        lambda: ga.accumulate(optax.sgd(1.0), 2),
+        r"gradaccum_jax\.accumulate",
+        KEEPS_DP,
+    ),
+    "dp_accumulate": (lambda: _dp(2), DP_NAME, KEEPS_DP),
+    "MultiSteps": (
+        lambda: optax.MultiSteps(optax.sgd(1.0), 2).gradient_transformation(),
+        r"optax\.MultiSteps",
+        KEEPS_DP,
+    ),
+    "apply_every": (
+        lambda: optax.apply_every(2),
+        r"optax\.apply_every",
+        r"ga\.privacy\.dp_accumulate\(inner, K \* N, .*expected_batch_size=B \* N",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWS_AFTER_DP))
+def test_a_window_after_it_is_refused_at_update_naming_dp_accumulate_and_keeping_it(name):
+    # Issue 40, item 8: the error names dp_accumulate first, and its fix keeps the privacy.
+    second, second_name, fix = WINDOWS_AFTER_DP[name]
+    tx = optax.chain(_dp(2), second())
+    params = {"w": jnp.zeros(2)}
+    message = rf"Two windows in a row: {second_name} comes after {DP_NAME}.*{fix}"
+    with pytest.raises(ValueError, match=message) as info:
+        jax.jit(tx.update)(params, tx.init(params), params)
+    assert "ga.accumulate(" not in str(info.value)
+    with pytest.raises(ValueError, match=message):
+        ga.apply_gradients(tx, params, tx.init(params), params)
+    with pytest.raises(ValueError, match=message):
+        ga.optimizer_step(tx.init(params))
+
+
+def test_a_window_given_its_output_by_hand_names_dp_accumulate():
+    # No chain composes the two: the second window recognises the first one's output.
+    first, second = _dp(2), ga.accumulate(optax.sgd(1.0), 2)
+    params = {"w": jnp.zeros(2)}
+
+    def step(grads, states):
+        updates, _ = first.update(grads, states[0], params)
+        return second.update(updates, states[1], params)
+
+    with pytest.raises(ValueError, match=rf"gradaccum_jax\.accumulate comes after {DP_NAME}"):
+        jax.jit(step)(params, (first.init(params), second.init(params)))
+
+
+def test_weight_decay_after_it_is_refused_naming_the_place_inside_it():
+    params = {"w": jnp.ones(2)}
+    tx = optax.chain(_dp(2), optax.add_decayed_weights(0.1))
+    with pytest.raises(
+        ValueError,
+        match=r"optax\.add_decayed_weights\(\.\.\.\) comes after "
+        + DP_NAME
+        + r".*ga\.privacy\.dp_accumulate\(optax\.chain\(\.\.\., optax\.add_decayed_weights",
+    ):
+        jax.jit(tx.update)(params, tx.init(params), params)
+
+
 def test_a_stateful_element_after_it_is_refused_naming_dp_accumulate():
     # What follows the window runs on its zeros between closes (issue 34, item 3).
     params = {"w": jnp.ones(2)}
@@ -589,6 +652,60 @@ def test_clipped_grad_with_another_norm_in_the_same_trace_is_refused():
                 jax.jit(step)(params, state, batch)
         else:
             jax.jit(step)(params, state, batch)
+
+
+def test_a_fractional_expected_batch_size_divides_the_sum():
+    # Issue 40, item 10: under Poisson sampling B = q * N need not be an integer.
+    b = 0.01 * 1250  # 12.5
+    tx = _dp(2, sigma=0.0, b=b, inner=optax.sgd(1.0))
+    params = {"w": jnp.zeros(3)}
+    state = tx.init(params)
+    sums = [np.array([1.0, -2.0, 0.25]), np.array([3.0, 0.5, -1.0])]
+    for s in sums:
+        updates, state = jax.jit(tx.update)({"w": jnp.asarray(s, jnp.float32)}, state, params)
+    want = -(sums[0] + sums[1]) / b
+    np.testing.assert_allclose(updates["w"], want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("b", "error", "match"),
+    [
+        (0.0, ValueError, "expected_batch_size must be finite and > 0"),
+        (-3, ValueError, "expected_batch_size must be finite and > 0"),
+        (float("nan"), ValueError, "expected_batch_size must be finite"),
+        (float("inf"), ValueError, "expected_batch_size must be finite"),
+        ("8", TypeError, "expected_batch_size must be a real number"),
+        (True, TypeError, "expected_batch_size must be a real number"),
+    ],
+)
+def test_a_bad_expected_batch_size_is_refused(b, error, match):
+    with pytest.raises(error, match=match):
+        _dp(2, b=b)
+
+
+def test_init_takes_shape_dtype_structs_eagerly_as_under_jit():
+    # Issue 40, item 13: a state built from abstract params, without materialising them.
+    from jax.sharding import NamedSharding
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    sharded = NamedSharding(mesh, P("data"))
+    abstract = {
+        "w": jax.ShapeDtypeStruct((16,), jnp.float32, sharding=sharded),
+        "b": jax.ShapeDtypeStruct((3,), jnp.bfloat16),
+    }
+    concrete = {"w": jnp.zeros(16, jnp.float32), "b": jnp.zeros(3, jnp.bfloat16)}
+    tx = _dp(2, inner=optax.adam(1.0))
+    eager = tx.init(abstract)
+    with jax.set_mesh(mesh):
+        jitted = jax.jit(tx.init)(abstract)
+    for want in (tx.init(concrete), jitted):
+        assert jax.tree.structure(eager) == jax.tree.structure(want)
+        for got, ref in zip(jax.tree.leaves(eager), jax.tree.leaves(want), strict=True):
+            assert got.dtype == ref.dtype
+            np.testing.assert_array_equal(got, ref)
+    assert eager.window.acc_grads["w"].sharding == sharded
+    assert eager.window.acc_grads["b"].dtype == jnp.float32  # bfloat16 summed in float32
+    assert jax.tree.structure(jax.eval_shape(tx.init, abstract)) == jax.tree.structure(eager)
 
 
 def test_bad_arguments_are_refused_with_the_fix():

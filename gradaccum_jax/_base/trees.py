@@ -126,8 +126,14 @@ def all_finite_by_squares(tree: Any) -> jax.Array:
 
 
 def as_arrays(tree: Any) -> Any:
-    """`tree` with Python scalars turned into arrays, as optax's own transforms accept them."""
-    return jax.tree.map(jnp.asarray, tree)
+    """`tree` with Python scalars turned into arrays, as optax's own transforms accept them.
+
+    `jax.ShapeDtypeStruct` leaves stay as they are: `init` on abstract params (to
+    build a state without materialising the params) needs only shapes and dtypes.
+    """
+    return jax.tree.map(
+        lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else jnp.asarray(x), tree
+    )
 
 
 def accumulator_dtype(leaf: Any, requested: Any) -> jnp.dtype:
@@ -163,7 +169,7 @@ def zeros(params: Any, requested: Any) -> Any:
     def leaf_zeros(p):
         dtype = accumulator_dtype(p, requested)
         if isinstance(p, jax.ShapeDtypeStruct):
-            return jnp.zeros(p.shape, dtype)
+            return jnp.zeros(p.shape, dtype, device=p.sharding)
         # zeros_like keeps each param's sharding (explicit mesh axes, or the
         # varying axes under shard_map), so the accumulator shards like it.
         return jnp.zeros_like(p, dtype)

@@ -8,7 +8,12 @@ without it.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from gradaccum_jax._base import validation
 
@@ -24,6 +29,7 @@ def epsilon(
     *,
     sampling: str,
     accountant: str = "pld",
+    orders: Sequence[float] | None = None,
 ) -> float:
     r"""The epsilon spent by DP-SGD after `steps` logical batches, from dp_accounting.
 
@@ -63,13 +69,25 @@ def epsilon(
         accountant: `"pld"` (privacy loss distributions, the tighter bound) or
             `"rdp"` (Rényi DP, looser: 13% more epsilon at the numbers above).
             Say which one a reported epsilon comes from.
+        orders: The Rényi orders at which the `"rdp"` accountant bounds the
+            privacy loss (each `> 1`); epsilon is the least bound over them, so
+            every grid gives a valid bound and a finer one a tighter bound.
+            `None` (default) uses dp_accounting's default orders: 1.1 to 10.9 in
+            steps of 0.1, the integers 11 to 63, and 128, 256, 512, 1024.
+            jax_privacy's accountant uses its own grid
+            (`RdpAccountantConfig().orders`): pass it to reproduce its epsilon.
+            Refused with `accountant="pld"`, which has no orders.
 
     Returns:
         Epsilon, a Python float (`inf` if no finite bound holds).
 
     Raises:
         ImportError: If dp_accounting is not installed.
-        TypeError, ValueError: If an argument is out of range (the message names it).
+        TypeError, ValueError: If an argument is out of range, or traced (inside
+            `jax.jit`: epsilon is computed in Python); the message names it.
+
+    The numbers may be Python or NumPy numbers or concrete JAX scalars, such
+    as `gradaccum_jax.optimizer_step(opt_state)` for `steps`.
 
     Examples:
         >>> from gradaccum_jax import privacy
@@ -86,20 +104,28 @@ def epsilon(
         Approximations of Privacy Loss Distributions",
         https://arxiv.org/abs/2207.04380
     """
-    sigma = validation.check_real("noise_multiplier", noise_multiplier, minimum=0.0)
-    q = validation.check_real(
-        "sampling_probability", sampling_probability, minimum=0.0, maximum=1.0
+    sigma = validation.check_real(
+        "noise_multiplier", _number("noise_multiplier", noise_multiplier), minimum=0.0
     )
+    q = validation.check_real(
+        "sampling_probability",
+        _number("sampling_probability", sampling_probability),
+        minimum=0.0,
+        maximum=1.0,
+    )
+    steps = _number("steps", steps)
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
         raise TypeError(
             f"steps must be an int, the number of logical batches (windows); got {steps=!r}."
         )
     steps = validation.check_int("steps", steps, minimum=0)
+    delta = _number("delta", delta)
     target_delta = validation.check_real("delta", delta, minimum=0.0, maximum=1.0, exclusive=True)
     if target_delta >= 1.0:
         raise ValueError(f"delta must be < 1; got {delta=!r}.")
     sampling = validation.check_choice("sampling", sampling, SAMPLINGS)
     accountant = validation.check_choice("accountant", accountant, ACCOUNTANTS)
+    orders = _check_orders(orders, accountant)
     dp_accounting = _import_dp_accounting()
     if steps == 0:  # no mechanism has run (dp_accounting refuses a count of 0)
         return 0.0
@@ -110,10 +136,58 @@ def epsilon(
     tracker: Any = (
         dp_accounting.pld.PLDAccountant()
         if accountant == "pld"
-        else dp_accounting.rdp.RdpAccountant()
+        else dp_accounting.rdp.RdpAccountant(orders=orders)
     )
     tracker.compose(event, steps)
     return float(tracker.get_epsilon(target_delta))
+
+
+def _number(name: str, value: Any) -> Any:
+    """`value` as a Python number if it is a concrete NumPy or JAX scalar, else as it is.
+
+    `epsilon` runs in Python (dp_accounting), on numbers known when it is called:
+    a traced value (inside `jax.jit`) has none yet.
+    """
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"epsilon got {name}={value!r}, a traced value: it is computed in Python by "
+            "dp_accounting, from numbers known when it is called, so it cannot run inside "
+            "jax.jit or another transformation. Call privacy.epsilon outside the traced "
+            "function, e.g. on ga.optimizer_step(opt_state) after the step has returned it."
+        )
+    if not isinstance(value, jax.Array | np.ndarray | np.generic):
+        return value
+    dtype = value.dtype
+    if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
+        raise TypeError(f"epsilon's {name} must be a number; got {name}={value!r}.")
+    if np.ndim(value) != 0:
+        raise ValueError(
+            f"epsilon's {name} must be a scalar; got an array of shape {np.shape(value)}."
+        )
+    return value.item()
+
+
+def _check_orders(orders: Any, accountant: str) -> np.ndarray | None:
+    """`orders` as a float64 array of Rényi orders `> 1`, or `None` for the default grid."""
+    if orders is None:
+        return None
+    if accountant != "rdp":
+        raise ValueError(
+            f"orders= is for the Rényi DP accountant; got orders with {accountant=!r}, which "
+            "has none. Pass accountant='rdp', or drop orders=."
+        )
+    if isinstance(orders, str | bytes | jax.core.Tracer):
+        raise TypeError(f"orders must be a sequence of numbers > 1; got {orders=!r}.")
+    try:
+        grid = np.asarray(orders, np.float64)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"orders must be a sequence of numbers > 1; got {orders=!r}.") from error
+    if grid.ndim != 1 or grid.size == 0 or not np.all(np.isfinite(grid) & (grid > 1)):
+        raise ValueError(
+            f"orders must be a non-empty sequence of finite numbers > 1 (Rényi orders); got "
+            f"{orders=!r}."
+        )
+    return grid
 
 
 def _import_dp_accounting() -> Any:

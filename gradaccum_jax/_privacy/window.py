@@ -104,14 +104,14 @@ class DPAccumulateState(_DPAccumulateFields):
 
 # What follows dp_accumulate in a chain runs on every micro-step, on its zeros too:
 # the placement checks name this window, and its own factory, in their errors.
-placement.register_window(
-    DPAccumulateState,
-    placement.Window(
-        "gradaccum_jax.privacy.dp_accumulate",
-        "ga.privacy.dp_accumulate(optax.chain(..., {element}), K, l2_clip_norm=C, "
-        "noise_multiplier=sigma, expected_batch_size=B, key=key)",
-    ),
+_WINDOW = placement.Window(
+    "gradaccum_jax.privacy.dp_accumulate",
+    "ga.privacy.dp_accumulate(optax.chain(..., {element}), K, l2_clip_norm=C, "
+    "noise_multiplier=sigma, expected_batch_size=B, key=key)",
+    "ga.privacy.dp_accumulate(inner, K * N, l2_clip_norm=C, noise_multiplier=sigma, "
+    "expected_batch_size=B * N, key=key)",
 )
+placement.register_window(DPAccumulateState, _WINDOW)
 
 
 # --- the clip norm the sums were clipped to --------------------------------------------
@@ -211,7 +211,7 @@ def _gaussian_noise(stddev: float, key: Any) -> optax.GradientTransformation:
 
 def _closing(
     privatizer: optax.GradientTransformation,
-    expected_batch_size: int,
+    expected_batch_size: float,
     inner: optax.GradientTransformation,
 ) -> optax.GradientTransformationExtraArgs:
     """The privatizer on the window's sum, the division by `B`, then `inner`: once per window."""
@@ -317,7 +317,7 @@ def dp_accumulate(
     every_k_schedule: int | Callable[[jax.Array], Any] | None,
     *,
     l2_clip_norm: float,
-    expected_batch_size: int,
+    expected_batch_size: float,
     noise_multiplier: float | None = None,
     key: jax.Array | None = None,
     privatizer: optax.GradientTransformation | None = None,
@@ -362,8 +362,10 @@ def dp_accumulate(
     params, non-finite, visibly.
 
     Refused with an error that names the fix: `weight=`, `use_grad_mean`,
-    `skip_nonfinite`, `should_skip_update_fn` (see the privacy guide); another
-    `accumulate` or `dp_accumulate` right after it in a chain (at `update`);
+    `skip_nonfinite`, `should_skip_update_fn` (see the privacy guide); a window
+    after it in an optax chain (`accumulate`, `dp_accumulate`, `optax.apply_every`,
+    `optax.MultiSteps`, at `update`), and elements after it that keep state or do
+    not map zero updates to zero (`optax.add_decayed_weights`);
     a window around it (`accumulate` at `init`, `optax.MultiSteps` where a
     state reader sees it); sums marked by `clipped_grad` with another
     `l2_clip_norm`. `gradaccum_jax.optimizer_step`, `closes_window` and
@@ -379,7 +381,8 @@ def dp_accumulate(
       l2_clip_norm: `C`, the norm each example's gradient was clipped to
         (`> 0`). Sums marked by `clipped_grad` with another norm are refused.
       expected_batch_size: `B`, the public divisor: the expected logical batch
-        size (`q * N` under Poisson sampling with rate `q` from `N` examples).
+        size, a positive number (`q * N` under Poisson sampling with rate `q` from
+        `N` examples, an integer or not: it only has to be public, not a count).
       noise_multiplier: `sigma >= 0`; the noise's standard deviation is
         `sigma * C`. `0.0` adds no noise (tests only: no privacy).
       key: A `jax.random.key` (or legacy `PRNGKey`) for the noise.
@@ -390,7 +393,8 @@ def dp_accumulate(
         correlated-noise mechanism). It owns its noise and key; its scale is not
         checked against `l2_clip_norm`.
       accumulator_dtype: dtype of the window's sum; `None` (default) keeps
-        float32 (16-bit gradients are summed in float32).
+        float32 and wider sums in their dtype (float64 stays float64) and sums
+        float16 and bfloat16 ones in float32.
       axis_name: A mapped axis name (or tuple) for `jax.shard_map` or
         `jax.pmap`, as for `accumulate`: each replica holds its own sum, the
         close adds them across replicas once and draws the noise once.
@@ -447,7 +451,9 @@ def dp_accumulate(
     if not by_caller and not callable(every_k_schedule):
         validation.check_int("every_k_schedule", every_k_schedule, schedule=True)
     l2_clip_norm = validation.check_real("l2_clip_norm", l2_clip_norm, minimum=0.0, exclusive=True)
-    validation.check_int("expected_batch_size", expected_batch_size)
+    expected_batch_size = validation.check_real(
+        "expected_batch_size", expected_batch_size, minimum=0.0, exclusive=True
+    )
     _check_noise_args(privatizer, noise_multiplier, key)
     validation.check_accumulator_dtype(accumulator_dtype)
     axis_names = None if axis_name is None else validation.check_axis_name("axis_name", axis_name)
@@ -471,6 +477,7 @@ def dp_accumulate(
         micro_batch_size=None,
         refuse=_refuse_route,
         state_type=CallerClosedAccumulateState if by_caller else AccumulateState,
+        window=_WINDOW,
     )
 
     def init_fn(params: optax.Params) -> DPAccumulateState:

@@ -386,6 +386,7 @@ def accumulate(
         refuse=lambda route, where: _refuse(route, options, where),
         # The state's type says whether dropped micro-steps count (see closes_window).
         state_type=AccumulateState if count_skipped_steps else UncountedAccumulateState,
+        window=placement.ACCUMULATE,
     )
 
     def init_fn(params: optax.Params) -> AccumulateState:

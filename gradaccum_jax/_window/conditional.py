@@ -529,6 +529,7 @@ def conditional_accumulate(
         local_step: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, ConditionalAccumulateState]:
+        placement.check_enclosing_updates()
         validation.refuse_unreduced("updates", updates, "conditional_accumulate")
         if local_step is None:
             raise TypeError(

@@ -6,27 +6,35 @@ the windows registered with `register_window`), a schedule of an
 EMA, adam's moments) means one thing before a window or inside it and another after
 it or around it: after it, it runs on every micro-step, on the zeros between the
 window's updates too. The wrong place gives plausible wrong numbers. After a window
-only stateless elements (no array in their state) are right. Two checks, both in
-Python at `init` or trace time, none in the compiled step:
+only elements that map zero updates to zero updates and hold no state are right;
+`optax.add_decayed_weights` and `optax.keep_params_nonnegative` hold none but read the
+params and move them on the micro-steps there (`optax.contrib.normalize` turns the zeros
+into NaN). Three checks, all in Python at `init` or trace time, none in the compiled
+step:
 
 - `check_state` reads an optimizer state's structure, element by element in the
   order `optax.chain` and `optax.named_chain` apply them; `apply_gradients` and the
   helpers that read the state (`optimizer_step`, `closes_window`, `has_updated`,
   `current_loss_scale`, `scaled_value_and_grad`) call it.
-- `mark_window_output` / `refuse_window_output`: `accumulate` marks the updates it
-  returns, and the next element of a chain that is a loss scale or another
-  `accumulate` recognises them (the very same arrays or tracers) and raises, also
-  for a step written with `tx.update` alone.
+- `check_enclosing_updates`: a window's `update` finds the optax chains (and
+  `inject_hyperparams`) whose `update` is calling it, on the Python stack, and runs
+  `check_state` on their states and `refuse_not_zero_after_window` on their elements, so
+  a step written with `tx.update` alone is checked too.
+- `mark_window_output` / `refuse_window_output`: a window marks the updates it
+  returns, and a loss scale or another window that receives them (the very same
+  arrays or tracers) raises, where no optax chain composes the two.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import re
 import sys
+import types
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -47,17 +55,21 @@ class Window(NamedTuple):
       inside: Where a stateful element found after the window belongs, with
         `{element}` where its name goes: inside a window, where it runs once per
         window on the window's gradient.
+      longer: How a window `N` times as long is written (`""`: no such form), the
+        fix for `optax.apply_every(N)` after it.
     """
 
     name: str
     inside: str
+    longer: str = ""
 
 
 _INSIDE_ACCUMULATE = "ga.accumulate(optax.chain(..., {element}), K)"
+ACCUMULATE = Window("gradaccum_jax.accumulate", _INSIDE_ACCUMULATE, "ga.accumulate(inner, K * N)")
 # Window state types (subclasses included). A window returns zeros on the calls between
 # its updates, so what follows it in a chain runs on those zeros too.
 _WINDOWS: dict[type, Window] = {
-    AccumulateState: Window("gradaccum_jax.accumulate", _INSIDE_ACCUMULATE),
+    AccumulateState: ACCUMULATE,
     optax.ApplyEvery: Window("optax.apply_every", _INSIDE_ACCUMULATE),
     optax.MultiStepsState: Window("optax.MultiSteps", _INSIDE_ACCUMULATE),
 }
@@ -88,19 +100,20 @@ class _Kind(NamedTuple):
     window: Window | None = None
 
 
-def _two_windows(first: str, second: str) -> ValueError:
-    if second == "optax.apply_every":
+def _two_windows(first: Window, second: str) -> ValueError:
+    if second == "optax.apply_every" and first.longer:
         fix = (
-            "Drop apply_every and give accumulate the whole window: ga.accumulate(inner, K * N) "
-            "for apply_every(N) after accumulate(inner, K)."
+            f"Drop apply_every and give {first.name} the whole window: {first.longer} for "
+            "apply_every(N) after it."
         )
     else:
         fix = (
             "Use one window and put everything that should run once per window inside it: "
-            "ga.accumulate(optax.chain(<the first window's inner>, <what follows>), K)."
+            + first.inside.format(element="<what follows>")
+            + (f"; a window N times as long is {first.longer}." if first.longer else ".")
         )
     return ValueError(
-        f"Two windows in a row: {second} comes after {first} in the optimizer's chain. The "
+        f"Two windows in a row: {second} comes after {first.name} in the optimizer's chain. The "
         "first window returns zeros on its micro-steps and one update per window; the second "
         "then accumulates those updates as if they were gradients (another optimizer flips "
         "or rescales them, apply_every sums several windows), which is not a longer window. " + fix
@@ -118,17 +131,31 @@ def _scale_after_window(first: str) -> ValueError:
     )
 
 
+_RULE = (
+    "After a window only elements that map zero updates to zero updates and hold no state "
+    "are right (optax.scale with a constant, clip_by_global_norm, clip)."
+)
+
+
 def _state_after_window(window: Window, element: str) -> ValueError:
     return ValueError(
         f"In the optimizer's chain, {element} comes after {window.name} and keeps state. "
         "What follows a window runs on every micro-step, on the zeros the window returns "
         "between its updates too: a schedule there advances K times per window, and a "
-        "count, an EMA or adam's moments take in the zeros. After a window only stateless "
-        "transformations are right (an empty state: optax.scale with a constant, "
-        "clip_by_global_norm, add_decayed_weights). Put it inside the window, where it "
-        "runs once per window on the window's gradient: "
+        "count, an EMA or adam's moments take in the zeros. " + _RULE + " Put it inside the "
+        "window, where it runs once per window on the window's gradient: "
         + window.inside.format(element=element)
         + "."
+    )
+
+
+def _not_zero_after_window(window: Window, element: str, what: str) -> ValueError:
+    return ValueError(
+        f"In the optimizer's chain, {element} comes after {window.name} and does not map "
+        "zero updates to zero: what follows a window runs on every micro-step, and on the "
+        f"zeros the window returns between its updates it {what}, so the params change on "
+        "the micro-steps, not once per window. " + _RULE + " Put it inside the window, where "
+        "it runs once per window: " + window.inside.format(element=element) + "."
     )
 
 
@@ -139,7 +166,7 @@ def _check_sequence(kinds: list[_Kind]) -> None:
         if window is None:
             window = kind.window
         elif kind.kind == "window":
-            raise _two_windows(window.name, kind.name)
+            raise _two_windows(window, kind.name)
         elif kind.kind == "scale":
             raise _scale_after_window(window.name)
         else:
@@ -267,43 +294,205 @@ def _refuse_noise_before_window(opt_state: Any) -> None:
         seen_noise = seen_noise or isinstance(node, noise)
 
 
-# The updates returned by `accumulate`, by identity: id -> a weak reference that
-# confirms the object is still the one marked (an id may be reused after it dies).
-_window_outputs: dict[int, weakref.ref] = {}
+# --- the chains calling a window's update --------------------------------------------------
 
 
-def mark_window_output(updates: Any) -> None:
-    """Remembers the leaves `accumulate` returns, weakly (no buffer is kept alive)."""
+@functools.cache
+def _combinator_codes() -> dict[types.CodeType, str]:
+    """The code of the `update` of `optax.chain`, `named_chain` and `inject_hyperparams`.
+
+    Every chain shares its factory's `update_fn` code object, so a frame running one is
+    recognised by its code, whatever the chain holds.
+    """
+    identity = optax.identity()
+    injected = optax.inject_hyperparams(optax.scale)(step_size=1.0)
+    return {
+        optax.chain(identity).update.__code__: "chain",
+        optax.named_chain(("only", identity)).update.__code__: "named_chain",
+        injected.update.__code__: "inject_hyperparams",
+    }
+
+
+def check_enclosing_updates() -> None:
+    """Checks the optax chains whose `update` is calling this window's `update`.
+
+    optax's elements are closures that call nothing of ours, so a window cannot see
+    what follows it from its own arguments (its state is its own; a chain passes
+    each element only its part). The chain's frame holds all of it: its `state`
+    (what `check_state` reads) and its elements' update functions (what
+    `refuse_not_zero_after_window` reads). A window's `update` calls this first; it
+    reads the Python stack at trace time (or per call, eagerly), never the compiled
+    step. Frames of optax versions whose chains keep other local names are skipped;
+    the tests of the checks run on the oldest supported optax and the newest.
+    """
+    codes = _combinator_codes()
+    frame: types.FrameType | None = sys._getframe(1)
+    try:
+        while frame is not None:
+            kind = codes.get(frame.f_code)
+            if kind is not None:
+                _check_frame(kind, frame.f_locals)
+            frame = frame.f_back
+    finally:
+        del frame
+
+
+def _check_frame(kind: str, local: Any) -> None:
+    state = local.get("state")
+    if state is None:
+        return
+    check_state(state)
+    functions, states = None, None
+    if kind == "chain" and isinstance(state, tuple | list):
+        functions, states = local.get("update_fns"), list(state)
+    elif kind == "named_chain" and isinstance(state, Mapping):
+        transforms = local.get("transforms") or ()
+        functions = [transform.update for _, transform in transforms]
+        states = [state.get(name) for name, _ in transforms]
+    if functions is not None and states is not None and len(functions) == len(states):
+        refuse_not_zero_after_window(states, list(functions))
+
+
+# The optax elements that hold no state but do not map zero updates to zero, each with
+# what it returns on zeros. Their states are empty NamedTuples (optax.EmptyState for the
+# first two, as optax.scale's), so only their code tells them apart; tests/test_placement.py
+# runs every stateless element of optax's namespaces on zero updates and checks that this
+# list names all that return non-zero ones. The factory's own code counts too:
+# optax.inject_hyperparams(optax.add_decayed_weights) holds the factory, not an element.
+_NOT_ZERO_ON_ZEROS = (
+    (
+        optax.add_decayed_weights,
+        (0.0,),
+        "optax.add_decayed_weights(...)",
+        "adds weight_decay * params to them",
+    ),
+    (
+        optax.keep_params_nonnegative,
+        (),
+        "optax.keep_params_nonnegative()",
+        "returns -params where a param is negative",
+    ),
+    (
+        optax.contrib.normalize,
+        (),
+        "optax.contrib.normalize()",
+        "divides them by their norm, 0 / 0: NaN",
+    ),
+)
+
+
+@functools.cache
+def _not_zero_codes() -> dict[types.CodeType, tuple[str, str]]:
+    codes = {}
+    for factory, arguments, name, what in _NOT_ZERO_ON_ZEROS:
+        codes[factory(*arguments).update.__code__] = (name, what)
+        codes[factory.__code__] = (name, what)
+    return codes
+
+
+_SEARCHED = (types.FunctionType, functools.partial, tuple, list, dict)
+
+
+def _not_zero_on_zeros(node: Any, seen: set[int], depth: int = 0) -> tuple[str, str] | None:
+    """The element of `_NOT_ZERO_ON_ZEROS` that `node` (an update function, an element)
+    runs, if any, as `(name, what it returns on zeros)`.
+
+    Searches the closures of functions and what they hold (elements, tuples, lists,
+    dicts, partials) a few levels deep: chains, `optax.masked`, `multi_transform`,
+    `inject_hyperparams` and optax's extra-args wrappers keep their elements there.
+    """
+    if depth > 8 or id(node) in seen:
+        return None
+    seen.add(id(node))
+    if isinstance(node, types.FunctionType):
+        if node.__code__ in _not_zero_codes():
+            return _not_zero_codes()[node.__code__]
+        children = [cell.cell_contents for cell in node.__closure__ or () if _filled(cell)]
+    elif isinstance(node, functools.partial):
+        children = [node.func, *node.args, *node.keywords.values()]
+    elif isinstance(node, tuple | list):
+        children = list(node)
+    elif isinstance(node, dict):
+        children = list(node.values())
+    else:
+        return None
+    for child in children:
+        if not isinstance(child, _SEARCHED):
+            continue  # numbers, arrays, masks' booleans: no element in them
+        found = _not_zero_on_zeros(child, seen, depth + 1)
+        if found:
+            return found
+    return None
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018  # an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def refuse_not_zero_after_window(states: list[Any], functions: list[Any]) -> None:
+    """Raises if an element after the first element holding a window is one of
+    `_NOT_ZERO_ON_ZEROS` (or runs one).
+
+    `states` and `functions` are a chain's element states and update functions, in
+    the order applied.
+    """
+    for position, state in enumerate(states):
+        windows = [kind.window for kind in _walk(state, LossScaleState) if kind.window]
+        if windows:
+            for function in functions[position + 1 :]:
+                found = _not_zero_on_zeros(function, set())
+                if found:
+                    raise _not_zero_after_window(windows[0], *found)
+            return
+
+
+# --- the updates a window returned ------------------------------------------------------
+
+# The updates returned by a window, by identity: id -> a weak reference that confirms
+# the object is still the one marked (an id may be reused after it dies), and the window.
+_window_outputs: dict[int, tuple[weakref.ref, Window]] = {}
+
+
+def mark_window_output(updates: Any, window: Window) -> None:
+    """Remembers the leaves `window` returns, weakly (no buffer is kept alive)."""
     for leaf in jax.tree.leaves(updates):
         try:
-            _window_outputs[id(leaf)] = weakref.ref(leaf, _forget(id(leaf)))
+            _window_outputs[id(leaf)] = (weakref.ref(leaf, _forget(id(leaf))), window)
         except TypeError:  # not weakly referenceable: not marked
             continue
 
 
 def _forget(key: int) -> Any:
     def callback(ref: weakref.ref) -> None:
-        if _window_outputs.get(key) is ref:
+        if _window_outputs.get(key, (None,))[0] is ref:
             del _window_outputs[key]
 
     return callback
 
 
-def _is_window_output(updates: Any) -> bool:
-    leaves = jax.tree.leaves(updates)
-    if not leaves:
-        return False
-    for leaf in leaves:
-        ref = _window_outputs.get(id(leaf))
-        if ref is None or ref() is not leaf:
-            return False
-    return True
+def _marking_window(updates: Any) -> Window | None:
+    """The window that returned every leaf of `updates`, or `None`."""
+    window = None
+    for leaf in jax.tree.leaves(updates):
+        mark = _window_outputs.get(id(leaf))
+        if mark is None or mark[0]() is not leaf:
+            return None
+        window = mark[1]
+    return window
 
 
-def refuse_window_output(updates: Any, who: str) -> None:
-    """Raises if `updates` are the very updates an `accumulate` returned (`who` is next)."""
-    if not _is_window_output(updates):
+def refuse_window_output(updates: Any, receiver: Window | str) -> None:
+    """Raises if `updates` are the very updates a window returned.
+
+    `receiver` is the next element: another window, or how a loss scale is named.
+    """
+    first = _marking_window(updates)
+    if first is None:
         return
-    if who == "gradaccum_jax.accumulate":
-        raise _two_windows("gradaccum_jax.accumulate", who)
-    raise _scale_after_window("gradaccum_jax.accumulate")
+    if isinstance(receiver, Window):
+        raise _two_windows(first, receiver.name)
+    raise _scale_after_window(first.name)

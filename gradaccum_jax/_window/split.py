@@ -485,6 +485,7 @@ def split_accumulate(
         state: SplitAccumulateState,
         params: optax.Params | None = None,
     ) -> tuple[optax.Updates, SplitAccumulateState]:
+        placement.check_enclosing_updates()
         if params is None:
             raise ValueError(
                 "split_accumulate computes its update from the current parameters: call "

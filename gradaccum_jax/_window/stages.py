@@ -52,6 +52,7 @@ class Plan(NamedTuple):
     micro_batch_size: int | None
     refuse: Any  # (route name, where) -> None: raises for a refused option
     state_type: type  # AccumulateState, or UncountedAccumulateState (count_skipped_steps=False)
+    window: placement.Window  # how the placement errors name this window and its fixes
 
     @property
     def bare(self) -> bool:
@@ -486,14 +487,15 @@ def update(
     `ends` (a boolean scalar, or `None` to follow the window's length) ends the
     window on this call when true, whatever its length says.
     """
-    placement.refuse_window_output(updates, "gradaccum_jax.accumulate")
+    placement.check_enclosing_updates()
+    placement.refuse_window_output(updates, plan.window)
     micro = receive(plan, updates, state, params, weight, extra_args)._replace(ends=ends)
     acc = accept(plan, micro, state, weight)
     w = weigh(plan, micro, state, acc)
     added = add(plan, micro, state, acc, w)
     closed = close(plan, micro, state, acc, w, added)
     if micro.receipt is None:
-        placement.mark_window_output(closed.updates)
+        placement.mark_window_output(closed.updates, plan.window)
     else:
         micro.receipt.returned(closed.updates)
     return closed.updates, write(plan, micro, state, acc, w, added, closed)
