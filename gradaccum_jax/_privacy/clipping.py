@@ -2,21 +2,29 @@
 
 `clipped_grad(loss_fn, l2_clip_norm)` is the first piece of DP-SGD: it bounds
 what any one example can add to a sum. The batch is cut into contiguous
-chunks; a `lax.scan` walks the chunks and `vmap` computes the examples of a
-chunk side by side, so the per-example gradients of only one chunk exist at a
-time. A chunk whose examples are all padding is skipped by a `lax.cond`: a
-logical batch padded up to a fixed shape pays only for its real chunks.
+chunks and a `lax.scan` walks them; a chunk whose examples are all padding is
+skipped by a `lax.cond`, so a logical batch padded up to a fixed shape pays only
+for its real chunks.
+
+Two ways to clip a chunk (`method=`):
+
+* `"fast"` (the default, `fast.py`): one forward and one backward pass over the
+  chunk, each example's gradient norm from every layer's inputs and output
+  gradients (ghost norms), and the clipped sum by book-keeping; leaves the
+  analysis cannot follow get per-example gradients in the same pass;
+* `"per_example"`: `vmap` computes every example's whole gradient.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._base import compat, trees, validation
+from gradaccum_jax._privacy import fast
 from gradaccum_jax._privacy.window import mark_clip_norm
 
 
@@ -26,7 +34,8 @@ class ClippedGradFn:
     Call it as `loss_fn` is called, optionally with `is_padding_example=` (bool,
     shape `(batch,)`). It returns `(loss_sum, grad_sum)`, or `((loss_sum, aux),
     grad_sum)` with `has_aux=True`, where `aux` keeps one entry per example
-    (zeros for padding and dropped examples).
+    (zeros for padding and dropped examples); with `return_grad_norms=True`, each
+    example's gradient norm before clipping comes last (`(batch,)`, zero for padding).
 
     Attributes:
         l2_clip_norm: The bound `C` on each example's gradient norm, a Python
@@ -34,21 +43,48 @@ class ClippedGradFn:
             `C`, twice that for replace-one. A noisy window reads it to check
             that its noise is calibrated to the same `C`.
         loss_fn: The wrapped loss function.
+        method: `"fast"` or `"per_example"`.
     """
 
-    def __init__(self, loss_fn: Callable[..., Any], l2_clip_norm: float, call: Callable[..., Any]):
-        self.loss_fn = loss_fn
-        self.l2_clip_norm = l2_clip_norm
-        self._call = call
+    def __init__(self, options: _Options):
+        self.loss_fn = options.loss_fn
+        self.l2_clip_norm = options.clip
+        self.method = options.method
+        self._options = options
 
     def __call__(
         self, *args: Any, is_padding_example: jax.typing.ArrayLike | None = None, **kwargs
     ):
-        return self._call(args, kwargs, is_padding_example)
+        return _clipped_sums(self._options, args, kwargs, is_padding_example)
+
+    def plan(self, *args: Any, **kwargs: Any) -> fast.ClippingPlan:
+        """How each differentiated leaf's per-example norms are found, for these arguments.
+
+        Takes the arguments of a call (arrays, or `jax.ShapeDtypeStruct`s: nothing is
+        computed). With `method="per_example"` every leaf is `"per_example"`.
+
+        Returns:
+            A `ClippingPlan`: one `LeafPlan` per differentiated leaf (its path, its
+            `method` and the primitives where it meets the batch); printed, a table.
+        """
+        found: list[fast.ClippingPlan] = []
+
+        def trace(args: tuple[Any, ...]) -> None:
+            options = self._options
+            _batch_size(args, options.batched)
+            if options.method == "per_example":
+                leaves = jax.tree_util.tree_leaves_with_path([args[i] for i in options.diff])
+                plans = [fast.LeafPlan(_path(options, p), "per_example") for p, _ in leaves]
+                found.append(fast.ClippingPlan(plans))
+            else:
+                found.append(fast.ClippingPlan(_program(options, args, kwargs).program.leaves))
+
+        jax.eval_shape(trace, args)
+        return found[0]
 
     def __repr__(self) -> str:
         name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))
-        return f"clipped_grad({name}, l2_clip_norm={self.l2_clip_norm!r})"
+        return f"clipped_grad({name}, l2_clip_norm={self.l2_clip_norm!r}, method={self.method!r})"
 
 
 def clipped_grad(
@@ -62,6 +98,8 @@ def clipped_grad(
     has_aux: bool = False,
     prng_argnum: int | None = None,
     accumulator_dtype: Any = None,
+    method: str = "fast",
+    return_grad_norms: bool = False,
 ) -> ClippedGradFn:
     r"""The sum of per-example gradients, each clipped to L2 norm `l2_clip_norm`.
 
@@ -102,6 +140,22 @@ def clipped_grad(
       since the gradient of a replicated parameter would otherwise be summed
       over the devices (one example of each) before the clipping.
 
+    How each example's norm is found (`method`): by default (`"fast"`) without
+    forming any example's whole gradient. One forward pass over a chunk records
+    each layer's inputs, one backward pass gives the gradients at its outputs, and
+    from the two come each example's norm per layer (a dense layer's
+    $\lVert A_i^\top G_i \rVert$ from $A_i A_i^\top$ and $G_i G_i^\top$: ghost
+    norms) and the clipped sum $\sum_i c_i A_i^\top G_i$ (book-keeping): about the
+    cost of the non-private gradient. The loss is traced once for one example and
+    analysed: dense layers, einsums, convolutions, embedding lookups, scales and
+    biases, inside `lax.scan` and `jax.checkpoint`, are all found without rewriting
+    a layer; a leaf used at several places (a tied embedding) gets its per-example
+    gradient from all its uses; a leaf the analysis cannot follow gets per-example
+    gradients, in the same pass. `plan` says which leaf takes which path. The
+    result is the per-example path's, to float round-off; each example's
+    computation, dropout mask included (from its own key), never depends on another
+    example. `method="per_example"` computes every example's gradient with `vmap`.
+
     Args:
         loss_fn: The loss, `loss_fn(*args, **kwargs)` returning a scalar (or
             `(scalar, aux)` with `has_aux=True`); the arguments at
@@ -123,12 +177,17 @@ def clipped_grad(
             split into one key per example, `jax.random.split(key, n)[i]` for
             example `i`, as jax_privacy does; give a new key every call.
         accumulator_dtype: The dtype of the sums; `None` sums 16-bit gradients
-            in float32 and keeps wider ones.
+            in float32 and keeps wider ones. The clip factors are applied in float32
+            (or wider) whatever this is.
+        method: `"fast"` (the default) or `"per_example"`, see above.
+        return_grad_norms: Also return each example's gradient norm before clipping
+            (jax_privacy's name), for adaptive clipping or diagnostics.
 
     Returns:
         A `ClippedGradFn`: called like `loss_fn` plus the keyword
         `is_padding_example` (bool, shape `(n,)`, default all False), it returns
-        `(loss_sum, grad_sum)` or, with `has_aux`, `((loss_sum, aux), grad_sum)`.
+        `(loss_sum, grad_sum)` or, with `has_aux`, `((loss_sum, aux), grad_sum)`,
+        followed by the norms with `return_grad_norms`.
 
     Raises:
         TypeError: If `loss_fn` is not callable or an argument has the wrong type.
@@ -150,7 +209,11 @@ def clipped_grad(
 
     References:
         Abadi et al., 2016, "Deep Learning with Differential Privacy",
-        https://arxiv.org/abs/1607.00133
+        https://arxiv.org/abs/1607.00133;
+        Li et al., 2021, "Large Language Models Can Be Strong Differentially Private
+        Learners", https://arxiv.org/abs/2110.05679;
+        Bu et al., 2023, "Differentially Private Optimization on Large Model at Small
+        Cost", https://arxiv.org/abs/2210.00038
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable; got {loss_fn!r}.")
@@ -182,73 +245,106 @@ def clipped_grad(
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool; got {has_aux=!r}.")
     dtype = validation.check_accumulator_dtype(accumulator_dtype)
+    if method not in _METHODS:
+        raise ValueError(
+            f"method must be one of {', '.join(map(repr, _METHODS))}; got {method=!r}. "
+            "\"fast\" finds each example's norm from each layer's inputs and output "
+            'gradients; "per_example" computes every example\'s gradient.'
+        )
+    if not isinstance(return_grad_norms, bool):
+        raise TypeError(f"return_grad_norms must be a bool; got {return_grad_norms=!r}.")
     value_and_grad = jax.value_and_grad(
         loss_fn, argnums=argnums if isinstance(argnums, int) else diff, has_aux=has_aux
     )
-
-    def call(args: tuple[Any, ...], kwargs: dict[str, Any], is_padding_example: Any) -> Any:
-        n = _batch_size(args, batched)
-        padding = _padding_mask(is_padding_example, n)
-        # Inside shard_map the scan carry and both branches of the cond must have one type:
-        # everything varies along the mesh axes that any input varies along.
-        axes = frozenset().union(*map(compat.varying_axes, jax.tree.leaves((args, padding))))
-
-        def vary(tree: Any) -> Any:
-            return jax.tree.map(lambda x: _vary(x, axes), tree)
-
-        # The gradient of a replicated (invariant) parameter is summed over the devices by
-        # shard_map's transpose rule: each "example" would mix one example of every device,
-        # before clipping. Differentiated at a varying copy, each gradient stays local.
-        args = tuple(vary(arg) if i in diff else arg for i, arg in enumerate(args))
-        chunks = _num_chunks(chunking, n)
-        mapped = {i: args[i] for i in batched}
-        if prng_argnum is not None:
-            mapped[prng_argnum] = jax.random.split(args[prng_argnum], n)
-
-        def one_example(example: dict[int, Any], pad: jax.Array) -> Any:
-            full = [
-                jax.tree.map(lambda x: x[None], example[i]) if i in batched else example.get(i, arg)
-                for i, arg in enumerate(args)
-            ]
-            out, grads = value_and_grad(*full, **kwargs)
-            loss, aux = out if has_aux else (out, ())
-            return _clip_example(loss, aux, grads, pad, clip)
-
-        per_chunk = jax.vmap(one_example)
-        xs = (_chunked(mapped, chunks), padding.reshape(chunks, n // chunks))
-        shapes = jax.eval_shape(
-            per_chunk, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
+    return ClippedGradFn(
+        _Options(
+            loss_fn=loss_fn,
+            value_and_grad=value_and_grad,
+            argnums=argnums if isinstance(argnums, int) else diff,
+            diff=diff,
+            batched=batched,
+            prng_argnum=prng_argnum,
+            has_aux=has_aux,
+            clip=clip,
+            dtype=dtype,
+            chunking=chunking,
+            method=method,
+            return_grad_norms=return_grad_norms,
         )
-        sums = vary(
-            (
-                jnp.zeros((), jnp.promote_types(shapes[0].dtype, jnp.float32)),
-                jax.tree.map(
-                    lambda g: jnp.zeros(g.shape[1:], trees.accumulator_dtype(g, dtype)), shapes[2]
-                ),
-            )
+    )
+
+
+_METHODS = ("fast", "per_example")
+
+
+def _clipped_sums(
+    options: _Options, args: tuple[Any, ...], kwargs: dict[str, Any], is_padding_example: Any
+) -> Any:
+    """A call of a `ClippedGradFn`: the chunks' sums, added over the chunks."""
+    n = _batch_size(args, options.batched)
+    padding = _padding_mask(is_padding_example, n)
+    # Inside shard_map the scan carry and both branches of the cond must have one type:
+    # everything varies along the mesh axes that any input varies along.
+    axes = frozenset().union(*map(compat.varying_axes, jax.tree.leaves((args, padding))))
+
+    def vary(tree: Any) -> Any:
+        return jax.tree.map(lambda x: _vary(x, axes), tree)
+
+    # The gradient of a replicated (invariant) parameter is summed over the devices by
+    # shard_map's transpose rule: each "example" would mix one example of every device,
+    # before clipping. Differentiated at a varying copy, each gradient stays local.
+    args = tuple(vary(arg) if i in options.diff else arg for i, arg in enumerate(args))
+    chunks = _num_chunks(options.chunking, n)
+    mapped = {i: args[i] for i in options.batched}
+    if options.prng_argnum is not None:
+        mapped[options.prng_argnum] = jax.random.split(args[options.prng_argnum], n)
+    if options.method == "per_example":
+        per_chunk = _per_example_chunk(options, args, kwargs)
+    else:
+        per_chunk = _fast_chunk(options, args, kwargs, vary)
+    xs = (_chunked(mapped, chunks), padding.reshape(chunks, n // chunks))
+    loss_sum, grad_sum, aux, norms = _over_chunks(per_chunk, xs, vary)
+    # dp_accumulate, given these leaves in the same trace, checks its noise uses this C.
+    mark_clip_norm(grad_sum, options.clip)
+    out: tuple[Any, ...] = (loss_sum, grad_sum)
+    if options.has_aux:
+        out = ((loss_sum, jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), aux)), grad_sum)
+    return (*out, norms.reshape(n)) if options.return_grad_norms else out
+
+
+def _over_chunks(per_chunk: Callable, xs: Any, vary: Callable) -> Any:
+    """`per_chunk` over the chunks of `xs` in a `lax.scan`, all-padding chunks skipped:
+    `(loss_sum, grad_sum, aux, norms)`, aux and norms stacked per chunk."""
+    shapes = jax.eval_shape(
+        per_chunk, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
+    )
+    sums = vary(
+        (
+            jnp.zeros((), shapes[0].dtype),
+            jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), shapes[2]),
         )
+    )
 
-        def add_chunk(carry: Any, chunk: tuple[Any, jax.Array]) -> Any:
-            loss_sum, grad_sum = carry
-            losses, aux, grads = per_chunk(*chunk)
-            grad_sum = jax.tree.map(lambda s, g: s + jnp.sum(g, 0, dtype=s.dtype), grad_sum, grads)
-            return vary(((loss_sum + jnp.sum(losses, dtype=loss_sum.dtype), grad_sum), aux))
+    def add_chunk(carry: Any, chunk: tuple[Any, jax.Array]) -> Any:
+        loss_sum, aux, grad_sum, norms = per_chunk(*chunk)
+        total = jax.tree.map(jnp.add, carry, (loss_sum, grad_sum))
+        return vary((total, (aux, norms)))
 
-        def skip_chunk(carry: Any, chunk: tuple[Any, jax.Array]) -> Any:
-            return carry, vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[1]))
+    def skip_chunk(carry: Any, chunk: tuple[Any, jax.Array]) -> Any:
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (shapes[1], shapes[3]))
+        return carry, vary(zeros)
 
-        def step(carry: Any, chunk: tuple[Any, jax.Array]) -> Any:
-            return jax.lax.cond(jnp.all(chunk[1]), skip_chunk, add_chunk, carry, chunk)
+    def step(carry: Any, chunk: tuple[Any, jax.Array]) -> Any:
+        return jax.lax.cond(jnp.all(chunk[1]), skip_chunk, add_chunk, carry, chunk)
 
-        (loss_sum, grad_sum), aux = jax.lax.scan(step, sums, xs)
-        # dp_accumulate, given these leaves in the same trace, checks its noise uses this C.
-        mark_clip_norm(grad_sum, clip)
-        if has_aux:
-            aux = jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), aux)
-            return (loss_sum, aux), grad_sum
-        return loss_sum, grad_sum
-
-    return ClippedGradFn(loss_fn, clip, call)
+    if jax.tree.leaves(xs)[0].shape[0] == 1:
+        # One chunk: no loop. (XLA:CPU compiled a convolution's gradients inside a
+        # one-step scan several times slower than outside it.)
+        carry, out = step(sums, jax.tree.map(lambda x: x[0], xs))
+        (loss_sum, grad_sum), (aux, norms) = carry, jax.tree.map(lambda x: x[None], out)
+    else:
+        (loss_sum, grad_sum), (aux, norms) = jax.lax.scan(step, sums, xs)
+    return loss_sum, grad_sum, aux, norms
 
 
 def _vary(x: jax.Array, axes: frozenset) -> jax.Array:
@@ -256,23 +352,141 @@ def _vary(x: jax.Array, axes: frozenset) -> jax.Array:
     return compat.pcast_to_varying(x, tuple(sorted(missing))) if missing else x
 
 
+class _Options(NamedTuple):
+    """`clipped_grad`'s arguments, checked."""
+
+    loss_fn: Callable[..., Any]
+    value_and_grad: Callable[..., Any]
+    argnums: int | tuple[int, ...]
+    diff: tuple[int, ...]
+    batched: tuple[int, ...]
+    prng_argnum: int | None
+    has_aux: bool
+    clip: float
+    dtype: Any
+    chunking: tuple[str, int] | None
+    method: str
+    return_grad_norms: bool
+
+
+def _per_example_chunk(options: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    """The chunk function of `method="per_example"`: `vmap` of each example's gradient."""
+    batched = options.batched
+
+    def one_example(example: dict[int, Any], pad: jax.Array) -> Any:
+        full = [
+            jax.tree.map(lambda x: x[None], example[i]) if i in batched else example.get(i, arg)
+            for i, arg in enumerate(args)
+        ]
+        out, grads = options.value_and_grad(*full, **kwargs)
+        loss, aux = out if options.has_aux else (out, ())
+        return _clip_example(loss, aux, grads, pad, options.clip)
+
+    def per_chunk(chunk: dict[int, Any], pad: jax.Array) -> Any:
+        losses, aux, grads, norms = jax.vmap(one_example)(chunk, pad)
+        loss_sum = jnp.sum(losses, dtype=jnp.promote_types(losses.dtype, jnp.float32))
+        grad_sum = jax.tree.map(
+            lambda g: jnp.sum(g, 0, dtype=trees.accumulator_dtype(g, options.dtype)), grads
+        )
+        return loss_sum, aux, grad_sum, norms
+
+    return per_chunk
+
+
+class _Traced(NamedTuple):
+    """The loss traced for one example, and the structure of its aux."""
+
+    program: fast.Program
+    aux_tree: Any
+
+
+def _program(options: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Traced:
+    """Traces `loss_fn` for one example (a batch of one) and analyses it (`fast.Program`).
+
+    The program's inputs are the differentiated leaves, the batch arguments' leaves
+    (shape `(1, ...)`) and the example's key; everything else is closed over.
+    """
+    diff_leaves, diff_tree = jax.tree.flatten([args[i] for i in options.diff])
+    batch_leaves, batch_tree = jax.tree.flatten([args[i] for i in options.batched])
+    n_diff, n_batch = len(diff_leaves), len(batch_leaves)
+    aux_tree: list[Any] = [None]
+
+    def example(*flat: Any) -> list[Any]:
+        full = list(args)
+        for i, x in zip(options.diff, jax.tree.unflatten(diff_tree, flat[:n_diff]), strict=True):
+            full[i] = x
+        batch = jax.tree.unflatten(batch_tree, flat[n_diff : n_diff + n_batch])
+        for i, x in zip(options.batched, batch, strict=True):
+            full[i] = x
+        if options.prng_argnum is not None:
+            full[options.prng_argnum] = flat[-1]
+        out = options.loss_fn(*full, **kwargs)
+        loss, aux = out if options.has_aux else (out, ())
+        aux_leaves, aux_tree[0] = jax.tree.flatten(aux)
+        return [loss, *aux_leaves]
+
+    # One example's slice, in the caller's trace (dead code there): its type, including
+    # the mesh axes it varies along inside shard_map, is what the program is traced at.
+    inputs = [*diff_leaves, *(x[:1] for x in batch_leaves)]
+    if options.prng_argnum is not None:
+        inputs.append(jax.random.split(args[options.prng_argnum], 1)[0])
+    closed = jax.make_jaxpr(example)(*inputs)
+    kinds = [fast.DERIVED] * n_diff + [fast.BATCHED] * (len(inputs) - n_diff)
+    leaf_of = [*range(n_diff), *([None] * (len(inputs) - n_diff))]
+    diff_paths = jax.tree_util.tree_leaves_with_path([args[i] for i in options.diff])
+    paths = [_path(options, p) for p, _ in diff_paths]
+    layout = fast.Layout(tuple(kinds), tuple(leaf_of), n_diff)
+    return _Traced(fast.Program(closed, layout, paths), aux_tree[0])
+
+
+def _path(options: _Options, path: tuple[Any, ...]) -> str:
+    """A leaf's path as the user wrote it: `argnums` int -> inside that argument;
+    a tuple -> `[k]` for the k-th differentiated argument first."""
+    if isinstance(options.argnums, int):
+        path = path[1:]
+    return jax.tree_util.keystr(path) or "<the argument itself>"
+
+
+def _fast_chunk(options: _Options, args: tuple[Any, ...], kwargs: dict[str, Any], vary: Callable):
+    """The chunk function of the fast path (`fast.py`): norms from each layer's inputs
+    and output gradients, sums by book-keeping."""
+    program = _program(options, args, kwargs)
+    diff_leaves, diff_tree = jax.tree.flatten([args[i] for i in options.diff])
+    acc_dtypes = [trees.accumulator_dtype(x, options.dtype) for x in diff_leaves]
+
+    def per_chunk(chunk: dict[int, Any], pad: jax.Array) -> Any:
+        example_leaves = jax.tree.leaves(
+            [jax.tree.map(lambda x: x[:, None], chunk[i]) for i in options.batched]
+        )
+        keys = [chunk[options.prng_argnum]] if options.prng_argnum is not None else []
+        inputs = [*diff_leaves, *example_leaves, *keys]
+        result = fast.run(program.program, inputs, pad, options.clip, acc_dtypes, vary)
+        grads = jax.tree.unflatten(diff_tree, result.grads)
+        grads = grads[0] if isinstance(options.argnums, int) else tuple(grads)
+        aux = jax.tree.unflatten(program.aux_tree, result.aux) if options.has_aux else ()
+        return result.loss_sum, aux, grads, result.norms
+
+    return per_chunk
+
+
 def _clip_example(loss: jax.Array, aux: Any, grads: Any, pad: jax.Array, clip: float) -> Any:
-    """One example's `(loss, aux, clipped gradient)`, all zero if it is padding or not finite."""
-    # float32 at least: a 16-bit sum of squares overflows at gradients of ~256.
-    squares = sum(
-        jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))))
-        for g in jax.tree.leaves(grads)
-    )
+    """One example's `(loss, aux, clipped gradient, gradient norm)`; the loss, aux and
+    gradient are zero if it is padding or not finite, the norm is zero for padding."""
+    # float32 at least: a 16-bit sum of squares overflows at gradients of ~256, and a
+    # 16-bit clip factor can leave a clipped example above the clip norm.
+    grads = jax.tree.map(lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads)
+    squares = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
     keep = ~pad & jnp.isfinite(squares) & jnp.isfinite(loss)
+    norm = jnp.sqrt(squares)
     # min(1, C/0) = 1: a zero gradient stays zero.
-    scale = jnp.minimum(1.0, clip / jnp.sqrt(squares))
+    scale = jnp.minimum(1.0, clip / norm)
 
     def kept(x: jax.Array) -> jax.Array:
         # A select, not a product: NaN or inf in a dropped example does not leak through.
         return jnp.where(keep, x, jnp.zeros_like(x))
 
     grads = jax.tree.map(lambda g: kept(g * scale.astype(g.dtype)), grads)
-    return kept(loss), jax.tree.map(kept, aux), grads
+    return kept(loss), jax.tree.map(kept, aux), grads, jnp.where(pad, 0.0, norm)
 
 
 def _batch_size(args: tuple[Any, ...], batched: tuple[int, ...]) -> int:
@@ -282,8 +496,9 @@ def _batch_size(args: tuple[Any, ...], batched: tuple[int, ...]) -> int:
             f"called with {len(args)} positional arguments."
         )
     # A scalar leaf has no batch axis: size 0, refused with the empty batch.
+    # Keyed by argument and path: two plain arrays both have the empty path.
     sizes = {
-        jax.tree_util.keystr(path): jnp.shape(leaf)[0] if jnp.ndim(leaf) else 0
+        f"argument {i}{jax.tree_util.keystr(path)}": jnp.shape(leaf)[0] if jnp.ndim(leaf) else 0
         for i in batched
         for path, leaf in jax.tree_util.tree_leaves_with_path(args[i])
     }

@@ -1,0 +1,421 @@
+"""Clipped sums from per-example gradient norms, without per-example gradients.
+
+`Program` is what the fast path knows of a loss at one set of argument shapes: the
+loss traced for one example, the analysis of where each differentiated leaf meets
+the batch (`graph.py`), and for each leaf the way its per-example norms are found:
+
+* `"ghost"`: from the layer's inputs `A` and output gradients `G`, never forming an
+  example's gradient (a dense layer, an embedding lookup);
+* `"layer"`: the leaf's one layer forms its per-example gradient (convolutions,
+  normalisation scales and biases, dense layers on long sequences where that is
+  cheaper);
+* `"materialized"`: the leaf's per-example gradient is formed from all its uses
+  (a tied embedding, a block applied twice, a weight made from several leaves);
+* `"per_example"`: the leaf meets something the analysis does not follow; its
+  per-example gradients come from the same backward pass (the leaf is copied per
+  example), as on the per-example path;
+* `"unused"`: the loss does not depend on it (a zero gradient).
+
+`run` computes one chunk: one batched forward with taps, one backward for the
+gradients at the taps, the norms, the clip factors, and the clipped sums by
+book-keeping (ghost and layer leaves) or from the per-example gradients
+(materialized and per-example leaves).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gradaccum_jax._privacy import graph, norm_rules, replay
+from gradaccum_jax._privacy.graph import BATCHED, CONST, DERIVED
+
+METHODS = ("ghost", "layer", "materialized", "per_example", "unused")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """How one differentiated leaf's per-example norms are found.
+
+    Attributes:
+        path: The leaf's path in the differentiated arguments (as `jax.tree_util.keystr`).
+        method: One of `"ghost"`, `"layer"`, `"materialized"`, `"per_example"`, `"unused"`.
+        uses: The primitives where the leaf meets the batch, one per use.
+        why: For `"per_example"`, what the fast path could not follow.
+    """
+
+    path: str
+    method: str
+    uses: tuple[str, ...] = ()
+    why: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippingPlan:
+    """How `clipped_grad` finds each differentiated leaf's per-example norms.
+
+    Attributes:
+        leaves: One `LeafPlan` per leaf, in the order of `jax.tree.leaves`.
+    """
+
+    leaves: tuple[LeafPlan, ...]
+
+    def __init__(self, leaves: Sequence[LeafPlan]):
+        object.__setattr__(self, "leaves", tuple(leaves))
+
+    def __iter__(self) -> Any:
+        return iter(self.leaves)
+
+    def __len__(self) -> int:
+        return len(self.leaves)
+
+    @property
+    def methods(self) -> dict[str, str]:
+        """Each leaf's path and method."""
+        return {leaf.path: leaf.method for leaf in self.leaves}
+
+    def __str__(self) -> str:
+        rows = [("leaf", "method", "where it meets the batch")]
+        for leaf in self.leaves:
+            where = ", ".join(leaf.uses) + (f" ({leaf.why})" if leaf.why else "")
+            rows.append((leaf.path, leaf.method, where))
+        widths = [max(len(row[i]) for row in rows) for i in range(2)]
+        return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}".rstrip() for a, b, c in rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the flat inputs of the per-example program come from."""
+
+    kinds: tuple[str, ...]
+    leaf_of: tuple[int | None, ...]
+    n_leaves: int
+
+
+class Program:
+    """The fast path's knowledge of one loss at one set of shapes (see the module)."""
+
+    def __init__(self, closed: Any, layout: Layout, paths: Sequence[str]):
+        self.closed, self.layout = closed, layout
+        self.per_example: dict[int, str] = {}
+        while True:
+            try:
+                analysis = graph.analyze(
+                    closed, layout.kinds, layout.leaf_of, frozenset(self.per_example)
+                )
+            except graph.Unsupported as unsupported:
+                self._fall_back(unsupported.leaves, unsupported.why)
+                continue
+            loss = analysis.outputs[0]
+            if loss.kind == DERIVED:
+                self._fall_back(loss.origin.leaves, "the loss depends on it with no example")
+                continue
+            break
+        self.analysis = analysis
+        uses: dict[int, list[tuple[int, int]]] = {i: [] for i in range(layout.n_leaves)}
+        for site in analysis.sites:
+            for k, origin in enumerate(site.origins):
+                for leaf in origin.leaves:
+                    uses[leaf].append((site.index, k))
+        self.fast: dict[int, tuple[int, int]] = {}
+        self.materialized: list[int] = []
+        for leaf, found in uses.items():
+            if leaf in self.per_example or not found:
+                continue
+            site_index, k = found[0]
+            if len(found) == 1 and analysis.sites[site_index].origins[k].chain is not None:
+                self.fast[leaf] = found[0]
+            else:
+                self.materialized.append(leaf)
+        self.mat_positions = sorted({use for leaf in self.materialized for use in uses[leaf]})
+        self.leaves = [self._leaf_plan(i, paths[i], uses[i]) for i in range(layout.n_leaves)]
+
+    def _fall_back(self, leaves: frozenset[int], why: str) -> None:
+        new = leaves - set(self.per_example)
+        if not new:
+            raise AssertionError(f"the fast path's analysis did not converge: {why}")
+        self.per_example.update(dict.fromkeys(new, why))
+
+    def _leaf_plan(self, leaf: int, path: str, uses: list[tuple[int, int]]) -> LeafPlan:
+        names = tuple(self.analysis.sites[s].name for s, _ in uses)
+        if leaf in self.per_example:
+            return LeafPlan(path, "per_example", names, self.per_example[leaf])
+        if not uses:
+            return LeafPlan(path, "unused")
+        if leaf in self.fast:
+            site_index, k = self.fast[leaf]
+            site = self.analysis.sites[site_index]
+            return LeafPlan(path, self._method(site, site.derived[k]), names)
+        return LeafPlan(path, "materialized", names)
+
+    def _method(self, site: graph.Site, position: int) -> str:
+        rule = norm_rules.rule_for(site, position)
+        n = 2
+        inputs = _placeholders(site, n)
+        grads = [
+            None if t is None else jax.ShapeDtypeStruct(t.shape[len(site.lengths) :], t.dtype)
+            for t in replay.tap_shapes(self.analysis, n)[site.index]
+        ]
+        method: list[str] = []
+
+        def probe(inputs: list[Any], grads: list[Any]) -> jax.Array:
+            found, sq, _ = rule.norm_sq(site, position, inputs, grads)
+            method.append(found)
+            return sq
+
+        jax.eval_shape(probe, inputs, grads)
+        return method[0]
+
+    def clean(self) -> frozenset[int]:
+        """The sites whose clipped sum contracts their batched inputs as they are: the
+        batched program cleans those inputs of non-finite values (`replay._cleaned`)."""
+        found = set()
+        for s, k in self.fast.values():
+            site = self.analysis.sites[s]
+            if isinstance(norm_rules.rule_for(site, site.derived[k]), norm_rules.BookKeepingRule):
+                found.add(s)
+        return frozenset(found)
+
+    def wanted(self) -> frozenset[int]:
+        """The sites whose parameter inputs the batched program must hand out."""
+        wanted = set()
+        for site in self.analysis.sites:
+            for position in site.derived:
+                if not norm_rules.rule_for(site, position).linear:
+                    wanted.add(site.index)
+        return frozenset(wanted)
+
+
+def _placeholders(site: graph.Site, n: int) -> list[Any]:
+    """Shape-only stand-ins for a site's inputs, `n` examples."""
+    out = []
+    for kind, var in zip(site.kinds, site.eqn.invars, strict=True):
+        if norm_rules.is_literal(var):
+            out.append(var.val)
+        elif kind == BATCHED:
+            out.append(jax.ShapeDtypeStruct((n, *var.aval.shape), var.aval.dtype))
+        else:
+            out.append(jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype))
+    return out
+
+
+def _site_inputs(
+    site: graph.Site, exports: list[Any], params: list[Any] | None, vary: Any
+) -> list[Any]:
+    """A site's inputs, per iteration of its scans: exported values, literals, and the
+    parameter inputs (zeros where the rule is linear and does not read them)."""
+    exported = iter(exports)
+    given = iter(params) if params is not None else None
+    out = []
+    for kind, var in zip(site.kinds, site.eqn.invars, strict=True):
+        if kind == DERIVED:
+            out.append(
+                next(given)
+                if given is not None
+                else vary(jnp.zeros(var.aval.shape, var.aval.dtype))
+            )
+        elif norm_rules.is_literal(var):
+            out.append(var.val)
+        else:
+            out.append(next(exported))
+    return out
+
+
+def _over_iterations(fn: Any, depth: int) -> Any:
+    """`fn` mapped over the `depth` leading (scan iteration) axes of its array inputs."""
+    for _ in range(depth):
+        fn = jax.vmap(fn)
+    return fn
+
+
+class ChunkResult(NamedTuple):
+    """One chunk's sums: the loss, the aux (per example), the clipped gradient leaves,
+    each example's gradient norm (0 for padding), and the kept-examples mask."""
+
+    loss_sum: jax.Array
+    aux: list[jax.Array]
+    grads: list[jax.Array]
+    norms: jax.Array
+
+
+def run(
+    program: Program,
+    inputs: Sequence[Any],
+    padding: jax.Array,
+    clip: float,
+    acc_dtypes: Sequence[Any],
+    vary: Any = lambda x: x,
+) -> ChunkResult:
+    """The clipped sums of one chunk of examples.
+
+    Args:
+        program: The program, for these shapes.
+        inputs: The per-example program's flat inputs, batched ones with the examples
+            on axis 0.
+        padding: `(n,)` bool, the padding examples.
+        clip: The clip norm.
+        acc_dtypes: The dtype of each leaf's sum.
+        vary: Types a pytree as varying along the mesh axes the batch varies along
+            (inside `jax.shard_map`): the taps and the stand-ins for parameters are
+            differentiated, and the gradient of a value replicated over the devices
+            would be summed over them.
+    """
+    layout, analysis = program.layout, program.analysis
+    n = padding.shape[0]
+    leaf_inputs = {leaf: i for i, leaf in enumerate(layout.leaf_of) if leaf is not None}
+    copies = {
+        leaf: jnp.broadcast_to(inputs[i], (n, *jnp.shape(inputs[i])))
+        for leaf, i in leaf_inputs.items()
+        if leaf in program.per_example
+    }
+    wanted = program.wanted()
+    taps0 = vary(
+        {
+            s: [None if t is None else jnp.zeros(t.shape, t.dtype) for t in shapes]
+            for s, shapes in replay.tap_shapes(analysis, n).items()
+        }
+    )
+
+    def vals(copied: dict[int, jax.Array]) -> list[replay.Val]:
+        out = []
+        for i, (kind, leaf) in enumerate(zip(layout.kinds, layout.leaf_of, strict=True)):
+            if leaf in copied:
+                out.append(replay.Val(BATCHED, copied[leaf]))
+            elif leaf is not None and jnp.issubdtype(jnp.result_type(inputs[i]), jnp.inexact):
+                out.append(replay.Val(DERIVED, inputs[i]))
+            else:
+                out.append(replay.Val(kind if leaf is None else CONST, inputs[i]))
+        return out
+
+    clean = program.clean()
+
+    def forward(taps: Any, copied: dict[int, jax.Array]) -> Any:
+        outs, exports, params = replay.run_batched(
+            analysis, program.closed, vals(copied), taps, n=n, wanted=wanted, clean=clean
+        )
+        values = [o.value if o.kind == BATCHED else _broadcast(o.value, n) for o in outs]
+        return values[0], (values[1:], exports, params)
+
+    losses, backward, (aux, exports, params) = jax.vjp(forward, taps0, copies, has_aux=True)
+    tap_grads, copy_grads = backward(jnp.ones_like(losses))
+    site_of = analysis.sites
+
+    def inputs_of(s: int) -> list[Any]:
+        return _site_inputs(site_of[s], exports[s][0], params.get(s), vary)
+
+    norm_dtype = functools.reduce(
+        jnp.promote_types,
+        [jnp.float32, *(jnp.result_type(inputs[i]) for i in leaf_inputs.values())],
+    )
+    norms_sq = jnp.zeros(n, norm_dtype)
+    fast_cache: dict[int, Any] = {}
+    for leaf, (s, k) in program.fast.items():
+        site = site_of[s]
+        position = site.derived[k]
+        rule = norm_rules.rule_for(site, position)
+
+        def norm(inp: list[Any], grads: list[Any], rule=rule, site=site, position=position):
+            _, sq, per_ex = rule.norm_sq(site, position, inp, grads)
+            return sq, per_ex
+
+        sq, per_ex = _over_iterations(norm, len(site.lengths))(inputs_of(s), tap_grads[s])
+        fast_cache[leaf] = per_ex
+        norms_sq = norms_sq + _sum_lead(sq, len(site.lengths)).astype(norm_dtype)
+    per_example_grads: dict[int, jax.Array] = {}
+    if program.materialized:
+        per_example_grads.update(
+            _materialized(program, inputs, vals, inputs_of, tap_grads, leaf_inputs)
+        )
+    per_example_grads.update(copy_grads)
+    for g in per_example_grads.values():
+        g = g.astype(norm_rules.wide(g.dtype))
+        norms_sq = norms_sq + jnp.sum(jnp.square(g.reshape(n, -1)), 1).astype(norm_dtype)
+    keep = ~padding & jnp.isfinite(losses) & jnp.isfinite(norms_sq)
+    for s in clean:
+        finite = exports[s][1]
+        if finite is not None:
+            keep = keep & jnp.all(finite.reshape(-1, n), 0)
+    norms = jnp.sqrt(norms_sq)
+    factor = jnp.where(keep, jnp.minimum(1.0, clip / norms), 0.0)
+    grads: list[Any] = [None] * layout.n_leaves
+
+    def fast_sums(select_inputs: bool) -> dict[int, jax.Array]:
+        sums = {}
+        for leaf, (s, k) in program.fast.items():
+            site = site_of[s]
+            position = site.derived[k]
+            rule = norm_rules.rule_for(site, position)
+
+            def total(inp, grads_, per_ex, rule=rule, site=site, position=position):
+                return rule.weighted_sum(
+                    site, position, inp, grads_, factor, keep, per_ex, select_inputs
+                )
+
+            summed = _over_iterations(total, len(site.lengths))(
+                inputs_of(s), tap_grads[s], fast_cache[leaf]
+            )
+            sums[leaf] = norm_rules.transpose_chain(summed, site.origins[k].chain)
+        return sums
+
+    sums = fast_sums(select_inputs=False)
+    for leaf, summed in sums.items():
+        grads[leaf] = summed
+    for leaf, g in per_example_grads.items():
+        grads[leaf] = norm_rules.clipped_total(g, factor, keep)
+    for leaf, i in leaf_inputs.items():
+        x = inputs[i]
+        g = grads[leaf]
+        grads[leaf] = (
+            jnp.zeros(jnp.shape(x), acc_dtypes[leaf])
+            if g is None
+            else g.reshape(jnp.shape(x)).astype(acc_dtypes[leaf])
+        )
+    loss_sum = jnp.sum(
+        jnp.where(keep, losses, 0), dtype=jnp.promote_types(losses.dtype, jnp.float32)
+    )
+    aux = [norm_rules.select_rows(a, keep) for a in aux]
+    return ChunkResult(loss_sum, aux, grads, jnp.where(padding, 0.0, norms))
+
+
+def _materialized(program, inputs, vals, inputs_of, tap_grads, leaf_inputs):
+    """Per-example gradients of the materialized leaves: each use's per-example gradient
+    at its parameter input, carried back to the leaves through the parameter side."""
+    analysis = program.analysis
+    positions = program.mat_positions
+    cotangents = []
+    for s, k in positions:
+        site = analysis.sites[s]
+        depth = len(site.lengths)
+
+        def one(inp, grads, site=site, k=k):
+            return norm_rules.Rule.per_example(site, [site.derived[k]], inp, grads)[0]
+
+        per_ex = _over_iterations(one, depth)(inputs_of(s), tap_grads[s])
+        cotangents.append(jnp.moveaxis(per_ex, depth, 0))
+    leaves = sorted(program.materialized)
+    wanted = frozenset(s for s, _ in positions)
+
+    def derived(mat: list[jax.Array]) -> list[jax.Array]:
+        values = vals({})
+        for leaf, x in zip(leaves, mat, strict=True):
+            values[leaf_inputs[leaf]] = replay.Val(DERIVED, x)
+        found = replay.run_derived(analysis, program.closed, values, wanted)
+        return [found[s][k] for s, k in positions]
+
+    _, pull = jax.vjp(derived, [inputs[leaf_inputs[leaf]] for leaf in leaves])
+    (per_leaf,) = jax.vmap(pull)(cotangents)
+    return dict(zip(leaves, per_leaf, strict=True))
+
+
+def _sum_lead(x: jax.Array, depth: int) -> jax.Array:
+    return jnp.sum(x, tuple(range(depth))) if depth else x
+
+
+def _broadcast(x: Any, n: int) -> jax.Array:
+    x = jnp.asarray(x)
+    return jnp.broadcast_to(x, (n, *x.shape))
