@@ -30,7 +30,7 @@ DRAWN_ARROWS = {
     "_window": {"_base", "_sharding"},
     "_batching": {"_base", "_sharding"},
     "_clipping": {"_base", "_window"},
-    "_privacy": {"_base", "_window"},
+    "_privacy": {"_base", "_sharding", "_window"},
     "flax": {"_base", "_sharding", "_window"},
 }
 MAX_MODULE_LINES = 800

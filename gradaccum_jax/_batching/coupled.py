@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from gradaccum_jax._base import compat, reduce_rules, trees, validation
 from gradaccum_jax._base.compat import varying_axes
 from gradaccum_jax._batching import combining, devices, embedding, nnx_modules, planning, splitting
+from gradaccum_jax._sharding import global_view
 
 # --- options ------------------------------------------------------------------
 
@@ -313,7 +314,7 @@ def _on_devices(
         seen.append((embedders, whole_shape))  # the towers' layout, read when tracing
         return reps
 
-    local = devices.on_each_device(embed_here, axes, (*args, kwargs), batch, split_out=True)
+    local = global_view.on_each_device(embed_here, axes, (*args, kwargs), batch, split_out=True)
     out, loss_grads, cotangents = _loss_and_cotangents(spec, *seen[0], (args[0],) * 2, local)
     dtypes = _dtypes(loss_grads, options)
     # fp8 metadata: the cotangents are the whole batch's, so each device's max is the
@@ -333,7 +334,7 @@ def _on_devices(
             lambda t, m: jax.lax.pmax(t, axes) if m else jax.lax.psum(t, axes), totals, max_mask
         )
 
-    sums = devices.on_each_device(
+    sums = global_view.on_each_device(
         pull_back_here, axes, (*args, kwargs, cotangents), (*batch, n + 1), split_out=False
     )
     grads = jax.tree.map(

@@ -10,24 +10,22 @@ Left to XLA's partitioner, a coupled step whose batch is split over a mesh
 reduces every micro-batch's parameter gradient in its second pass (the
 gradient of replicated params is replicated, so each vjp ends in an
 all-reduce). Where the batch's mesh axes are known (`batch_axes`), the step
-runs as its `axis_name` form under `jax.shard_map` instead (`on_each_device`):
+runs as its `axis_name` form under `jax.shard_map` instead
+(`_sharding/global_view.on_each_device`):
 each device sums its micro-batches' gradients, and one reduction follows.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._base import compat
 from gradaccum_jax._base.compat import pcast_to_varying, varying_axes
 from gradaccum_jax._batching import splitting
-
-_P = jax.sharding.PartitionSpec
+from gradaccum_jax._sharding import global_view
 
 
 def axis_size(axis_name: tuple[Any, ...]) -> int:
@@ -53,11 +51,6 @@ def varying_over(tree: Any, axis_name: tuple[Any, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def _spec_entries(leaf: Any) -> tuple[Any, ...]:
-    spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
-    return compat.partitions(spec) if spec is not None else ()
-
-
 def batch_axes(
     args: tuple[Any, ...], options: splitting._Options, counts: Any
 ) -> tuple[Any, ...] | None:
@@ -74,11 +67,15 @@ def batch_axes(
     mesh = jax.sharding.get_abstract_mesh()
     if options.carry_nums or mesh.empty or jax.sharding.AxisType.Manual in mesh.axis_types:
         return None
-    if any(e is not None for x in jax.tree_util.tree_leaves(args[0]) for e in _spec_entries(x)):
+    if any(
+        e is not None
+        for x in jax.tree_util.tree_leaves(args[0])
+        for e in global_view.spec_entries(x)
+    ):
         return None
     leaves = [leaf for j in options.batch_nums for leaf in jax.tree_util.tree_leaves(args[j])]
-    entries = {(_spec_entries(leaf) or (None,))[0] for leaf in leaves}
-    if any(e is not None for leaf in leaves for e in _spec_entries(leaf)[1:]):
+    entries = {(global_view.spec_entries(leaf) or (None,))[0] for leaf in leaves}
+    if any(e is not None for leaf in leaves for e in global_view.spec_entries(leaf)[1:]):
         return None
     if len(entries) == 1 and None not in entries:
         (entry,) = entries
@@ -103,34 +100,3 @@ def devices(axes: tuple[Any, ...] | None) -> int:
     """The number of devices over the mesh `axes` (1 for `None`)."""
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if axes is None else math.prod(mesh.shape[a] for a in axes)
-
-
-def on_each_device(
-    run: Callable[..., Any],
-    axes: tuple[Any, ...],
-    args: tuple[Any, ...],
-    split_nums: Any,
-    *,
-    split_out: bool,
-) -> Any:
-    """`run(*local_args)` on each device under `jax.shard_map` over the context mesh.
-
-    Arrays in the arguments at `split_nums` are split over `axes` (their
-    leading axis), other arrays are passed whole, and what is not an array is
-    passed as it is. With `split_out` the outputs are joined along their leading
-    axis; else they must be typed invariant over `axes`, and are replicated.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    positions = [j for j, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
-    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-    in_specs = tuple(_P(axes) if positions[i] in split_nums else _P() for i in arrays)
-
-    def one_device(*local: Any) -> Any:
-        local_leaves = list(leaves)
-        for i, x in zip(arrays, local, strict=True):
-            local_leaves[i] = x
-        return run(*jax.tree_util.tree_unflatten(treedef, local_leaves))
-
-    out_specs = _P(axes) if split_out else _P()
-    mapped = jax.shard_map(one_device, in_specs=in_specs, out_specs=out_specs)
-    return mapped(*(leaves[i] for i in arrays))

@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._base import compat, trees, validation
-from gradaccum_jax._privacy import fast
+from gradaccum_jax._privacy import fast, modules
 from gradaccum_jax._privacy.window import mark_clip_norm
+from gradaccum_jax._sharding import global_view
 
 
 class ClippedGradFn:
@@ -55,7 +56,17 @@ class ClippedGradFn:
     def __call__(
         self, *args: Any, is_padding_example: jax.typing.ArrayLike | None = None, **kwargs
     ):
-        return _clipped_sums(self._options, args, kwargs, is_padding_example)
+        found = modules.module_positions(args, self._options.diff)
+        if not found:
+            return _clipped_sums(self._options, args, kwargs, is_padding_example)
+        options, split = _split_modules(self._options, args, found)
+        out = _clipped_sums(options, split.args, kwargs, is_padding_example)
+        one = tuple(
+            jax.tree.map(lambda x: x[:1], a) if i in options.batched else a
+            for i, a in enumerate(split.args)
+        )
+        split.finish(one, kwargs)
+        return out
 
     def plan(self, *args: Any, **kwargs: Any) -> fast.ClippingPlan:
         """How each differentiated leaf's per-example norms are found, for these arguments.
@@ -67,20 +78,24 @@ class ClippedGradFn:
             A `ClippingPlan`: one `LeafPlan` per differentiated leaf (its path, its
             `method` and the primitives where it meets the batch); printed, a table.
         """
-        found: list[fast.ClippingPlan] = []
+        plans: list[fast.ClippingPlan] = []
 
         def trace(args: tuple[Any, ...]) -> None:
             options = self._options
+            positions = modules.module_positions(args, options.diff)
+            if positions:
+                options, split = _split_modules(options, args, positions)
+                args = split.args
             _batch_size(args, options.batched)
             if options.method == "per_example":
                 leaves = jax.tree_util.tree_leaves_with_path([args[i] for i in options.diff])
-                plans = [fast.LeafPlan(_path(options, p), "per_example") for p, _ in leaves]
-                found.append(fast.ClippingPlan(plans))
+                per_leaf = [fast.LeafPlan(_path(options, p), "per_example") for p, _ in leaves]
+                plans.append(fast.ClippingPlan(per_leaf))
             else:
-                found.append(fast.ClippingPlan(_program(options, args, kwargs).program.leaves))
+                plans.append(fast.ClippingPlan(_program(options, args, kwargs).program.leaves))
 
         jax.eval_shape(trace, args)
-        return found[0]
+        return plans[0]
 
     def __repr__(self) -> str:
         name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))
@@ -277,12 +292,55 @@ def clipped_grad(
 _METHODS = ("fast", "per_example")
 
 
+def _split_modules(
+    options: _Options, args: tuple[Any, ...], found: tuple[int, ...]
+) -> tuple[_Options, modules.Split]:
+    """The options and arguments of a call whose `flax.nnx` modules are split
+    (`modules.py`): their params differentiated, the examples' indices a batch argument."""
+    split = modules.split(options.loss_fn, args, found, _batch_size(args, options.batched))
+    value_and_grad = jax.value_and_grad(
+        split.loss_fn, argnums=options.argnums, has_aux=options.has_aux
+    )
+    batched = (*options.batched, split.index_at)
+    return options._replace(
+        loss_fn=split.loss_fn, value_and_grad=value_and_grad, batched=batched
+    ), split
+
+
 def _clipped_sums(
     options: _Options, args: tuple[Any, ...], kwargs: dict[str, Any], is_padding_example: Any
 ) -> Any:
-    """A call of a `ClippedGradFn`: the chunks' sums, added over the chunks."""
+    """A call of a `ClippedGradFn`: the chunks' sums, added over the chunks (and over the
+    devices, where a global-view batch is split over Explicit mesh axes)."""
     n = _batch_size(args, options.batched)
     padding = _padding_mask(is_padding_example, n)
+    keys = None
+    if options.prng_argnum is not None:
+        keys = jax.random.split(args[options.prng_argnum], n)
+    axes = _explicit_batch_axes(args, options.batched)
+    if axes is None:
+        loss_sum, grad_sum, aux, norms = _local_sums(options, args, kwargs, padding, keys)
+    else:
+        loss_sum, grad_sum, aux, norms = _sums_on_each_device(
+            options, args, kwargs, padding, keys, axes
+        )
+    # dp_accumulate, given these leaves in the same trace, checks its noise uses this C.
+    mark_clip_norm(grad_sum, options.clip)
+    out: tuple[Any, ...] = (loss_sum, grad_sum)
+    if options.has_aux:
+        out = ((loss_sum, aux), grad_sum)
+    return (*out, norms) if options.return_grad_norms else out
+
+
+def _local_sums(
+    options: _Options,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    padding: jax.Array,
+    keys: jax.Array | None,
+) -> tuple[Any, Any, Any, jax.Array]:
+    """`(loss_sum, grad_sum, aux, norms)` of the examples this device sees."""
+    n = padding.shape[0]
     # Inside shard_map the scan carry and both branches of the cond must have one type:
     # everything varies along the mesh axes that any input varies along.
     axes = frozenset().union(*map(compat.varying_axes, jax.tree.leaves((args, padding))))
@@ -296,20 +354,80 @@ def _clipped_sums(
     args = tuple(vary(arg) if i in options.diff else arg for i, arg in enumerate(args))
     chunks = _num_chunks(options.chunking, n)
     mapped = {i: args[i] for i in options.batched}
-    if options.prng_argnum is not None:
-        mapped[options.prng_argnum] = jax.random.split(args[options.prng_argnum], n)
+    if keys is not None and options.prng_argnum is not None:
+        mapped[options.prng_argnum] = keys
     if options.method == "per_example":
         per_chunk = _per_example_chunk(options, args, kwargs)
     else:
         per_chunk = _fast_chunk(options, args, kwargs, vary)
     xs = (_chunked(mapped, chunks), padding.reshape(chunks, n // chunks))
     loss_sum, grad_sum, aux, norms = _over_chunks(per_chunk, xs, vary)
-    # dp_accumulate, given these leaves in the same trace, checks its noise uses this C.
-    mark_clip_norm(grad_sum, options.clip)
-    out: tuple[Any, ...] = (loss_sum, grad_sum)
-    if options.has_aux:
-        out = ((loss_sum, jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), aux)), grad_sum)
-    return (*out, norms.reshape(n)) if options.return_grad_norms else out
+    aux = jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), aux)
+    return loss_sum, grad_sum, aux, norms.reshape(n)
+
+
+def _explicit_batch_axes(args: tuple[Any, ...], batched: tuple[int, ...]) -> tuple | None:
+    """The Explicit mesh axes a global-view batch is split over (`None` where it is not).
+
+    Per-example work must not mix devices, and `vmap` and the chunks' reshape do not
+    take a batch axis sharded in the type: such a call runs on each device instead.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or jax.sharding.AxisType.Manual in mesh.axis_types:
+        return None
+    leaves = [(i, p, x) for i in batched for p, x in jax.tree_util.tree_leaves_with_path(args[i])]
+    entries = {(global_view.spec_entries(x) or (None,))[0] for _, _, x in leaves}
+    if entries == {None}:
+        return None
+    where = {
+        f"argument {i}{jax.tree_util.keystr(p)}": global_view.spec_entries(x) for i, p, x in leaves
+    }
+    if len(entries) > 1 or any(any(e is not None for e in spec[1:]) for spec in where.values()):
+        raise ValueError(
+            "clipped_grad under global-view jit takes a batch split over mesh axes on its "
+            "leading (example) axis only, every batch argument alike; got the shardings "
+            f"{where}. Reshard them alike, e.g. jax.reshard(x, P('data'))."
+        )
+    (entry,) = entries
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _sums_on_each_device(
+    options: _Options,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    padding: jax.Array,
+    keys: jax.Array | None,
+    axes: tuple[Any, ...],
+) -> tuple[Any, Any, Any, jax.Array]:
+    """`_local_sums` on each device of the batch's mesh axes, under `jax.shard_map`: the
+    sums added over the devices (replicated), aux and norms split like the batch. The
+    other arrays (the parameters) are replicated first."""
+    split = compat.reshard
+    args = tuple(
+        split(a, _P(axes))
+        if i in options.batched
+        else jax.tree.map(lambda x: split(x, _P()), a)
+        if i in options.diff
+        else a
+        for i, a in enumerate(args)
+    )
+    padding = split(padding, _P(axes))
+    keys = None if keys is None else split(keys, _P(axes))
+
+    def run(*call: Any) -> Any:
+        *local, pad, local_keys = call
+        loss_sum, grad_sum, aux, norms = _local_sums(options, tuple(local), kwargs, pad, local_keys)
+        return jax.lax.psum((loss_sum, grad_sum), axes), (aux, norms)
+
+    splits = {*options.batched, len(args), len(args) + 1}
+    sums, (aux, norms) = global_view.on_each_device(
+        run, axes, (*args, padding, keys), splits, split_out=(False, True)
+    )
+    return sums[0], sums[1], aux, norms
+
+
+_P = jax.sharding.PartitionSpec
 
 
 def _over_chunks(per_chunk: Callable, xs: Any, vary: Callable) -> Any:

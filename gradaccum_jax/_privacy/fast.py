@@ -207,8 +207,9 @@ def _placeholders(site: graph.Site, n: int) -> list[Any]:
 def _site_inputs(
     site: graph.Site, exports: list[Any], params: list[Any] | None, vary: Any
 ) -> list[Any]:
-    """A site's inputs, per iteration of its scans: exported values, literals, and the
-    parameter inputs (zeros where the rule is linear and does not read them)."""
+    """A site's inputs, stacked over the iterations of its scans: exported values,
+    literals (not stacked), and the parameter inputs (zeros where the rule is linear
+    and does not read them)."""
     exported = iter(exports)
     given = iter(params) if params is not None else None
     out = []
@@ -217,7 +218,7 @@ def _site_inputs(
             out.append(
                 next(given)
                 if given is not None
-                else vary(jnp.zeros(var.aval.shape, var.aval.dtype))
+                else vary(jnp.zeros((*site.lengths, *var.aval.shape), var.aval.dtype))
             )
         elif norm_rules.is_literal(var):
             out.append(var.val)
@@ -227,10 +228,19 @@ def _site_inputs(
 
 
 def _over_iterations(fn: Any, depth: int) -> Any:
-    """`fn` mapped over the `depth` leading (scan iteration) axes of its array inputs."""
-    for _ in range(depth):
-        fn = jax.vmap(fn)
-    return fn
+    """`fn` mapped over the `depth` leading (scan iteration) axes of its array inputs
+    (a literal, a Python or NumPy scalar, is the same in every iteration)."""
+    if not depth:
+        return fn
+
+    def mapped(*args: Any) -> Any:
+        in_axes = jax.tree.map(lambda x: 0 if isinstance(x, jax.Array) else None, args)
+        inner = fn
+        for _ in range(depth):
+            inner = jax.vmap(inner, in_axes=in_axes)
+        return inner(*args)
+
+    return mapped
 
 
 class ChunkResult(NamedTuple):
@@ -265,126 +275,153 @@ def run(
             differentiated, and the gradient of a value replicated over the devices
             would be summed over them.
     """
-    layout, analysis = program.layout, program.analysis
-    n = padding.shape[0]
-    leaf_inputs = {leaf: i for i, leaf in enumerate(layout.leaf_of) if leaf is not None}
-    copies = {
-        leaf: jnp.broadcast_to(inputs[i], (n, *jnp.shape(inputs[i])))
-        for leaf, i in leaf_inputs.items()
-        if leaf in program.per_example
-    }
-    wanted = program.wanted()
-    taps0 = vary(
-        {
-            s: [None if t is None else jnp.zeros(t.shape, t.dtype) for t in shapes]
-            for s, shapes in replay.tap_shapes(analysis, n).items()
-        }
-    )
-
-    def vals(copied: dict[int, jax.Array]) -> list[replay.Val]:
-        out = []
-        for i, (kind, leaf) in enumerate(zip(layout.kinds, layout.leaf_of, strict=True)):
-            if leaf in copied:
-                out.append(replay.Val(BATCHED, copied[leaf]))
-            elif leaf is not None and jnp.issubdtype(jnp.result_type(inputs[i]), jnp.inexact):
-                out.append(replay.Val(DERIVED, inputs[i]))
-            else:
-                out.append(replay.Val(kind if leaf is None else CONST, inputs[i]))
-        return out
-
-    clean = program.clean()
-
-    def forward(taps: Any, copied: dict[int, jax.Array]) -> Any:
-        outs, exports, params = replay.run_batched(
-            analysis, program.closed, vals(copied), taps, n=n, wanted=wanted, clean=clean
-        )
-        values = [o.value if o.kind == BATCHED else _broadcast(o.value, n) for o in outs]
-        return values[0], (values[1:], exports, params)
-
-    losses, backward, (aux, exports, params) = jax.vjp(forward, taps0, copies, has_aux=True)
-    tap_grads, copy_grads = backward(jnp.ones_like(losses))
-    site_of = analysis.sites
-
-    def inputs_of(s: int) -> list[Any]:
-        return _site_inputs(site_of[s], exports[s][0], params.get(s), vary)
-
-    norm_dtype = functools.reduce(
-        jnp.promote_types,
-        [jnp.float32, *(jnp.result_type(inputs[i]) for i in leaf_inputs.values())],
-    )
-    norms_sq = jnp.zeros(n, norm_dtype)
-    fast_cache: dict[int, Any] = {}
-    for leaf, (s, k) in program.fast.items():
-        site = site_of[s]
-        position = site.derived[k]
-        rule = norm_rules.rule_for(site, position)
-
-        def norm(inp: list[Any], grads: list[Any], rule=rule, site=site, position=position):
-            _, sq, per_ex = rule.norm_sq(site, position, inp, grads)
-            return sq, per_ex
-
-        sq, per_ex = _over_iterations(norm, len(site.lengths))(inputs_of(s), tap_grads[s])
-        fast_cache[leaf] = per_ex
-        norms_sq = norms_sq + _sum_lead(sq, len(site.lengths)).astype(norm_dtype)
-    per_example_grads: dict[int, jax.Array] = {}
-    if program.materialized:
-        per_example_grads.update(
-            _materialized(program, inputs, vals, inputs_of, tap_grads, leaf_inputs)
-        )
-    per_example_grads.update(copy_grads)
-    for g in per_example_grads.values():
-        g = g.astype(norm_rules.wide(g.dtype))
-        norms_sq = norms_sq + jnp.sum(jnp.square(g.reshape(n, -1)), 1).astype(norm_dtype)
-    keep = ~padding & jnp.isfinite(losses) & jnp.isfinite(norms_sq)
-    for s in clean:
-        finite = exports[s][1]
-        if finite is not None:
-            keep = keep & jnp.all(finite.reshape(-1, n), 0)
+    chunk = _Chunk(program, inputs, padding.shape[0], vary)
+    norms_sq, per_example = chunk.norms_sq()
+    keep = ~padding & jnp.isfinite(chunk.losses) & jnp.isfinite(norms_sq) & chunk.finite()
     norms = jnp.sqrt(norms_sq)
     factor = jnp.where(keep, jnp.minimum(1.0, clip / norms), 0.0)
-    grads: list[Any] = [None] * layout.n_leaves
-
-    def fast_sums(select_inputs: bool) -> dict[int, jax.Array]:
-        sums = {}
-        for leaf, (s, k) in program.fast.items():
-            site = site_of[s]
-            position = site.derived[k]
-            rule = norm_rules.rule_for(site, position)
-
-            def total(inp, grads_, per_ex, rule=rule, site=site, position=position):
-                return rule.weighted_sum(
-                    site, position, inp, grads_, factor, keep, per_ex, select_inputs
-                )
-
-            summed = _over_iterations(total, len(site.lengths))(
-                inputs_of(s), tap_grads[s], fast_cache[leaf]
-            )
-            sums[leaf] = norm_rules.transpose_chain(summed, site.origins[k].chain)
-        return sums
-
-    sums = fast_sums(select_inputs=False)
-    for leaf, summed in sums.items():
-        grads[leaf] = summed
-    for leaf, g in per_example_grads.items():
-        grads[leaf] = norm_rules.clipped_total(g, factor, keep)
-    for leaf, i in leaf_inputs.items():
-        x = inputs[i]
-        g = grads[leaf]
+    grads = chunk.sums(factor, keep, per_example)
+    for leaf, i in chunk.leaf_inputs.items():
+        shape = jnp.shape(inputs[i])
+        g = grads.get(leaf)
         grads[leaf] = (
-            jnp.zeros(jnp.shape(x), acc_dtypes[leaf])
+            jnp.zeros(shape, acc_dtypes[leaf])
             if g is None
-            else g.reshape(jnp.shape(x)).astype(acc_dtypes[leaf])
+            else g.reshape(shape).astype(acc_dtypes[leaf])
         )
+    losses = chunk.losses
     loss_sum = jnp.sum(
         jnp.where(keep, losses, 0), dtype=jnp.promote_types(losses.dtype, jnp.float32)
     )
-    aux = [norm_rules.select_rows(a, keep) for a in aux]
-    return ChunkResult(loss_sum, aux, grads, jnp.where(padding, 0.0, norms))
+    aux = [norm_rules.select_rows(a, keep) for a in chunk.aux]
+    ordered = [grads[leaf] for leaf in range(program.layout.n_leaves)]
+    return ChunkResult(loss_sum, aux, ordered, jnp.where(padding, 0.0, norms))
 
 
-def _materialized(program, inputs, vals, inputs_of, tap_grads, leaf_inputs):
+class _Chunk:
+    """One chunk's forward and backward pass, and what the norms and sums read of them."""
+
+    def __init__(self, program: Program, inputs: Sequence[Any], n: int, vary: Any):
+        self.program, self.inputs, self.n, self.vary = program, inputs, n, vary
+        layout, analysis = program.layout, program.analysis
+        self.leaf_inputs = {leaf: i for i, leaf in enumerate(layout.leaf_of) if leaf is not None}
+        copies = {
+            leaf: jnp.broadcast_to(inputs[i], (n, *jnp.shape(inputs[i])))
+            for leaf, i in self.leaf_inputs.items()
+            if leaf in program.per_example
+        }
+        taps = vary(
+            {
+                s: [None if t is None else jnp.zeros(t.shape, t.dtype) for t in shapes]
+                for s, shapes in replay.tap_shapes(analysis, n).items()
+            }
+        )
+        self.clean = program.clean()
+        wanted = program.wanted()
+
+        def forward(taps: Any, copied: dict[int, jax.Array]) -> Any:
+            outs, exports, params = replay.run_batched(
+                analysis,
+                program.closed,
+                self.values(copied),
+                taps,
+                n=n,
+                wanted=wanted,
+                clean=self.clean,
+            )
+            values = [o.value if o.kind == BATCHED else _broadcast(o.value, n) for o in outs]
+            return values[0], (values[1:], exports, params)
+
+        self.losses, backward, (self.aux, self.exports, self.params) = jax.vjp(
+            forward, taps, copies, has_aux=True
+        )
+        self.tap_grads, self.copy_grads = backward(jnp.ones_like(self.losses))
+        self.per_leaf: dict[int, Any] = {}  # what a fast leaf's norm left for its sum
+
+    def values(self, copied: dict[int, Any]) -> list[replay.Val]:
+        """The program's inputs as values of their kinds; `copied` leaves batched."""
+        out = []
+        layout = self.program.layout
+        for i, (kind, leaf) in enumerate(zip(layout.kinds, layout.leaf_of, strict=True)):
+            x = self.inputs[i]
+            if leaf in copied:
+                out.append(replay.Val(BATCHED, copied[leaf]))
+            elif leaf is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+                out.append(replay.Val(DERIVED, x))
+            else:
+                out.append(replay.Val(kind if leaf is None else CONST, x))
+        return out
+
+    def site_inputs(self, s: int) -> list[Any]:
+        site = self.program.analysis.sites[s]
+        return _site_inputs(site, self.exports[s][0], self.params.get(s), self.vary)
+
+    def finite(self) -> jax.Array:
+        """Per example: were the inputs of every cleaned site finite?"""
+        ok = jnp.ones(self.n, bool)
+        for s in self.clean:
+            flags = self.exports[s][1]
+            if flags is not None:
+                ok = ok & jnp.all(flags.reshape(-1, self.n), 0)
+        return ok
+
+    def norms_sq(self) -> tuple[jax.Array, dict[int, jax.Array]]:
+        """Each example's squared gradient norm, and the per-example gradients of the
+        materialized and per-example leaves."""
+        norm_dtype = functools.reduce(
+            jnp.promote_types,
+            [jnp.float32, *(jnp.result_type(self.inputs[i]) for i in self.leaf_inputs.values())],
+        )
+        total = jnp.zeros(self.n, norm_dtype)
+        for leaf, (s, k) in self.program.fast.items():
+            site = self.program.analysis.sites[s]
+            position = site.derived[k]
+            rule = norm_rules.rule_for(site, position)
+
+            def norm(inp: list[Any], grads: list[Any], rule=rule, site=site, position=position):
+                _, sq, per_ex = rule.norm_sq(site, position, inp, grads)
+                return sq, per_ex
+
+            sq, self.per_leaf[leaf] = _over_iterations(norm, len(site.lengths))(
+                self.site_inputs(s), self.tap_grads[s]
+            )
+            total = total + _sum_lead(sq, len(site.lengths)).astype(norm_dtype)
+        per_example: dict[int, jax.Array] = {}
+        if self.program.materialized:
+            per_example.update(_materialized(self))
+        per_example.update(self.copy_grads)
+        for g in per_example.values():
+            g = g.astype(norm_rules.wide(g.dtype))
+            total = total + jnp.sum(jnp.square(g.reshape(self.n, -1)), 1).astype(norm_dtype)
+        return total, per_example
+
+    def sums(
+        self, factor: jax.Array, keep: jax.Array, per_example: dict[int, jax.Array]
+    ) -> dict[int, jax.Array]:
+        """Each leaf's clipped sum: book-keeping for the fast leaves, the per-example
+        gradients' weighted sum for the others."""
+        sums = {}
+        for leaf, (s, k) in self.program.fast.items():
+            site = self.program.analysis.sites[s]
+            position = site.derived[k]
+            rule = norm_rules.rule_for(site, position)
+
+            def total(inp, grads, per_ex, rule=rule, site=site, position=position):
+                return rule.weighted_sum(site, position, inp, grads, factor, keep, per_ex)
+
+            summed = _over_iterations(total, len(site.lengths))(
+                self.site_inputs(s), self.tap_grads[s], self.per_leaf[leaf]
+            )
+            sums[leaf] = norm_rules.transpose_chain(summed, site.origins[k].chain or ())
+        for leaf, g in per_example.items():
+            sums[leaf] = norm_rules.clipped_total(g, factor, keep)
+        return sums
+
+
+def _materialized(chunk: _Chunk) -> dict[int, jax.Array]:
     """Per-example gradients of the materialized leaves: each use's per-example gradient
     at its parameter input, carried back to the leaves through the parameter side."""
+    program = chunk.program
     analysis = program.analysis
     positions = program.mat_positions
     cotangents = []
@@ -395,19 +432,21 @@ def _materialized(program, inputs, vals, inputs_of, tap_grads, leaf_inputs):
         def one(inp, grads, site=site, k=k):
             return norm_rules.Rule.per_example(site, [site.derived[k]], inp, grads)[0]
 
-        per_ex = _over_iterations(one, depth)(inputs_of(s), tap_grads[s])
+        per_ex = _over_iterations(one, depth)(chunk.site_inputs(s), chunk.tap_grads[s])
         cotangents.append(jnp.moveaxis(per_ex, depth, 0))
     leaves = sorted(program.materialized)
     wanted = frozenset(s for s, _ in positions)
 
     def derived(mat: list[jax.Array]) -> list[jax.Array]:
-        values = vals({})
+        # The per-example leaves are batch inputs to the program (their kinds must be
+        # the analysis'); the parameter side does not read them.
+        values = chunk.values(dict.fromkeys(program.per_example))
         for leaf, x in zip(leaves, mat, strict=True):
-            values[leaf_inputs[leaf]] = replay.Val(DERIVED, x)
+            values[chunk.leaf_inputs[leaf]] = replay.Val(DERIVED, x)
         found = replay.run_derived(analysis, program.closed, values, wanted)
         return [found[s][k] for s, k in positions]
 
-    _, pull = jax.vjp(derived, [inputs[leaf_inputs[leaf]] for leaf in leaves])
+    _, pull = jax.vjp(derived, [chunk.inputs[chunk.leaf_inputs[leaf]] for leaf in leaves])
     (per_leaf,) = jax.vmap(pull)(cotangents)
     return dict(zip(leaves, per_leaf, strict=True))
 

@@ -94,12 +94,15 @@ class Origin:
     shared: bool = False
 
 
+_NO_ORIGIN = Origin(frozenset(), None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Abstract:
-    """A value as the analysis sees it: its kind, and its origin when `DERIVED`."""
+    """A value as the analysis sees it: its kind, and its origin (read when `DERIVED`)."""
 
     kind: str
-    origin: Origin | None = None
+    origin: Origin = _NO_ORIGIN
     is_float: bool = True
 
 

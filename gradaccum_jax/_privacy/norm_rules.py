@@ -95,11 +95,8 @@ class Rule:
         weights: jax.Array,
         keep: jax.Array,
         per_example: jax.Array | None,
-        select_inputs: bool = True,
     ) -> jax.Array:
-        """`sum_i weights_i dW_i` at `position`, in float32 or wider (see
-        `BookKeepingRule` for `select_inputs`)."""
-        del select_inputs
+        """`sum_i weights_i dW_i` at `position`, in float32 or wider."""
         if per_example is None:
             per_example = self.per_example(site, [position], inputs, grads)[0]
         return clipped_total(per_example, weights, keep)
@@ -138,7 +135,7 @@ class LinearRule(Rule):
     linear = True
 
 
-def _f32_bind(site: graph.Site, values: list[Any]) -> list[Any]:
+def _f32_bind(site: graph.Site, values: Sequence[Any]) -> list[Any]:
     """The site's equation on `values`, computing in float32 where it was 16-bit."""
     params = dict(site.eqn.params)
     preferred = params.get("preferred_element_type")
@@ -150,28 +147,22 @@ def _f32_bind(site: graph.Site, values: list[Any]) -> list[Any]:
 class BookKeepingRule(Rule):
     """A rule whose clipped sum is one contraction of `A` with `w * G`.
 
-    The rows of `w * G` of dropped examples are zeros; with `select_inputs` those of
-    `A` are too. Without it (the fast path's choice) the contraction reads `A` as it
-    is, which is exact when `A` holds no NaN or infinity: the batched program cleans
-    the inputs of these sites and drops the examples it cleaned (`replay._cleaned`),
-    sparing a copy of every `A`.
+    The rows of `w * G` of dropped examples are zeros. `A` is read as it is, which is
+    exact because it holds no NaN or infinity: the batched program cleans the inputs
+    of these sites and drops the examples it cleaned (`replay._cleaned`). Selecting
+    the rows of `A` instead would copy every `A`.
     """
 
     linear = True
 
-    def weighted_sum(
-        self, site, position, inputs, grads, weights, keep, per_example, select_inputs=True
-    ):
+    def weighted_sum(self, site, position, inputs, grads, weights, keep, per_example):
         del per_example
         batched = [k == graph.BATCHED for k in site.kinds]
 
-        def prepared(x: Any, b: bool) -> Any:
-            if not (b and _is_float(x)):
-                return x
-            x = x.astype(wide(x.dtype))
-            return select_rows(x, keep) if select_inputs else x
-
-        values = [prepared(x, b) for x, b in zip(inputs, batched, strict=True)]
+        values = [
+            x.astype(wide(x.dtype)) if b and _is_float(x) else x
+            for x, b in zip(inputs, batched, strict=True)
+        ]
         (float_out,) = [i for i, g in enumerate(grads) if g is not None]
         g = grads[float_out]
         cot = select_rows(g.astype(wide(g.dtype)) * _column(weights, g), keep)
@@ -231,14 +222,9 @@ class DotGeneralRule(BookKeepingRule):
         per_layer = jnp.einsum("nbti,nbto->nbio", a, g)
         return "layer", jnp.sum(jnp.square(per_layer), (1, 2, 3)), None
 
-    def weighted_sum(
-        self, site, position, inputs, grads, weights, keep, per_example, select_inputs=True
-    ):
+    def weighted_sum(self, site, position, inputs, grads, weights, keep, per_example):
         del per_example
-        other = inputs[1 - position]
-        if select_inputs:
-            other = select_rows(other, keep)
-        a, g = self._canonical(site, position, other, grads[0])
+        a, g = self._canonical(site, position, inputs[1 - position], grads[0])
         cot = select_rows(g * _column(weights, g), keep)
         # The product made in the (examples, T)-major layout of `cot`, a fresh buffer
         # whose layout XLA is free to choose, rather than of `A`, which it would copy.
@@ -254,7 +240,7 @@ class DotGeneralRule(BookKeepingRule):
         free = [d for d in range(len(shape)) if d not in (*contract, *batch)]
         order = [*batch, *contract, *free]
         total = total.reshape([shape[d] for d in order])
-        return jnp.transpose(total, np.argsort(order))
+        return jnp.transpose(total, [int(d) for d in np.argsort(order)])
 
     @staticmethod
     def _canonical(
@@ -365,17 +351,13 @@ class ConvRule(BookKeepingRule):
         per_layer = jnp.einsum("ntgi,ntgo->ngio", a, g)
         return "layer", jnp.sum(jnp.square(per_layer), (1, 2, 3)), None
 
-    def weighted_sum(
-        self, site, position, inputs, grads, weights, keep, per_example, select_inputs=True
-    ):
+    def weighted_sum(self, site, position, inputs, grads, weights, keep, per_example):
         # The convolution of the whole chunk, its examples in the batch dimension: XLA
         # runs its kernel gradient as it runs the non-private one (mapped over the
         # examples, it picks a layout several times slower on a CPU).
         del per_example
         dn = site.eqn.params["dimension_numbers"]
         x = inputs[0].astype(wide(inputs[0].dtype))
-        if select_inputs:
-            x = select_rows(x, keep)
         g = grads[0].astype(wide(grads[0].dtype))
         cot = select_rows(g * _column(weights, g), keep)
         x, cot = _into_batch(x, dn.lhs_spec[0]), _into_batch(cot, dn.out_spec[0])
@@ -457,8 +439,8 @@ def transpose_chain(total: jax.Array, chain: Sequence[graph.Step]) -> jax.Array:
         lead = total.shape[:depth]
         params = dict(step.params)
         if step.primitive == "transpose":
-            inverse = np.argsort(params["permutation"])
-            total = jnp.transpose(total, [*range(depth), *(depth + int(d) for d in inverse)])
+            inverse = [int(d) for d in np.argsort(params["permutation"])]
+            total = jnp.transpose(total, [*range(depth), *(depth + d for d in inverse)])
         elif step.primitive == "rev":
             total = jnp.flip(total, [depth + d for d in params["dimensions"]])
         else:  # reshape-like, or a change of dtype: the entries stay in order

@@ -261,7 +261,7 @@ class _Replay:
         return Val(kind, v.value)
 
 
-def _cleaned(ins: list[Val]) -> tuple[list[Val], jax.Array]:
+def _cleaned(ins: list[Val]) -> tuple[list[Val], jax.Array | None]:
     """The site's batched floating-point inputs with every NaN and infinity replaced by
     zero, and a flag per example: were its inputs all finite?
 

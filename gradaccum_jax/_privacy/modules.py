@@ -1,0 +1,132 @@
+"""`flax.nnx` modules passed straight to `clipped_grad`.
+
+A module at a differentiated position is split into its `nnx.Param` state, which
+is differentiated (the clipped sum comes back as an `nnx.State` of the params, as
+`nnx.grad` gives it), its random streams' state (`nnx.Rngs`, the streams of
+`nnx.Dropout`), and the rest. Each example gets the module as it is, with the keys
+of its streams folded with the example's index: each example draws its own dropout
+mask, from the module's keys and its own index alone, never from another example.
+After the call the streams' counts move on as after one call of the module, so the
+next call draws new masks.
+
+The rest must come out of an example's loss as it went in: a per-example loss sees
+a batch of one, and BatchNorm statistics gathered from it mean nothing. flax is
+looked up only if the caller imported it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Split(NamedTuple):
+    """`clipped_grad`'s loss and arguments with the modules split.
+
+    Attributes:
+        loss_fn: The loss on plain pytrees: the params at the modules' positions, the
+            modules' other state appended after the arguments, then the example's
+            index (a batch argument).
+        args: The arguments so arranged.
+        index_at: The position of the examples' indices.
+        finish: Writes the streams' new counts back into the modules; takes the
+            arguments of one example (batch arguments of leading size 1).
+    """
+
+    loss_fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    index_at: int
+    finish: Callable[[tuple[Any, ...], dict[str, Any]], None]
+
+
+def module_positions(args: tuple[Any, ...], diff: tuple[int, ...]) -> tuple[int, ...]:
+    """The differentiated positions that hold a `flax.nnx.Module`."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return ()
+    return tuple(i for i in diff if i < len(args) and isinstance(args[i], nnx.Module))
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def split(
+    loss_fn: Callable[..., Any], args: tuple[Any, ...], modules: tuple[int, ...], n: int
+) -> Split:
+    """Splits the modules at `modules` (see the module docstring) for a batch of `n`."""
+    nnx = sys.modules["flax.nnx"]
+    parts = {i: nnx.split(args[i], nnx.Param, nnx.RngState, ...) for i in modules}
+    state_at = len(args)
+
+    def merged(call_args: list[Any], states: dict, index: jax.Array) -> dict[int, Any]:
+        models = {}
+        for i, (graphdef, *_) in parts.items():
+            streams, rest = states[i]
+            streams = jax.tree.map(
+                lambda x: jax.random.fold_in(x, index) if _is_key(x) else x, streams
+            )
+            models[i] = nnx.merge(graphdef, call_args[i], streams, rest, copy=True)
+        return models
+
+    def pure_loss(*pure_args: Any, **kwargs: Any) -> Any:
+        *call_args, states, index = pure_args
+        models = merged(call_args, states, index[0])
+        for i, model in models.items():
+            call_args[i] = model
+        out = loss_fn(*call_args, **kwargs)
+        for i, model in models.items():
+            after = nnx.state(model, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
+            _check_unchanged(i, states[i][1], after)
+        return out
+
+    def finish(example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # The streams' counts after one example's call (each example moves them alike);
+        # the keys stay the module's own: a stream moves its count, never its key.
+        *call_args, states, index = example
+        models = merged(call_args, states, index[0])
+        for i, model in models.items():
+            call_args[i] = model
+        loss_fn(*call_args, **kwargs)
+        for i, model in models.items():
+            counts = nnx.state(model, nnx.RngState)
+            kept = jax.tree.map(lambda new, old: old if _is_key(old) else new, counts, parts[i][2])
+            nnx.update(args[i], kept)
+
+    pure_args = list(args)
+    for i, (_, params, _, _) in parts.items():
+        pure_args[i] = params
+    states = {i: (streams, rest) for i, (_, _, streams, rest) in parts.items()}
+    pure_args += [states, _example_indices(args, n)]
+    return Split(pure_loss, tuple(pure_args), state_at + 1, finish)
+
+
+def _example_indices(args: tuple[Any, ...], n: int) -> jax.Array:
+    """Each example's index: inside `jax.shard_map`, unique across the devices that the
+    arguments vary over (their keys are the same on every device)."""
+    from gradaccum_jax._base import compat
+
+    axes = sorted(frozenset().union(*map(compat.varying_axes, jax.tree.leaves(args))), key=str)
+    offset = jnp.uint32(0)
+    for name in axes:
+        offset = offset * jax.lax.psum(1, name) + jax.lax.axis_index(name).astype(jnp.uint32)
+    return offset * n + jnp.arange(n, dtype=jnp.uint32)
+
+
+def _check_unchanged(position: int, before: Any, after: Any) -> None:
+    """Refuses a module whose loss changed state other than its params and streams."""
+    old = dict(jax.tree_util.tree_leaves_with_path(before))
+    for path, value in jax.tree_util.tree_leaves_with_path(after):
+        if old.get(path, value) is not value:
+            raise TypeError(
+                f"clipped_grad got a flax.nnx module at argnums position {position} whose "
+                f"loss changes its state {jax.tree_util.keystr(path)} (BatchNorm statistics "
+                "in training mode, a cache, ...). Each example's loss sees a batch of one: "
+                "statistics gathered from it mean nothing, and would mix examples once "
+                "combined. Use LayerNorm or GroupNorm, or BatchNorm with "
+                "use_running_average=True, or keep that state outside the module."
+            )
