@@ -11,6 +11,8 @@ from gradaccum_jax import privacy
 
 N, D_IN, D_HID, D_OUT = 16, 5, 7, 3
 C = 0.5
+# The tests of the promises both ways of clipping keep, run on each.
+METHOD = pytest.mark.parametrize("method", ["fast", "per_example"])
 
 
 def NEEDS_JAX_PRIVACY(test):
@@ -68,12 +70,15 @@ def assert_tree_close(got, want, rtol, atol=0.0):
 @pytest.mark.parametrize(
     "chunks", [{}, {"num_microbatches": 4}, {"microbatch_size": 2}, {"microbatch_size": 16}]
 )
-def test_equals_vmap_grad_clip_sum_reference(chunks):
+@METHOD
+def test_equals_vmap_grad_clip_sum_reference(chunks, method):
     # float64, so that the comparison sees the rule and not the order of float32 sums.
     with x64():
         params, batch = init(jnp.float64), data(dtype=jnp.float64)
         keep = np.ones(N, bool)
-        loss_sum, grad_sum = jax.jit(privacy.clipped_grad(loss, C, **chunks))(params, batch)
+        loss_sum, grad_sum = jax.jit(privacy.clipped_grad(loss, C, **chunks, method=method))(
+            params, batch
+        )
         want_loss, want_grads = reference(params, batch, keep)
     np.testing.assert_allclose(loss_sum, want_loss, rtol=1e-6)
     assert_tree_close(grad_sum, want_grads, rtol=1e-6)
@@ -117,10 +122,11 @@ def test_float32_equals_jax_privacy_in_one_chunk():
     assert_tree_close(got, jax.tree.map(np.asarray, want), rtol=1e-6, atol=1e-7)
 
 
-def test_padding_contributes_exactly_zero():
+@METHOD
+def test_padding_contributes_exactly_zero(method):
     params, (x, y) = init(), data()
     padding = np.arange(N) >= 10
-    fn = jax.jit(privacy.clipped_grad(loss, C, microbatch_size=4))
+    fn = jax.jit(privacy.clipped_grad(loss, C, microbatch_size=4, method=method))
     loss_sum, grad_sum = fn(params, (x, y), is_padding_example=padding)
     want_loss, want = reference(params, (x, y), ~padding)
     np.testing.assert_allclose(loss_sum, want_loss, rtol=1e-6)
@@ -163,12 +169,13 @@ def loss_with_log(params, batch):
     return loss(params, batch) + jnp.sum(jnp.log(x[:, 0] + 10.0) * params["b1"][0])
 
 
-def test_non_finite_example_is_dropped_whole():
+@METHOD
+def test_non_finite_example_is_dropped_whole(method):
     params, (x, y) = init(), data()
     x = x.at[5, 0].set(-20.0)
     grads_5 = jax.grad(loss_with_log)(params, (x[5:6], y[5:6]))
     assert not np.isfinite(grads_5["b1"]).all() and np.isfinite(grads_5["w2"]).all()
-    fn = jax.jit(privacy.clipped_grad(loss_with_log, C, num_microbatches=2))
+    fn = jax.jit(privacy.clipped_grad(loss_with_log, C, num_microbatches=2, method=method))
     loss_sum, grad_sum = fn(params, (x, y))
     dropped = np.arange(N) == 5
     want_loss, want = fn(params, (x, y), is_padding_example=dropped)
@@ -191,11 +198,14 @@ def dropout_loss(params, key, batch):
     return jnp.mean((h @ params["w2"] - y) ** 2)
 
 
-def test_per_example_keys():
+@METHOD
+def test_per_example_keys(method):
     params, (x, y) = init(), data()
     key = jax.random.key(7)
     fn = jax.jit(
-        privacy.clipped_grad(dropout_loss, C, num_microbatches=4, batch_argnums=2, prng_argnum=1)
+        privacy.clipped_grad(
+            dropout_loss, C, num_microbatches=4, batch_argnums=2, prng_argnum=1, method=method
+        )
     )
     _, got = fn(params, key, (x, y))
     keys = jax.random.split(key, N)
@@ -225,14 +235,15 @@ def test_per_example_keys_equal_jax_privacy():
     assert_tree_close(got, jax.tree.map(np.asarray, want), rtol=1e-6, atol=1e-7)
 
 
-def test_has_aux_returns_per_example_aux():
+@METHOD
+def test_has_aux_returns_per_example_aux(method):
     def loss_aux(params, batch):
         value = loss(params, batch)
         return value, {"loss": value}
 
     params, batch = init(), data()
     padding = np.arange(N) >= 12
-    fn = jax.jit(privacy.clipped_grad(loss_aux, C, microbatch_size=4, has_aux=True))
+    fn = jax.jit(privacy.clipped_grad(loss_aux, C, microbatch_size=4, has_aux=True, method=method))
     (loss_sum, aux), grad_sum = fn(params, batch, is_padding_example=padding)
     want_loss, want = reference(params, batch, ~padding)
     assert aux["loss"].shape == (N,)
@@ -242,13 +253,14 @@ def test_has_aux_returns_per_example_aux():
     assert_tree_close(grad_sum, want, rtol=1e-5, atol=1e-6)
 
 
-def test_bfloat16_gradients_are_summed_in_float32():
+@METHOD
+def test_bfloat16_gradients_are_summed_in_float32(method):
     params, batch = init(jnp.bfloat16), data(dtype=jnp.bfloat16)
-    _, grad_sum = jax.jit(privacy.clipped_grad(loss, C))(params, batch)
+    _, grad_sum = jax.jit(privacy.clipped_grad(loss, C, method=method))(params, batch)
     assert {v.dtype for v in grad_sum.values()} == {jnp.dtype(jnp.float32)}
-    _, grad_16 = jax.jit(privacy.clipped_grad(loss, C, accumulator_dtype=jnp.bfloat16))(
-        params, batch
-    )
+    _, grad_16 = jax.jit(
+        privacy.clipped_grad(loss, C, accumulator_dtype=jnp.bfloat16, method=method)
+    )(params, batch)
     assert {v.dtype for v in grad_16.values()} == {jnp.dtype(jnp.bfloat16)}
 
 
@@ -316,14 +328,15 @@ def test_trace_errors_name_the_fix():
 
 
 @pytest.mark.parametrize("extra", ["huge", "nan_in_one_leaf", "inf", "zero", "ordinary"])
-def test_one_example_moves_the_sum_by_at_most_the_clip_norm(extra):
+@METHOD
+def test_one_example_moves_the_sum_by_at_most_the_clip_norm(extra, method):
     # Add/remove neighbours: the same batch with and without example 0, whatever it holds.
     params, (x, y) = init(), data()
     values = {"huge": 1e6, "nan_in_one_leaf": -20.0, "inf": jnp.inf, "zero": 0.0, "ordinary": 0.3}
     x = x.at[0].set(values[extra])
     if extra == "zero":
         x, y = x.at[0].set(0.0), y.at[0].set(0.0)
-    fn = jax.jit(privacy.clipped_grad(loss_with_log, C, num_microbatches=4))
+    fn = jax.jit(privacy.clipped_grad(loss_with_log, C, num_microbatches=4, method=method))
     _, with_it = fn(params, (x, y))
     _, without = fn(params, (x, y), is_padding_example=np.arange(N) == 0)
     moved = np.sqrt(
@@ -349,14 +362,15 @@ def test_raw_uint32_keys_are_split_too():
         np.testing.assert_array_equal(a, b)
 
 
-def test_inside_shard_map_each_device_clips_its_own_examples():
+@METHOD
+def test_inside_shard_map_each_device_clips_its_own_examples(method):
     # Replicated params: shard_map's transpose would sum each parameter gradient over the
     # devices, mixing one example of every device before clipping. The psum of the
     # devices' clipped sums must equal the clipped sum of the whole batch.
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     params, batch = init(), data(n=32)
     padding = np.arange(32) % 5 == 0
-    fn = privacy.clipped_grad(loss, C, microbatch_size=2)
+    fn = privacy.clipped_grad(loss, C, microbatch_size=2, method=method)
 
     @jax.jit
     def sharded(params, batch, padding):
