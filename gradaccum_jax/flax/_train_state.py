@@ -292,10 +292,11 @@ class Optimizer(nnx.Optimizer):
         pure, graph = compat.plain_values, self._graph()
         params = pure(nnx.state(model, self.wrt, **graph))
         opt_state = pure(self.opt_state)
-        new_params, new_opt_state, axis_names = apply_and_survey(
-            self.tx, pure(nnx.state(grads, self.wrt, **graph)), opt_state, params, **pure(kwargs)
-        )
-        if hasattr(self, "fp8_window_max"):
+        args = (self.tx, pure(nnx.state(grads, self.wrt, **graph)), opt_state, params)
+        if not hasattr(self, "fp8_window_max"):
+            new_params, new_opt_state = apply_gradients(*args, **pure(kwargs))
+        else:
+            new_params, new_opt_state, axis_names = apply_and_survey(*args, **pure(kwargs))
             held = pure(nnx.state(model, fp8_metadata, **graph))
             new = pure(nnx.state(grads, fp8_metadata, **graph))
             _check_fp8_grads(held, new)
