@@ -260,6 +260,12 @@ class Hlo:
                 return self.computations[called[0]][-1].opcode  # ROOT is printed last
         return producer.opcode
 
+    def reducer(self, inst: Instruction) -> str:
+        """What a reduction (`all-reduce`, `reduce`) combines with: its `to_apply`'s root opcode."""
+        called = self._callees(inst)
+        computation = self.computations.get(called[0]) if called else None
+        return computation[-1].opcode if computation else "unknown"  # ROOT is printed last
+
     # -- questions --
 
     def ops(self, opcode: str, within: Iterable[str] | None = None) -> list[Instruction]:

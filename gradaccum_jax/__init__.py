@@ -34,6 +34,9 @@ from gradaccum_jax._batching.microbatch import (
 from gradaccum_jax._batching.planning import (
     MicrobatchPlan,
 )
+from gradaccum_jax._batching.replicas import (
+    reduce_replicas,
+)
 from gradaccum_jax._batching.unreduced import (
     unreduced_value_and_grad,
 )
@@ -165,6 +168,7 @@ __all__ = [
     "normalize_grads",
     "optimizer_step",
     "plan_microbatches",
+    "reduce_replicas",
     "remove_replica_axis",
     "replica_state_specs",
     "restore_unreduced",

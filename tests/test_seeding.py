@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +50,56 @@ def test_deprecated_fp8_dot_general_op_too():
         ref = jax.grad(loss)(variables, batch())
         _, grads = jax.jit(ga.microbatch_value_and_grad(loss, 4))(variables, batch())
     _check(grads, ref)
+
+
+class _Mlp3(nn.Module):
+    """Three `Fp8DotGeneralOp` layers, two hidden ones of width 32: their inputs are
+    activations that XLA computes in another order for 32 rows than for 64."""
+
+    @nn.compact
+    def __call__(self, x):
+        for width in (32, 32):
+            x = jax.nn.relu(nn.Dense(width, dot_general_cls=fp8_ops.Fp8DotGeneralOp)(x))
+        return nn.Dense(1, dot_general_cls=fp8_ops.Fp8DotGeneralOp)(x)
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_what_is_bit_for_bit_and_what_is_round_off(k):
+    # docs/mixed_precision.md: the scales, the histories' older entries, the kernels'
+    # amaxes and the first layer's input amax are the large batch's bit for bit; the new
+    # amaxes of activations and cotangents to float32 round-off, as their values are:
+    # a hidden layer's activations for a micro-batch come out of a matrix product whose
+    # sums XLA orders by the batch size (1 ulp apart here, at every K).
+    model = _Mlp3()
+    x = jax.random.normal(jax.random.key(0), (64, 8)) * jnp.linspace(0.1, 6.0, 64)[:, None]
+    y = jax.random.normal(jax.random.key(10), (64, 1))
+
+    def loss(variables, data):
+        return jnp.mean((model.apply(variables, data[0]) - data[1]) ** 2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Flax deprecates Fp8DotGeneralOp
+        variables = model.init(jax.random.key(2), x)
+        for scale in (1.0, 2.0):  # two of Flax's own steps: histories and scales set
+            new = jax.grad(loss)(variables, (x * scale, y))[META]
+            variables = {"params": variables["params"], META: new}
+        ref = jax.grad(loss)(variables, (x, y))
+        _, grads = jax.jit(ga.microbatch_value_and_grad(loss, k))(variables, (x, y))
+    # Only the metadata: a 1-ulp activation on an fp8 rounding boundary moves the params'
+    # gradients by more than round-off (measured: 1.5e-4 on jax 0.8.1 with XLA's defaults).
+    assert_metadata_equal(grads[META], ref[META], rtol=1e-6)
+    for path, got in jax.tree_util.tree_flatten_with_path(grads[META])[0]:
+        want = ref[META]
+        for entry in path:
+            want = want[entry.key]
+        name, where = path[-1].key, jax.tree_util.keystr(path)
+        if name.endswith("_scale"):
+            np.testing.assert_array_equal(got, want, err_msg=where)
+        else:
+            np.testing.assert_array_equal(got[1:], want[1:], err_msg=where)
+            of_the_batch = path[0].key == "Dense_0" and name == "input_amax_history"
+            if name == "kernel_amax_history" or of_the_batch:
+                np.testing.assert_array_equal(got[0], want[0], err_msg=where)
 
 
 def test_weighted_microbatches_seed_their_share():

@@ -70,6 +70,13 @@ def psum(tree: Any, axis_names: tuple[Any, ...], typed: bool) -> Any:
     return jax.lax.psum(tree, axis_names)
 
 
+def pmax(tree: Any, axis_names: tuple[Any, ...], typed: bool) -> Any:
+    """The elementwise max of `tree` across `axis_names` (typed operands cast as in `psum`)."""
+    if typed:
+        tree = jax.tree.map(lambda x: _pvary(x, axis_names), tree)
+    return jax.lax.pmax(tree, axis_names)
+
+
 def zeros_without_axes(leaf: jax.Array, dtype: Any = None, zero: Any = None) -> jax.Array:
     """Zeros shaped like `leaf` that vary along no axis (`zeros_like` would keep them).
 

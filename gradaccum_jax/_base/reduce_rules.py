@@ -28,6 +28,11 @@ import jax.numpy as jnp
 #: The collection name that flax.linen.fp8_ops gives the fp8 metadata (its OVERWRITE_WITH_GRADIENT).
 FP8_COLLECTION = "_overwrite_with_gradient"
 
+#: The attribute in which `gradaccum_jax.flax`'s containers hold the running max of a
+#: window's fp8 metadata. It differs between replicas until the window's close, so the
+#: replica-axis helpers (`_window/specs.py`) look for it by name.
+FP8_WINDOW_MAX = "fp8_window_max"
+
 
 def check_max_leaves(max_leaves: Any) -> Any:
     """`max_leaves` if it is `"auto"`, `None` or a callable; else a `ValueError` that says so."""
@@ -50,6 +55,11 @@ def _key_name(entry: Any) -> Any:
     return entry
 
 
+def in_collection(path: Any, name: str) -> bool:
+    """Whether a key path passes through a key (dict key, attribute) called `name`."""
+    return any(_key_name(entry) == name for entry in path)
+
+
 def is_fp8_variable(node: Any) -> bool:
     """Whether `node` is a `flax.nnx` variable of Flax's fp8 metadata collection."""
     # nnx.bridge gives a linen collection a flax.nnx Variable type of the same name.
@@ -66,9 +76,7 @@ def is_fp8_meta_dtype(dtype: Any) -> bool:
 
 
 def _auto(path: Any, leaf: Any) -> bool:
-    return any(_key_name(entry) == FP8_COLLECTION for entry in path) or is_fp8_meta_dtype(
-        getattr(leaf, "dtype", None)
-    )
+    return in_collection(path, FP8_COLLECTION) or is_fp8_meta_dtype(getattr(leaf, "dtype", None))
 
 
 def max_mask(tree: Any, max_leaves: Any = "auto") -> Any:
@@ -113,8 +121,10 @@ _WINDOW_FIX = (
     "under-estimates the amax. Keep them out of the optimizer: give it variables['params'] "
     "only, and write the metadata beside it; gradaccum_jax.flax.TrainState does both (it "
     "keeps the window's running max and writes it when the window closes). With flax.nnx, "
-    "build the optimizer with wrt=nnx.Param and write the metadata from the gradients into "
-    "the model."
+    "build gradaccum_jax.flax.Optimizer(model, tx, wrt=nnx.Param) and pass its update the "
+    "gradients of the metadata as well (nnx.grad with "
+    "argnums=nnx.DiffState(0, nnx.Any(nnx.Param, gradaccum_jax.flax.fp8_metadata))): it "
+    "does the same for the model's metadata."
 )
 
 

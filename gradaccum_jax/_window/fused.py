@@ -16,6 +16,12 @@ signs a `Receipt`: `apply_gradients` keeps the fused result only if exactly
 one `accumulate` answered and its output reached the caller unchanged;
 otherwise it falls back to `update` + `optax.apply_updates`, which is always
 right (under `jit` the discarded trace is dead code).
+
+A second private extra argument, a `Survey`, asks without changing anything:
+the `accumulate` that receives it writes down the mapped axes its window
+reduces over. The Flax containers ask it where fp8 metadata take their max
+over the same axes at the close (`flax/_fp8.py`), so that `axis_name` is given
+once, to `accumulate`.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from gradaccum_jax._window.state import AccumulateState
 
 # The private extra argument that asks `accumulate` for new params instead of updates.
 FUSE_KEY = "_gradaccum_jax_apply_to_params"
+
+# The private extra argument that asks `accumulate` which mapped axes its window reduces over.
+SURVEY_KEY = "_gradaccum_jax_window_axes"
 
 _WRAPPERS = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
@@ -71,6 +80,20 @@ class Receipt:
                 if all(a is b for a, b in zip(known, leaves, strict=True)):
                     return finite
         return None
+
+
+class Survey:
+    """The mapped axes over which the `accumulate` that received it reduces its window.
+
+    `accumulate` takes it out of the extra arguments, so one nested in another's
+    inner transformation never sees it: the answer is the outermost window's.
+    """
+
+    def __init__(self) -> None:
+        self.axis_names: tuple[Any, ...] | None = None
+
+    def answer(self, axis_names: tuple[Any, ...] | None) -> None:
+        self.axis_names = axis_names
 
 
 def _ends_in_accumulate(state: Any) -> bool:

@@ -9,6 +9,11 @@ global array for every value it returns, and a value that differs between
 replicas must be returned with a `PartitionSpec` that names the axis; these
 helpers give those fields a leading replica axis for that, and leave the rest
 (counters, inner state) replicated.
+
+They take a whole training state as well: the running max of fp8 metadata
+that `gradaccum_jax.flax.TrainState` keeps through a window (its field
+`fp8_window_max`, found by its name) is each replica's own until the close
+too, and gets the replica axis with the accumulators.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from gradaccum_jax._base import validation
+from gradaccum_jax._base import reduce_rules, validation
 from gradaccum_jax._base.compat import varying_axes
 from gradaccum_jax._window.state import AccumulateState, AxisName
 
@@ -39,24 +44,31 @@ _PER_REPLICA = (
 
 
 def _map_accumulate_states(
-    opt_state: Any, fn: Callable[[AccumulateState], AccumulateState], other: Callable
+    tree: Any,
+    fn: Callable[[AccumulateState], AccumulateState],
+    per_replica: Callable[[str, Any], Any],
+    other: Callable,
 ) -> Any:
+    """Maps `tree`: its accumulate states by `fn`, fp8 running maxes by `per_replica`."""
     found = False
 
-    def visit(node: Any) -> Any:
+    def visit(path: Any, node: Any) -> Any:
         nonlocal found
-        if not isinstance(node, AccumulateState):
-            return other(node)
-        found = True
-        # An accumulate nested in another one's inner transformation has its
-        # own per-replica fields.
-        node = node._replace(inner_state=_map(node.inner_state))
-        return fn(node)
+        if isinstance(node, AccumulateState):
+            found = True
+            # An accumulate nested in another one's inner transformation has its
+            # own per-replica fields.
+            return fn(node._replace(inner_state=_map(node.inner_state)))
+        if reduce_rules.in_collection(path, reduce_rules.FP8_WINDOW_MAX):
+            return per_replica(jax.tree_util.keystr(path).lstrip("."), node)
+        return other(node)
 
     def _map(tree: Any) -> Any:
-        return jax.tree.map(visit, tree, is_leaf=lambda x: isinstance(x, AccumulateState))
+        return jax.tree_util.tree_map_with_path(
+            visit, tree, is_leaf=lambda x: isinstance(x, AccumulateState)
+        )
 
-    out = _map(opt_state)
+    out = _map(tree)
     if not found:
         raise ValueError(
             "opt_state contains no AccumulateState: pass the state (or jax.eval_shape of "
@@ -99,6 +111,11 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
     data-parallel training. Use the result as the state's entry in both
     `in_specs` and `out_specs` of `jax.shard_map`.
 
+    A whole `gradaccum_jax.flax.TrainState` may be passed as well: its
+    fp8 metadata's running max (its field `fp8_window_max`, each
+    replica's own until the window closes) gets `P(axis_name)` too,
+    everything else `P()`.
+
     For params sharded along other mesh axes as well, build the specs by hand
     on the same rule: per-replica fields `P(axis_name, *param_spec)`, the
     inner state as you shard it for the params.
@@ -106,7 +123,8 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
     Args:
       opt_state: An optimizer state containing at least one
         `AccumulateState`, or its shape (`jax.eval_shape(tx.init,
-        params)`); only its structure is used.
+        params)`), or a training state holding one; only its structure is
+        used.
       axis_name: The mesh axis name (or tuple of names) given to
         `accumulate`.
 
@@ -127,6 +145,10 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
     """
     names = validation.check_axis_name("axis_name", axis_name)
     replica_spec = PartitionSpec(names[0] if len(names) == 1 else names)
+
+    def per_replica(_: str, x: Any) -> PartitionSpec:
+        return replica_spec
+
     return _map_accumulate_states(
         opt_state,
         lambda state: _map_per_replica(
@@ -139,8 +161,9 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
                     if field not in (*_PER_REPLICA, "inner_state")
                 }
             ),
-            lambda _, x: replica_spec,
+            per_replica,
         ),
+        per_replica,
         lambda _: PartitionSpec(),
     )
 
@@ -152,7 +175,9 @@ def add_replica_axis(opt_state: optax.OptState) -> optax.OptState:
     `tx.init(params)` inside a `shard_map` that creates the state): with
     `replica_state_specs` as `out_specs`, the global arrays stack the
     replicas' accumulators along that axis, one slot per replica, each on its
-    own device. Other fields are returned as they are.
+    own device. Other fields are returned as they are. In a whole
+    `gradaccum_jax.flax.TrainState` the fp8 metadata's running max gets the
+    axis too (see `replica_state_specs`).
 
     Args:
       opt_state: An optimizer state containing at least one
@@ -174,10 +199,12 @@ def add_replica_axis(opt_state: optax.OptState) -> optax.OptState:
       >>> state.acc_grads.shape, state.acc_weight.shape, state.micro_step.shape
       ((1, 3), (1,), ())
     """
+
+    def expand(_: str, x: Any) -> Any:
+        return jnp.expand_dims(x, 0)
+
     return _map_accumulate_states(
-        opt_state,
-        lambda state: _map_per_replica(state, lambda _, x: jnp.expand_dims(x, 0)),
-        lambda x: x,
+        opt_state, lambda state: _map_per_replica(state, expand), expand, lambda x: x
     )
 
 
@@ -235,5 +262,5 @@ def remove_replica_axis(opt_state: optax.OptState) -> optax.OptState:
         return jnp.squeeze(x, 0)
 
     return _map_accumulate_states(
-        opt_state, lambda state: _map_per_replica(state, squeeze), lambda x: x
+        opt_state, lambda state: _map_per_replica(state, squeeze), squeeze, lambda x: x
     )

@@ -28,7 +28,7 @@ from jax.experimental import checkify
 from gradaccum_jax._base import trees, validation
 from gradaccum_jax._sharding import partials
 from gradaccum_jax._window import engine, loss_scale, noise_scale, placement, routes
-from gradaccum_jax._window.fused import FUSE_KEY
+from gradaccum_jax._window.fused import FUSE_KEY, SURVEY_KEY
 from gradaccum_jax._window.state import AccumulateState, refuse_outermost_inside
 
 
@@ -216,6 +216,9 @@ def receive(
     receipt = extra.pop(FUSE_KEY, None)
     if receipt is not None:
         receipt.received(params)
+    survey = extra.pop(SURVEY_KEY, None)
+    if survey is not None:
+        survey.answer(plan.axis_names)
     grads = trees.as_arrays(updates)
     if not plan.bare:
         validation.check_same_structure("updates", grads, "state.acc_grads", state.acc_grads)

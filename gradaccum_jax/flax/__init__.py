@@ -1,6 +1,9 @@
 """Flax for gradient accumulation: batch normalisation with exact window statistics, and
 the training containers (`TrainState`, `nnx` `Optimizer`) stepping through `apply_gradients`."""
 
+from gradaccum_jax.flax._fp8 import (
+    fp8_metadata,
+)
 from gradaccum_jax.flax._linen import (
     AccumBatchNorm,
     batch_stats_from_flax,
@@ -27,4 +30,5 @@ __all__ = [
     "commit_batch_stats",
     "commit_nnx_batch_stats",
     "exportable_eval",
+    "fp8_metadata",
 ]

@@ -14,13 +14,20 @@ import difflib
 from typing import Any
 
 import jax
-from flax import nnx
+from flax import nnx, serialization, struct
+from flax.nnx.training.optimizer import to_opt_state
 from flax.training import train_state
 
 from gradaccum_jax._base import compat
 from gradaccum_jax._window import accumulate as _accumulation
 from gradaccum_jax._window.fused import apply_gradients
-from gradaccum_jax.flax._fp8 import WINDOW_MAX, hold_for_window, window_start
+from gradaccum_jax.flax._fp8 import (
+    WINDOW_MAX,
+    apply_and_survey,
+    fp8_metadata,
+    hold_for_window,
+    window_start,
+)
 
 
 class TrainState(train_state.TrainState):
@@ -39,11 +46,15 @@ class TrainState(train_state.TrainState):
     `flax.linen.fp8_ops` layers: scales and amax histories) are not handed to
     `tx`. Flax overwrites them on every call; under `accumulate` they are
     held as they were when the window opened, the calls' new values are
-    combined by their elementwise max in the collection
-    `params["_overwrite_with_gradient_max"]` (added by `create`, shaped like
-    the metadata; the model ignores it), and the max is written when the
-    window closes: the history rolls once per optimizer step, and every
-    micro-step of a window is quantized with the same scales.
+    combined by their elementwise max in the field `fp8_window_max` (set by
+    `create`, shaped like the metadata; `None` without fp8 layers, and then
+    left out of `flax.serialization`'s state dict, which stays Flax's), and
+    the max is written when the window closes: the history rolls once per
+    optimizer step, and every micro-step of a window is quantized with the
+    same scales. With `accumulate(..., axis_name=...)` each replica keeps its
+    own running max and the close takes the max over the replicas too; hold
+    the state across `jax.shard_map` calls with
+    `gradaccum_jax.replica_state_specs(state, axis_name)`.
 
     The same in one line on Flax's own class, for a subclass of your own:
     `params, opt_state = gradaccum_jax.apply_gradients(state.tx, grads,
@@ -63,14 +74,18 @@ class TrainState(train_state.TrainState):
       Array([0., 0.], dtype=float32)
     """
 
+    fp8_window_max: Any = struct.field(default=None, kw_only=True)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _serialize_without_empty_window(cls)
+
     @classmethod
     def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> TrainState:
         """Flax's `create`; with fp8 metadata in `params`, their window's running max as well."""
         overwrite = train_state.OVERWRITE_WITH_GRADIENT
-        if isinstance(params, dict) and overwrite in params and WINDOW_MAX not in params:
-            # A collection beside the metadata rather than a field: checkpoints of
-            # states without fp8 layers keep Flax's structure.
-            params = {**params, WINDOW_MAX: window_start(params[overwrite])}
+        if isinstance(params, dict) and overwrite in params and WINDOW_MAX not in kwargs:
+            kwargs[WINDOW_MAX] = window_start(params[overwrite])
         state: TrainState = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         return state
 
@@ -123,19 +138,19 @@ class TrainState(train_state.TrainState):
                 )
         overwrite = train_state.OVERWRITE_WITH_GRADIENT
         if overwrite in grads:
-            new_params, new_opt_state = apply_gradients(
+            new_params, new_opt_state, axis_names = apply_and_survey(
                 self.tx, grads["params"], self.opt_state, self.params["params"], **extra_args
             )
             meta, running = hold_for_window(
                 self.params[overwrite],
-                self.params.get(WINDOW_MAX),
+                self.fp8_window_max,
                 grads[overwrite],
                 self.opt_state,
                 new_opt_state,
+                axis_names,
             )
             new_params = {"params": new_params, overwrite: meta}
-            if running is not None:
-                new_params[WINDOW_MAX] = running
+            to_replace = {WINDOW_MAX: running, **to_replace}
         else:
             new_params, new_opt_state = apply_gradients(
                 self.tx, grads, self.opt_state, self.params, **extra_args
@@ -153,6 +168,45 @@ class TrainState(train_state.TrainState):
         return _accumulation.optimizer_step(self.opt_state)
 
 
+def _serialize_without_empty_window(cls: type) -> None:
+    """Registers `cls` with `flax.serialization`, `fp8_window_max` left out where `None`.
+
+    Without fp8 layers the state dict is then Flax's `TrainState`'s: a
+    checkpoint of either class restores into the other. A state dict without
+    the field (from Flax's class, with fp8 layers) starts the running max
+    afresh, as at a window's opening.
+    """
+    fields = [f.name for f in dataclasses.fields(cls) if f.metadata.get("pytree_node", True)]
+
+    def to_state_dict(state: Any) -> dict[str, Any]:
+        return {
+            name: serialization.to_state_dict(getattr(state, name))
+            for name in fields
+            if name != WINDOW_MAX or state.fp8_window_max is not None
+        }
+
+    def from_state_dict(state: Any, saved: dict[str, Any]) -> Any:
+        if WINDOW_MAX not in saved:
+            fresh = None if state.fp8_window_max is None else window_start(state.fp8_window_max)
+            saved = {**saved, WINDOW_MAX: serialization.to_state_dict(fresh)}
+        if set(saved) != set(fields):
+            raise ValueError(
+                f"The state dict's fields {sorted(saved)} are not those of "
+                f"{cls.__name__} ({sorted(fields)}), at path {serialization.current_path()}."
+            )
+        return state.replace(
+            **{
+                name: serialization.from_state_dict(getattr(state, name), saved[name], name=name)
+                for name in fields
+            }
+        )
+
+    serialization.register_serialization_state(cls, to_state_dict, from_state_dict, override=True)
+
+
+_serialize_without_empty_window(TrainState)
+
+
 class Optimizer(nnx.Optimizer):
     """`flax.nnx.Optimizer`, stepping with `gradaccum_jax.apply_gradients`.
 
@@ -163,6 +217,16 @@ class Optimizer(nnx.Optimizer):
     accumulator. `update` returns `None`: the updates that Flax's returns are
     what the fused step avoids writing. `step` counts calls (micro-steps),
     `optimizer_step` the windows that applied an update.
+
+    Flax's fp8 metadata (the scales and amax histories of `flax.linen.fp8_ops`
+    layers under `nnx.bridge`; see `fp8_metadata`) are handled as
+    `TrainState` handles them: `wrt` leaves them out, the gradients hold
+    their new values, and `update` writes those into the model, on every
+    call without `accumulate`; under it they are held as they were when the
+    window opened, the calls' new values are combined by their elementwise
+    max in `fp8_window_max` (an attribute added when the model has fp8
+    layers, in the optimizer's state), and the max is written when the
+    window closes (over the replicas too with `axis_name`).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -177,23 +241,70 @@ class Optimizer(nnx.Optimizer):
       1
     """
 
+    def __init__(self, model: Any, tx: Any, *, wrt: Any, **kwargs: Any) -> None:
+        """Flax's; with fp8 metadata in `model`, their window's running max as well.
+
+        Args:
+          model: The model.
+          tx: The optax transformation.
+          wrt: The filter of the variables `tx` updates (`nnx.Param`).
+          **kwargs: Flax's other keywords (`graph=` in newer Flax).
+
+        Raises:
+          ValueError: If `wrt` selects fp8 metadata, which `tx` would step as
+            params.
+        """
+        graph = {"graph": kwargs["graph"]} if "graph" in kwargs else {}
+        stepped = nnx.state(model, nnx.All(wrt, fp8_metadata), **graph)
+        if jax.tree.leaves(stepped):
+            raise ValueError(
+                f"Optimizer got {wrt=}, which selects Flax fp8 metadata "
+                f"({_shown(_paths(stepped))}): "
+                "scales and amax histories, whose 'gradient' is their new value; the "
+                "optimizer would step them as params. Build it with wrt=nnx.Param and "
+                "differentiate the metadata with the params (nnx.grad with "
+                "argnums=nnx.DiffState(0, nnx.Any(nnx.Param, gradaccum_jax.flax.fp8_metadata))"
+                "): update then writes their new values into the model, once per window "
+                "under gradaccum_jax.accumulate."
+            )
+        super().__init__(model, tx, wrt=wrt, **kwargs)
+        meta = compat.plain_values(nnx.state(model, fp8_metadata, **graph))
+        if jax.tree.leaves(meta):
+            self.fp8_window_max = nnx.data(to_opt_state(window_start(meta)))
+
+    def _graph(self) -> dict[str, Any]:
+        # Newer flax takes a graph option; flax 0.12.1 (the oldest supported) has none.
+        return {"graph": self.graph} if hasattr(self, "graph") else {}
+
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:
         """Applies `grads` to `model`'s `wrt` state, as Flax's, without returning updates.
 
         Args:
           model: The model whose params to update.
-          grads: The gradients from `nnx.grad`.
+          grads: The gradients from `nnx.grad`; for a model with fp8 layers, of
+            the metadata too (their new values; see the class).
           **kwargs: Extra arguments for `tx.update` (`weight=`, `value=`, ...).
+
+        Raises:
+          ValueError: If the model has fp8 metadata and `grads` does not hold
+            the same metadata variables.
         """
-        # Newer flax takes a graph option; flax 0.12.1 (the oldest supported) has none.
-        pure = compat.plain_values
-        graph = {"graph": self.graph} if hasattr(self, "graph") else {}
+        pure, graph = compat.plain_values, self._graph()
         params = pure(nnx.state(model, self.wrt, **graph))
-        grads = pure(nnx.state(grads, self.wrt, **graph))
         opt_state = pure(self.opt_state)
-        new_params, new_opt_state = apply_gradients(
-            self.tx, grads, opt_state, params, **pure(kwargs)
-        )
+        args = (self.tx, pure(nnx.state(grads, self.wrt, **graph)), opt_state, params)
+        if not hasattr(self, "fp8_window_max"):
+            new_params, new_opt_state = apply_gradients(*args, **pure(kwargs))
+        else:
+            new_params, new_opt_state, axis_names = apply_and_survey(*args, **pure(kwargs))
+            held = pure(nnx.state(model, fp8_metadata, **graph))
+            new = pure(nnx.state(grads, fp8_metadata, **graph))
+            _check_fp8_grads(held, new)
+            meta, running = hold_for_window(
+                held, pure(self.fp8_window_max), new, opt_state, new_opt_state, axis_names
+            )
+            nnx.update(model, meta)
+            nnx.update(self.fp8_window_max, nnx.state(running, **graph))
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, **graph))
         self.step[...] += 1
@@ -205,3 +316,29 @@ class Optimizer(nnx.Optimizer):
         `gradaccum_jax.optimizer_step(self.opt_state)`: an `int32` scalar.
         """
         return _accumulation.optimizer_step(self.opt_state)
+
+
+def _check_fp8_grads(held: Any, new: Any) -> None:
+    """Raises unless the gradients hold every fp8 metadata variable of the model."""
+    have = set(_paths(new))
+    missing = [path for path in _paths(held) if path not in have]
+    if not missing:
+        return
+    raise ValueError(
+        f"Optimizer.update got gradients without the model's fp8 metadata ({_shown(missing)}): "
+        "their scales and amax histories would never move. Differentiate them with the "
+        "params, nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, "
+        "gradaccum_jax.flax.fp8_metadata))), or pass the module to "
+        "gradaccum_jax.microbatch_value_and_grad, whose gradients hold them."
+    )
+
+
+def _paths(state: Any) -> list[str]:
+    """The paths of a state's variables, as text."""
+    flat = jax.tree_util.tree_flatten_with_path(compat.plain_values(state))[0]
+    return [jax.tree_util.keystr(path) for path, _ in flat]
+
+
+def _shown(paths: list[str]) -> str:
+    """The first few of the variables' paths, for a message."""
+    return ", ".join(sorted(paths)[:3]) + (", ..." if len(paths) > 3 else "")
