@@ -97,7 +97,8 @@ def test_convolution_patches_and_norms(config):
         closed = jax.make_jaxpr(loss)(kernel, x[:1])
         analysis = graph.analyze(closed, [graph.DERIVED, graph.BATCHED], [0, None], frozenset())
         (site,) = analysis.sites
-        patches = norm_rules._patches(site, x[:1])
+        patches = jnp.stack(norm_rules._shifted(site, x[:1]), -1)
+        patches = patches.reshape(patches.shape[0], -1)
         spec = site.eqn.params["dimension_numbers"]
         jax_patches = jax.lax.conv_general_dilated_patches(
             x[:1],

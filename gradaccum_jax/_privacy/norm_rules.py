@@ -219,7 +219,7 @@ class DotGeneralRule(BookKeepingRule):
                     (2, 3),
                 )
             return "ghost", jnp.sum(sq, 1), None
-        per_layer = jnp.einsum("nbti,nbto->nbio", a, g)
+        per_layer = jnp.einsum("nbto,nbti->nboi", g, a)  # see weighted_sum
         return "layer", jnp.sum(jnp.square(per_layer), (1, 2, 3)), None
 
     def weighted_sum(self, site, position, inputs, grads, weights, keep, per_example):
@@ -330,26 +330,28 @@ class ConvRule(BookKeepingRule):
         return position == 1 and site.kinds[0] == graph.BATCHED and p["batch_group_count"] == 1
 
     def norm_sq(self, site, position, inputs, grads):
-        p = site.eqn.params
-        dn = p["dimension_numbers"]
-        groups = p["feature_group_count"]
-
-        def one(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-            a = _patches(site, x)
-            g = jnp.transpose(g, [dn.out_spec[0], *dn.out_spec[2:], dn.out_spec[1]])
-            g = g.reshape(a.shape[0], groups, -1)
-            # Patch features are channel-major: group k's channels come in one block.
-            return a.reshape(a.shape[0], groups, -1), g
-
-        a, g = jax.vmap(one)(inputs[0], grads[0])
-        a, g = a.astype(wide(a.dtype)), g.astype(wide(g.dtype))
-        _, t, _, d_in = a.shape
-        d_out = g.shape[-1]
+        dn = site.eqn.params["dimension_numbers"]
+        groups = site.eqn.params["feature_group_count"]
+        n = inputs[0].shape[0]
+        # The patches' rows are the input shifted by each kernel offset: their Gram
+        # matrix, or the layer's gradient, is a sum over the offsets, so the patches are
+        # never stacked (on a CPU the stack cost as much as the rest of the norms).
+        shifted = [
+            x.astype(wide(x.dtype)).reshape(n, x.shape[1], groups, -1)
+            for x in jax.vmap(lambda x: _shifted(site, x))(inputs[0])
+        ]
+        g = jnp.moveaxis(grads[0], 1 + dn.out_spec[1], -1)
+        g = g.reshape(n, shifted[0].shape[1], groups, -1).astype(wide(g.dtype))
+        t, d_in, d_out = g.shape[1], shifted[0].shape[-1] * len(shifted), g.shape[-1]
         if t * (d_in + d_out) <= d_in * d_out:
-            sq = jnp.einsum("ntgi,nsgi->ngts", a, a) * jnp.einsum("ntgo,nsgo->ngts", g, g)
-            return "ghost", jnp.sum(sq, (1, 2, 3)), None
-        per_layer = jnp.einsum("ntgi,ntgo->ngio", a, g)
-        return "layer", jnp.sum(jnp.square(per_layer), (1, 2, 3)), None
+            gram = sum(jnp.einsum("ntgc,nsgc->ngts", x, x) for x in shifted)
+            sq = jnp.sum(gram * jnp.einsum("ntgo,nsgo->ngts", g, g), (1, 2, 3))
+            return "ghost", sq, None
+        # G^T A, transposing the smaller G (see DotGeneralRule.weighted_sum).
+        sq = sum(
+            jnp.sum(jnp.square(jnp.einsum("ntgo,ntgc->ngoc", g, x)), (1, 2, 3)) for x in shifted
+        )
+        return "layer", sq, None
 
     def weighted_sum(self, site, position, inputs, grads, weights, keep, per_example):
         # The convolution of the whole chunk, its examples in the batch dimension: XLA
@@ -370,35 +372,34 @@ class ConvRule(BookKeepingRule):
         return vjp(cot)[0]
 
 
-def _patches(site: graph.Site, x: jax.Array) -> jax.Array:
-    """One example's input patches of a convolution: `(T, C_in k)`, one row per output
-    position, channel-major (`C_in` blocks of the `k` kernel offsets).
+def _shifted(site: graph.Site, x: jax.Array) -> list[jax.Array]:
+    """One example's convolution input seen through each kernel offset: `k` arrays of
+    `(T, C_in)`, row `t` the input values that offset multiplies for output position `t`.
 
-    Strided slices of the padded (and, with `lhs_dilation`, dilated) input, one per
-    kernel offset: on a CPU several times faster than
-    `jax.lax.conv_general_dilated_patches`, a grouped convolution.
+    Strided slices of the padded (and, with `lhs_dilation`, dilated) input. Stacked
+    along a last axis they are the patches of `jax.lax.conv_general_dilated_patches`
+    (channel-major), a grouped convolution that is several times slower on a CPU.
     """
     p = site.eqn.params
     dn = p["dimension_numbers"]
     kernel = [site.eqn.invars[1].aval.shape[d] for d in dn.rhs_spec[2:]]
     out = [site.eqn.outvars[0].aval.shape[d] for d in dn.out_spec[2:]]
-    x = jnp.transpose(x, dn.lhs_spec)  # (1, C, *spatial)
-    config = [(0, 0, 0), (0, 0, 0)] + [
-        (lo, hi, d - 1) for (lo, hi), d in zip(p["padding"], p["lhs_dilation"], strict=True)
+    # Channels last: (1, *spatial, C).
+    x = jnp.transpose(x, [dn.lhs_spec[0], *dn.lhs_spec[2:], dn.lhs_spec[1]])
+    config = [
+        (0, 0, 0),
+        *((lo, hi, d - 1) for (lo, hi), d in zip(p["padding"], p["lhs_dilation"], strict=True)),
+        (0, 0, 0),
     ]
     x = jax.lax.pad(x, jnp.zeros((), x.dtype), config)
-    pieces = []
+    strides = p["window_strides"]
+    views = []
     for offsets in itertools.product(*(range(k) for k in kernel)):
         start = [o * d for o, d in zip(offsets, p["rhs_dilation"], strict=True)]
-        limit = [
-            s + (n - 1) * st + 1 for s, n, st in zip(start, out, p["window_strides"], strict=True)
-        ]
-        pieces.append(
-            jax.lax.slice(x, [0, 0, *start], [*x.shape[:2], *limit], [1, 1, *p["window_strides"]])
-        )
-    patches = jnp.stack(pieces, 2)  # (1, C, k, *out)
-    patches = jnp.moveaxis(patches, (1, 2), (-2, -1))
-    return patches.reshape(int(np.prod(out)), -1)
+        limit = [s + (n - 1) * st + 1 for s, n, st in zip(start, out, strides, strict=True)]
+        view = jax.lax.slice(x, [0, *start, 0], [1, *limit, x.shape[-1]], [1, *strides, 1])
+        views.append(view.reshape(int(np.prod(out)), x.shape[-1]))
+    return views
 
 
 def _into_batch(x: jax.Array, batch_dim: int) -> jax.Array:
