@@ -26,7 +26,6 @@ every cell. Used by `benchmarks/run.py` and `tests/test_losses.py`.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from typing import Any
 
@@ -208,12 +207,12 @@ def table(
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller N, a smoke test")
-    args = parser.parse_args(argv)
     # Here, not at the top: the tests import this module as `benchmarks.contrastive_precision`,
     # where `harness` (a sibling run as a script's neighbour) is not importable by that name.
     import harness
+
+    parser = harness.benchmark_parser(__doc__, quick="smaller N, a smoke test")
+    args = parser.parse_args(argv)
 
     n, d, block = SIZE["quick" if args.quick else "default"]
     rows = table(n, d, block)

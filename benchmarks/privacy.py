@@ -1,28 +1,45 @@
-"""Cost of differential privacy: per-example clipped sums against jax_privacy and a plain step.
+"""Cost of differential privacy: per-example clipped sums against the non-private gradient.
 
-On an MLP (digits-sized input, float32), one batch of `B` examples cut into
-chunks of `m`, all under `jit`, timed interleaved (median of repetitions):
+The three shapes of issue 39 (Flax linen, float32), each one batch under `jit`,
+timed interleaved (median of repetitions, the order reversed every other round):
 
-- `privacy.clipped_grad(loss, C, microbatch_size=m)` against
-  `jax_privacy.clipping.clipped_grad(loss, l2_clip_norm=C, microbatch_size=m)`:
-  the same sum of per-example clipped gradients (target: at most 1.1x);
-- the same two with the last half of the batch marked as padding (a Poisson
-  batch padded to a fixed shape): contiguous chunks let whole chunks be skipped;
-- a DP training step (the clipped sum, Gaussian noise once, divided by `B`, the
-  optimizer) against a non-private step (`jax.value_and_grad` of the mean loss
-  and the optimizer) on the same batch. The DP step goes through
-  `privacy.dp_accumulate` with one micro-step per window where this checkout has
-  it, else through the same pieces written out (the row says which).
+- MLP: 4 Dense layers of width 512, input 256, 10 classes, B = 256;
+- CNN: Conv 16 (3x3) + Conv 32 (3x3, stride 2) + Dense, 28x28x1, B = 128;
+- transformer LM: Embed 256 x 128, 2 blocks (LayerNorm, 4-head causal attention,
+  MLP 512), T = 64, B = 64.
+
+Candidates, each against `jax.value_and_grad` of the mean loss on the same batch (the
+fast path interleaved with it alone; the per-example ones, whose calls write a gradient
+per example and slow whatever runs next, in a group of their own):
+`privacy.clipped_grad(loss, C)` (the fast path: ghost norms and book-keeping),
+`privacy.clipped_grad(loss, C, method="per_example", microbatch_size=m)` (vmap), and
+`jax_privacy.clipping.clipped_grad(loss, l2_clip_norm=C, microbatch_size=m)`.
+Compiled temp bytes (`memory_analysis()`) beside the times. Targets (issue 39):
+fast / non-private <= 1.3x (MLP), <= 1.4x (transformer), <= 2.0x (CNN); temp <= 2x
+(CNN <= 3x).
+
+Also, on the 85k-parameter MLP of the earlier rounds: the padded-batch saving (half
+the batch marked as padding, chunks skipped) and a whole DP step (clipped sum,
+`dp_accumulate` with noise, SGD) against a non-private step.
+
+With `GRADACCUM_OPACUS_PYTHON` set to a Python that has torch and Opacus, the same
+shapes run there too (`benchmarks/privacy_opacus.py`: Opacus' ghost clipping against
+its non-private step), reported beside ours; without it those rows say so.
 
 The machine is shared and noisy: read the ratios, measured side by side.
 
-    python benchmarks/privacy.py [--quick]
+    python benchmarks/privacy.py [--quick] [--reps N]
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import pathlib
+import subprocess
 
+import flax.linen as nn
 import harness
 import jax
 import jax.numpy as jnp
@@ -32,6 +49,149 @@ import optax
 from gradaccum_jax import privacy
 
 C, SIGMA = 1.0, 1.1
+TARGETS = {"mlp": (1.3, 2.0), "cnn": (2.0, 3.0), "transformer": (1.4, 2.0)}
+
+
+class MLP(nn.Module):
+    width: int = 512
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(3):
+            x = nn.relu(nn.Dense(self.width)(x))
+        return nn.Dense(10)(x)
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(16, (3, 3))(x))
+        x = nn.relu(nn.Conv(32, (3, 3), strides=(2, 2))(x))
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+class Block(nn.Module):
+    heads: int = 4
+    hidden: int = 512
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        x = x + nn.MultiHeadDotProductAttention(self.heads)(h, h, mask=mask)
+        h = nn.Dense(self.hidden)(nn.LayerNorm()(x))
+        return x + nn.Dense(x.shape[-1])(nn.gelu(h))
+
+
+class LM(nn.Module):
+    vocab: int = 256
+    width: int = 128
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.width)(tokens)
+        for _ in range(2):
+            x = Block()(x)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def setup(name: str, quick: bool):
+    """`(loss, params, batch, description)` of one of the three shapes."""
+    rng = np.random.default_rng(0)
+    if name == "mlp":
+        model, batch_size = (MLP(32), 16) if quick else (MLP(), 256)
+        x = jnp.asarray(rng.normal(size=(batch_size, 256)), jnp.float32)
+        batch = (x, jnp.asarray(rng.integers(0, 10, batch_size)))
+        first = x[:1]
+    elif name == "cnn":
+        model, batch_size = CNN(), 8 if quick else 128
+        x = jnp.asarray(rng.normal(size=(batch_size, 28, 28, 1)), jnp.float32)
+        batch = (x, jnp.asarray(rng.integers(0, 10, batch_size)))
+        first = x[:1]
+    else:
+        model, batch_size, length = (LM(32, 16), 4, 8) if quick else (LM(), 64, 64)
+        tokens = jnp.asarray(rng.integers(0, model.vocab, (batch_size, length + 1)), jnp.int32)
+        batch = (tokens[:, :-1], tokens[:, 1:])
+        first = tokens[:1, :-1]
+    params = model.init(jax.random.key(1), first)
+
+    def loss(params, batch):
+        inputs, labels = batch
+        logits = model.apply(params, inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    size = sum(leaf.size for leaf in jax.tree.leaves(params))
+    return loss, params, batch, f"{name}, {size / 1e3:.0f}k parameters, B = {batch_size}"
+
+
+def _compiled(fn, *args) -> tuple[float, float]:
+    """`(temp MiB, floating-point operations)` of the compiled program."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return harness.compiled_memory(compiled).temp_bytes / 2**20, float(cost.get("flops", 0.0))
+
+
+def measure_model(name: str, quick: bool, reps: int, micro: int) -> list[dict]:
+    from jax_privacy import clipping
+
+    loss, params, batch, description = setup(name, quick)
+    micro = min(micro, batch[0].shape[0])
+    candidates = {
+        "non-private": jax.value_and_grad(loss),
+        "fast": privacy.clipped_grad(loss, C),
+        "per_example": privacy.clipped_grad(loss, C, method="per_example", microbatch_size=micro),
+        "jax_privacy": clipping.clipped_grad(loss, l2_clip_norm=C, microbatch_size=micro),
+    }
+    jitted = {k: jax.jit(f) for k, f in candidates.items()}
+    calls = {k: (lambda f=f: f(params, batch)) for k, f in jitted.items()}
+    # Two groups, each against its own non-private runs: a per-example call writes a
+    # gradient per example (hundreds of MB on the MLP), which slows whatever runs next.
+    times = harness.interleaved_times(
+        {k: calls[k] for k in ("non-private", "fast")}, reps, warmup=2
+    )
+    slow = harness.interleaved_times(
+        {k: calls[k] for k in ("non-private", "per_example", "jax_privacy")},
+        max(2, reps // 3),
+        warmup=1,
+    )
+    references = {"fast": times["non-private"]}
+    for k in ("per_example", "jax_privacy"):
+        times[k], references[k] = slow[k], slow["non-private"]
+    compiled = {k: _compiled(f, params, batch) for k, f in candidates.items()}
+    temps = {k: temp for k, (temp, _) in compiled.items()}
+    flops = {k: f for k, (_, f) in compiled.items()}
+    plan = privacy.clipped_grad(loss, C).plan(params, batch)
+    methods = {m: sum(leaf.method == m for leaf in plan) for m in ("ghost", "layer")}
+    rows = []
+    target_time, target_temp = TARGETS[name]
+    for k in ("fast", "per_example", "jax_privacy"):
+        ratio, q1, q3 = harness.ratio_quartiles(times[k], references[k])
+        rows.append(
+            {
+                "benchmark": "privacy",
+                "model": name,
+                "description": description,
+                "measure": "vs_non_private",
+                "candidate": k,
+                "ms": 1e3 * float(np.median(times[k])),
+                "ms_reference": 1e3 * float(np.median(references[k])),
+                "ratio": ratio,
+                "ratio_q1": q1,
+                "ratio_q3": q3,
+                "temp_mib": temps[k],
+                "temp_mib_reference": temps["non-private"],
+                "temp_ratio": temps[k] / temps["non-private"],
+                # XLA's count: what the step computes, whatever this CPU makes of it.
+                "flops_ratio": flops[k] / flops["non-private"] if flops["non-private"] else None,
+                "microbatch_size": None if k == "fast" else micro,
+                "target_ratio": target_time if k == "fast" else None,
+                "target_temp_ratio": target_temp if k == "fast" else None,
+                "leaves_ghost": methods["ghost"] if k == "fast" else None,
+                "leaves_layer": methods["layer"] if k == "fast" else None,
+            }
+        )
+    return rows
 
 
 def make_params(widths: tuple[int, ...], seed: int = 0) -> list[dict]:
@@ -45,7 +205,7 @@ def make_params(widths: tuple[int, ...], seed: int = 0) -> list[dict]:
     ]
 
 
-def loss(params: list[dict], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+def mlp_loss(params: list[dict], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
     x, y = batch
     for layer in params[:-1]:
         x = jax.nn.relu(x @ layer["w"] + layer["b"])
@@ -53,71 +213,43 @@ def loss(params: list[dict], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
 
 
-def _dp_step_fn(tx_inner, batch_size: int, microbatch_size: int):
-    """The DP step: dp_accumulate (K = 1) where it exists, else its pieces written out."""
-    clipped = privacy.clipped_grad(loss, C, microbatch_size=microbatch_size)
-    dp_accumulate = getattr(privacy, "dp_accumulate", None)
-    if dp_accumulate is not None:
-        tx = dp_accumulate(
-            tx_inner,
-            1,
-            l2_clip_norm=C,
-            noise_multiplier=SIGMA,
-            expected_batch_size=batch_size,
-            key=jax.random.key(0),
-        )
-
-        def step(params, state, batch, key):
-            del key  # the window's key lives in its state
-            _, grad_sum = clipped(params, batch)
-            updates, state = tx.update(grad_sum, state, params)
-            return optax.apply_updates(params, updates), state
-
-        return "privacy.dp_accumulate(K=1)", tx, step
-
-    def step(params, state, batch, key):
-        _, grad_sum = clipped(params, batch)
-        leaves, treedef = jax.tree.flatten(grad_sum)
-        keys = jax.random.split(key, len(leaves))
-        noisy = [
-            (g + SIGMA * C * jax.random.normal(k, g.shape, g.dtype)) / batch_size
-            for g, k in zip(leaves, keys, strict=True)
-        ]
-        updates, state = tx_inner.update(jax.tree.unflatten(treedef, noisy), state, params)
-        return optax.apply_updates(params, updates), state
-
-    return "clipped_grad + noise + /B (written out)", tx_inner, step
-
-
-def measure(widths: tuple[int, ...], batch: int, micro: int, reps: int) -> list[dict]:
-    from jax_privacy import clipping
-
+def measure_steps(widths: tuple[int, ...], batch: int, micro: int, reps: int) -> list[dict]:
+    """Half padding (chunks skipped) and a whole DP step, on the small MLP."""
     params = make_params(widths)
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(batch, widths[0])), jnp.float32)
     y = jnp.asarray(rng.integers(0, widths[-1], size=batch), jnp.int32)
     data = (x, y)
     half = np.arange(batch) >= batch // 2
-    ours = jax.jit(privacy.clipped_grad(loss, C, microbatch_size=micro))
-    theirs = jax.jit(clipping.clipped_grad(loss, l2_clip_norm=C, microbatch_size=micro))
-    tx_inner = optax.sgd(0.1)
-    dp_name, tx, dp_step = _dp_step_fn(tx_inner, batch, micro)
-    dp_step = jax.jit(dp_step)
+    chunked = jax.jit(privacy.clipped_grad(mlp_loss, C, microbatch_size=micro))
+    clipped = privacy.clipped_grad(mlp_loss, C)
+    inner = optax.sgd(0.1)
+    tx = privacy.dp_accumulate(
+        inner,
+        1,
+        l2_clip_norm=C,
+        noise_multiplier=SIGMA,
+        expected_batch_size=batch,
+        key=jax.random.key(0),
+    )
+
+    @jax.jit
+    def dp_step(params, state, batch):
+        _, grad_sum = clipped(params, batch)
+        updates, state = tx.update(grad_sum, state, params)
+        return optax.apply_updates(params, updates), state
 
     @jax.jit
     def plain_step(params, state, batch):
-        _, grads = jax.value_and_grad(loss)(params, batch)
-        updates, state = tx_inner.update(grads, state, params)
+        _, grads = jax.value_and_grad(mlp_loss)(params, batch)
+        updates, state = inner.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    dp_state, plain_state = tx.init(params), tx_inner.init(params)
-    key = jax.random.key(2)
+    dp_state, plain_state = tx.init(params), inner.init(params)
     fns = {
-        "ours": lambda: ours(params, data),
-        "jax_privacy": lambda: theirs(params, data),
-        "ours, half padding": lambda: ours(params, data, is_padding_example=half),
-        "jax_privacy, half padding": lambda: theirs(params, data, is_padding_example=half),
-        "dp step": lambda: dp_step(params, dp_state, data, key),
+        "full": lambda: chunked(params, data),
+        "half padding": lambda: chunked(params, data, is_padding_example=half),
+        "dp step": lambda: dp_step(params, dp_state, data),
         "plain step": lambda: plain_step(params, plain_state, data),
     }
     times = harness.interleaved_medians(fns, reps, warmup=2)
@@ -126,24 +258,16 @@ def measure(widths: tuple[int, ...], batch: int, micro: int, reps: int) -> list[
     return [
         {
             **common,
-            "measure": "clipped_sum",
-            "candidate": "clipped sum: gradaccum_jax / jax_privacy",
-            "ms": 1e3 * times["ours"],
-            "ms_reference": 1e3 * times["jax_privacy"],
-            "ratio": times["ours"] / times["jax_privacy"],
-        },
-        {
-            **common,
             "measure": "clipped_sum_half_padding",
-            "candidate": "clipped sum, half padding: gradaccum_jax / jax_privacy",
-            "ms": 1e3 * times["ours, half padding"],
-            "ms_reference": 1e3 * times["jax_privacy, half padding"],
-            "ratio": times["ours, half padding"] / times["jax_privacy, half padding"],
+            "candidate": "clipped sum, half the batch padding / none",
+            "ms": 1e3 * times["half padding"],
+            "ms_reference": 1e3 * times["full"],
+            "ratio": times["half padding"] / times["full"],
         },
         {
             **common,
             "measure": "dp_step",
-            "candidate": f"DP step ({dp_name}) / non-private step",
+            "candidate": "DP step (clipped_grad, dp_accumulate K=1, SGD) / non-private step",
             "ms": 1e3 * times["dp step"],
             "ms_reference": 1e3 * times["plain step"],
             "ratio": times["dp step"] / times["plain step"],
@@ -151,22 +275,77 @@ def measure(widths: tuple[int, ...], batch: int, micro: int, reps: int) -> list[
     ]
 
 
+def measure_example(quick: bool) -> list[dict]:
+    """examples/dp_digits.py's private training on each path: seconds per epoch."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "dp_digits.py"
+    spec = importlib.util.spec_from_file_location("dp_digits", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    seconds = {}
+    for method in ("fast", "per_example"):
+        args = example.parse_args(["--method", method, "--epochs", "2" if quick else "6"])
+        seconds[method] = example.train_private(args, *example.load_data(0))["seconds_per_epoch"]
+    return [
+        {
+            "benchmark": "privacy",
+            "measure": "dp_digits_example",
+            "candidate": "examples/dp_digits.py private training, s per epoch: fast / per_example",
+            "ms": 1e3 * seconds["fast"],
+            "ms_reference": 1e3 * seconds["per_example"],
+            "ratio": seconds["fast"] / seconds["per_example"],
+        }
+    ]
+
+
+def opacus_rows(quick: bool, reps: int) -> list[dict]:
+    """Opacus' ghost clipping on the same shapes, where a Python with torch is given."""
+    python = os.environ.get("GRADACCUM_OPACUS_PYTHON")
+    if not python:
+        return [
+            {
+                "benchmark": "privacy",
+                "measure": "opacus_ghost",
+                "candidate": "opacus ghost clipping",
+                "note": "not measured: set GRADACCUM_OPACUS_PYTHON to a Python with torch "
+                "and opacus",
+            }
+        ]
+    script = pathlib.Path(__file__).with_name("privacy_opacus.py")
+    argv = [python, str(script), "--reps", str(reps)] + (["--quick"] if quick else [])
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = harness.benchmark_parser(__doc__)
+    parser = harness.benchmark_parser(__doc__, reps="interleaved rounds per model")
     args = parser.parse_args(argv)
+    reps = args.reps or (2 if args.quick else 9)
+    rows = []
+    for name in ("mlp", "cnn", "transformer"):
+        rows += measure_model(name, args.quick, reps, micro=8 if args.quick else 32)
     if args.quick:
-        widths, batch, micro, reps = (64, 32, 10), 32, 8, 3
+        rows += measure_steps((64, 32, 10), 32, 8, reps)
     else:
-        widths, batch, micro, reps = (64, 256, 256, 10), 256, 32, 21
-    rows = measure(widths, batch, micro, reps)
-    print(
-        f"privacy: MLP {widths} ({rows[0]['params'] / 1e3:.0f}k float32 parameters), "
-        f"batch {batch}, chunks of {micro}, C={C}, sigma={SIGMA}, jax {jax.__version__}"
-    )
-    print("(shared, noisy machine: the ratios are measured side by side, interleaved)")
-    print(f"{'candidate':<62} {'ms':>8} {'ref ms':>8} {'ratio':>6}")
+        rows += measure_steps((64, 256, 256, 10), 256, 32, 21)
+    rows += measure_example(args.quick)
+    rows += opacus_rows(args.quick, reps)
+    print(f"privacy: C={C}, jax {jax.__version__} (shared, noisy machine: ratios side by side)")
+    print(f"{'model':<12} {'candidate':<12} {'ms':>9} {'ref ms':>9} {'ratio':>6} {'temp':>7}")
     for r in rows:
-        print(f"{r['candidate']:<62} {r['ms']:8.2f} {r['ms_reference']:8.2f} {r['ratio']:6.2f}")
+        if r.get("measure") in ("vs_non_private", "opacus_ghost") and "ratio" in r:
+            temp = f"{r['temp_ratio']:6.2f}x" if r.get("temp_ratio") else ""
+            print(
+                f"{r['model']:<12} {r['candidate']:<12} {r['ms']:9.2f} {r['ms_reference']:9.2f}"
+                f" {r['ratio']:6.2f} {temp}"
+            )
+        elif "ratio" in r:
+            print(
+                f"{r['candidate']}: {r['ratio']:.2f} ({r['ms']:.2f} / {r['ms_reference']:.2f} ms)"
+            )
+        else:
+            print(f"{r['candidate']}: {r.get('note', '')}")
     return rows
 
 

@@ -60,6 +60,8 @@ class Convs(nn.Module):
         x = jnp.tanh(conv(4, (3, 3), strides=(2, 1))(x))
         x = jnp.tanh(conv(4, (2, 3), feature_group_count=2, kernel_dilation=(2, 1))(x))
         x = jnp.tanh(conv(6, (3, 2), padding=((1, 2), (0, 1)), input_dilation=(2, 1))(x))
+        up = nn.ConvTranspose(3, (2, 2), strides=(2, 1), param_dtype=F64, dtype=F64)
+        x = jnp.tanh(up(x))
         return dense(2)(x.reshape(x.shape[0], -1))
 
 

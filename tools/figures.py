@@ -594,6 +594,57 @@ def _privacy(rows: Rows, measure: str) -> dict[str, Any]:
     return row(rows, "privacy", measure=measure)
 
 
+PRIVACY_MODELS = ("mlp", "cnn", "transformer")
+
+
+def _private(rows: Rows, model: str, candidate: str) -> dict[str, Any]:
+    return row(rows, "privacy", measure="vs_non_private", model=model, candidate=candidate)
+
+
+def _opacus(rows: Rows, model: str) -> str:
+    """Opacus' ghost clipping / its non-private step, where the benchmark could run it."""
+    found = [
+        r
+        for r in rows["privacy"]
+        if r.get("measure") == "opacus_ghost" and r.get("model") == model and "ratio" in r
+    ]
+    return times(found[0]["ratio"]) if found else "not measured"
+
+
+def privacy_table(rows: Rows) -> str:
+    """Per model: the fast path's time and temp against the non-private gradient, beside
+    the per-example path, jax_privacy and Opacus' ghost clipping, and the targets."""
+    lines = []
+    for model in PRIVACY_MODELS:
+        fast = _private(rows, model, "fast")
+        lines.append(
+            [
+                fast["description"],
+                f"**{times(fast['ratio'])}** ({fast['ratio_q1']:.2f}{DASH}{fast['ratio_q3']:.2f})",
+                f"**{times(fast['temp_ratio'])}** ({fast['temp_mib']:.1f} vs "
+                f"{fast['temp_mib_reference']:.1f} MiB)",
+                times(fast["flops_ratio"]),
+                f"≤ {fast['target_ratio']}{TIMES}, ≤ {fast['target_temp_ratio']}{TIMES}",
+                times(_private(rows, model, "per_example")["ratio"], 1),
+                times(_private(rows, model, "jax_privacy")["ratio"], 1),
+                _opacus(rows, model),
+            ]
+        )
+    return table(
+        [
+            "model",
+            "clipped_grad / non-private (quartiles)",
+            "compiled temp",
+            "flops (XLA's count)",
+            "targets (time, temp)",
+            'method="per_example"',
+            "jax_privacy",
+            'Opacus grad_sample_mode="ghost"',
+        ],
+        lines,
+    )
+
+
 FIGURES: dict[str, Callable[[Rows], str]] = {
     # global_statistics benchmark: statistics_fn (MoE balancing over the whole batch)
     "global_statistics.time": lambda r: statistics_ratios(r, "time_vs_per_micro"),
@@ -602,15 +653,24 @@ FIGURES: dict[str, Callable[[Rows], str]] = {
     "global_statistics.err_global": lambda r: statistics_error(r, "global"),
     "global_statistics.err_per_micro": lambda r: statistics_error(r, "per micro-batch"),
     "table.compile_time": compile_time_table,
-    # privacy benchmark: per-example clipped sums (MLP, float32) and the DP step
-    "privacy.model": lambda r: (
-        f"{_privacy(r, 'clipped_sum')['params'] / 1e3:.0f}k parameters, batch "
-        f"{_privacy(r, 'clipped_sum')['batch']}, chunks of "
-        f"{_privacy(r, 'clipped_sum')['microbatch_size']}"
-    ),
-    "privacy.vs_jax_privacy": lambda r: times(_privacy(r, "clipped_sum")["ratio"]),
+    # privacy benchmark: clipped sums against the non-private gradient, the DP step
+    "table.privacy": privacy_table,
+    **{
+        f"privacy.fast.{m}": (lambda r, m=m: times(_private(r, m, "fast")["ratio"]))
+        for m in PRIVACY_MODELS
+    },
+    **{
+        f"privacy.per_example.{m}": (
+            lambda r, m=m: times(_private(r, m, "per_example")["ratio"], 0)
+        )
+        for m in PRIVACY_MODELS
+    },
     "privacy.half_padding": lambda r: times(_privacy(r, "clipped_sum_half_padding")["ratio"]),
-    "privacy.dp_vs_plain": lambda r: times(_privacy(r, "dp_step")["ratio"], 0),
+    "privacy.dp_vs_plain": lambda r: times(_privacy(r, "dp_step")["ratio"]),
+    "privacy.example_fast": lambda r: f"{_privacy(r, 'dp_digits_example')['ms'] / 1e3:.2f} s",
+    "privacy.example_per_example": (
+        lambda r: f"{_privacy(r, 'dp_digits_example')['ms_reference'] / 1e3:.2f} s"
+    ),
     # coupled benchmark: exact micro-batching of a contrastive loss
     "coupled.time": lambda r: times(coupled_step(r, "coupled", 1024, 8)["time_vs_full"]),
     "coupled.temp": lambda r: f"{coupled_step(r, 'coupled', 1024, 8)['temp_vs_full']:.2f}",
