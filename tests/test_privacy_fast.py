@@ -442,3 +442,34 @@ def test_construction_refuses_an_unknown_method_and_a_non_bool_flag():
     with pytest.raises(TypeError, match="return_grad_norms must be a bool"):
         privacy.clipped_grad(loss, 1.0, return_grad_norms=1)
     assert "method='fast'" in repr(privacy.clipped_grad(loss, 1.0))
+
+
+def test_several_differentiated_arguments_share_one_norm():
+    # argnums=(0, 2): each example's norm is over both arguments' leaves, as on the
+    # per-example path.
+    def loss(first, batch, second):
+        x, y = batch
+        return jnp.mean((jnp.tanh(x @ first["w"]) @ second - y) ** 2)
+
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
+    first = {"w": jax.random.normal(k1, (4, 6))}
+    second = jax.random.normal(k2, (6, 2))
+    batch = (jax.random.normal(k3, (10, 4)), jax.random.normal(k4, (10, 2)))
+    results = [
+        jax.jit(privacy.clipped_grad(loss, 0.2, argnums=(0, 2), method=m, return_grad_norms=True))(
+            first, batch, second
+        )
+        for m in ("fast", "per_example")
+    ]
+    assert isinstance(results[0][1], tuple) and len(results[0][1]) == 2
+    assert _max_error(results[0], results[1]) <= 1e-5
+    plan = privacy.clipped_grad(loss, 0.2, argnums=(0, 2)).plan(first, batch, second)
+    assert plan.methods == {"[0]['w']": "ghost", "[1]": "ghost"}
+
+
+def test_chunks_still_bound_the_fast_paths_memory():
+    params, x = mlp32_params(), jnp.ones((256, 5))
+    whole = jax.jit(privacy.clipped_grad(mlp32, C)).lower(params, x).compile()
+    chunked = jax.jit(privacy.clipped_grad(mlp32, C, microbatch_size=16)).lower(params, x).compile()
+    temp = lambda c: c.memory_analysis().temp_size_in_bytes  # noqa: E731
+    assert temp(chunked) * 4 < temp(whole)
