@@ -211,6 +211,12 @@ def call_body(eqn: Any) -> tuple[Any, list[Any]]:
     return body, []
 
 
+def _dropped(var: Any) -> bool:
+    """Whether an equation's output variable is unused (`_` in a printed jaxpr). JAX < 0.9
+    does not export the class (`jax.extend.core.DropVar`)."""
+    return type(var).__name__ == "DropVar"
+
+
 def walk(jaxpr: Any, consts: Sequence[Any], inputs: Sequence[Any], visit: Callable) -> list:
     """Runs `visit(eqn, inputs) -> outputs` over the equations of `jaxpr`, in order.
 
@@ -227,7 +233,7 @@ def walk(jaxpr: Any, consts: Sequence[Any], inputs: Sequence[Any], visit: Callab
     for eqn in jaxpr.eqns:
         outs = visit(eqn, [read(v) for v in eqn.invars])
         for var, out in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(var, core.DropVar):
+            if not _dropped(var):
                 env[var] = out
     return [read(v) for v in jaxpr.outvars]
 
