@@ -3,7 +3,8 @@
 A public namespace, reached as `gradaccum_jax.privacy.<name>`; the code lives in
 `gradaccum_jax._privacy`:
 
-* `clipped_grad`: the sum over a micro-batch of per-example gradients, each clipped to `C`;
+* `clipped_grad`: the sum over a micro-batch of per-example gradients, each clipped to `C`
+  (its `plan` says how each leaf's per-example norms are found: `ClippingPlan`, `LeafPlan`);
 * `dp_accumulate`: the noisy window, noise once per logical batch, divided by a public `B`;
 * `epsilon`: the privacy spent after a number of logical batches (windows).
 
@@ -13,6 +14,7 @@ when called (`pip install gradaccum_jax[privacy]`).
 
 from gradaccum_jax._privacy.accounting import epsilon
 from gradaccum_jax._privacy.clipping import clipped_grad
+from gradaccum_jax._privacy.fast import ClippingPlan, LeafPlan
 from gradaccum_jax._privacy.window import (
     DPAccumulateState,
     DPCloseState,
@@ -21,9 +23,11 @@ from gradaccum_jax._privacy.window import (
 )
 
 __all__ = [
+    "ClippingPlan",
     "DPAccumulateState",
     "DPCloseState",
     "GaussianNoiseState",
+    "LeafPlan",
     "clipped_grad",
     "dp_accumulate",
     "epsilon",
