@@ -1,0 +1,291 @@
+"""The route matrix, declared once: capabilities x routes x model styles, and each cell's outcome.
+
+tests/test_matrix.py runs every cell declared here (the builders are in
+tests/_matrix_run.py) and tools/matrix_table.py writes docs/matrix.md from the same
+declarations, so the page says what the tests check and cannot drift from them.
+
+A cell is one of:
+
+* `Exact`: the train step equals the whole-batch reference, within the capability's
+  tolerances;
+* `Refused`: the library raises `error`, from its own code, with a message that
+  matches `match` (the fix it names);
+* `NotApplicable`: the triple is not meaningful, for the reason given; where the
+  reason is a fact about another library, `witness` names a check in
+  tests/_matrix_run.py that the test runs, so the page stops being true loudly;
+* `Pending`: what the cell will be (`then`) once a known gap is closed; until then the
+  test is a strict xfail, so the cell's test fails when the fix lands and the
+  declaration must be flipped.
+
+This module imports nothing but the standard library, so that the docs tool can
+read it without starting JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# --- the three dimensions -----------------------------------------------------------------
+
+ROUTES = {
+    "one_device": (
+        "one device",
+        "`jax.jit` on one device, the whole global batch per call.",
+    ),
+    "shard_map": (
+        "`shard_map`",
+        '`jax.jit(jax.shard_map(...))` over 8 devices, the capability\'s `axis_name="data"`: '
+        "params replicated and cast to varying before they are differentiated, the batch "
+        "split, a window's state held with `ga.replica_state_specs` / "
+        "`add_replica_axis` / `remove_replica_axis`.",
+    ),
+    "pmap": (
+        "`pmap`",
+        '`jax.pmap` over 8 devices with `axis_name="data"`: one copy of the state per '
+        "device, the batch split; the test checks that every copy ends the same.",
+    ),
+    "jit_auto": (
+        "global `jit`, Auto mesh",
+        "Global-view `jax.jit` under `jax.set_mesh` of an 8-device mesh with "
+        '`AxisType.Auto`: params replicated (`P()`), the batch sharded (`P("data")`), '
+        "the one-device step unchanged.",
+    ),
+    "jit_explicit": (
+        "global `jit`, Explicit mesh",
+        "The same on a mesh with `AxisType.Explicit`, which `jax.make_mesh` gives by "
+        "default from JAX 0.10: the road most new code takes.",
+    ),
+}
+
+STYLES = {
+    "linen": (
+        "linen params",
+        "A `flax.linen` model's params; the optax step written out (`tx.update`, "
+        "`optax.apply_updates`).",
+    ),
+    "train_state": (
+        "`ga.flax.TrainState`",
+        "`gradaccum_jax.flax.TrainState.apply_gradients`. Linen only: it holds an "
+        "`apply_fn` and a params tree.",
+    ),
+    "nnx_module": (
+        "NNX module",
+        "An `nnx.Module` (holding an RNG stream, as modules with dropout do) "
+        "differentiated as a module (`nnx.grad`, or the module passed to the capability), "
+        "stepped by Flax's own `nnx.Optimizer(model, tx, wrt=nnx.Param)`.",
+    ),
+    "nnx_optimizer": (
+        "`ga.flax.Optimizer`",
+        "The same module stepped by `gradaccum_jax.flax.Optimizer`. NNX only, as Flax's.",
+    ),
+    "nnx_split": (
+        "split NNX state",
+        "`nnx.split(model, nnx.Param, ...)`: the params' `nnx.State` differentiated by "
+        "pure functions whose loss merges the model, the optax step written out.",
+    ),
+}
+
+CAPABILITIES = {
+    "accumulate": (
+        "`accumulate`",
+        "`ga.accumulate(sgd, K)` over `K` calls, gradients from `jax.grad` / `nnx.grad`. "
+        "Reference: SGD on each window's whole batch.",
+    ),
+    "microbatch": (
+        "`microbatch_value_and_grad`",
+        "`ga.microbatch_value_and_grad(loss, K)` inside each step, then SGD (on the mapped "
+        "routes, the devices' gradients averaged with `jax.lax.pmean`). Reference: "
+        "`jax.grad` on the step's whole batch.",
+    ),
+    "statistics": (
+        "`statistics_fn`",
+        "`microbatch_value_and_grad(loss, K, statistics_fn=...)` for a load-balancing loss "
+        "that needs the whole batch's class counts (`axis_name=` on the mapped routes). "
+        "Reference: `jax.grad` with the whole batch's counts.",
+    ),
+    "coupled": (
+        "`coupled_value_and_grad`",
+        "`ga.coupled_value_and_grad(loss, embed, K)` for a CLIP loss that couples every "
+        "row of the batch (`axis_name=` on the mapped routes). Reference: `jax.grad` on "
+        "the whole batch.",
+    ),
+    "privacy": (
+        "`clipped_grad` + `dp_accumulate`",
+        "`privacy.clipped_grad(loss, C)` into `privacy.dp_accumulate(sgd, K, "
+        "noise_multiplier=0)` (`axis_name=` on the mapped routes). Reference: the whole "
+        "window's per-example gradients, each clipped to `C`, summed, divided by `B`.",
+    ),
+    "fp8": (
+        "fp8 metadata",
+        "Flax's fp8 layers (`Fp8DirectDotGeneralOp`; under `nnx.bridge` for NNX) in an "
+        "`accumulate(sgd, K, use_grad_mean=False)` window, each call differentiating its "
+        "share of the window's loss. Reference: Flax's own step on each window's whole "
+        "batch, params and metadata (scales, amax histories).",
+    ),
+    "batchnorm": (
+        "`AccumBatchNorm`",
+        "`AccumBatchNorm` / `NNXAccumBatchNorm` in an `accumulate(sgd, K)` window, "
+        "committed when it closes (the layer's `axis_name=` on the mapped routes). "
+        "Reference: the running mean and variance of the whole window's batch (one EMA "
+        "step), and params moved by the mean of the calls' gradients, each call "
+        "normalised with its own global batch's statistics (what the layer documents).",
+    ),
+}
+
+# Tolerances per capability: float32 sums in another order (and, for the contrastive
+# loss, a tiled softmax over the batch).
+TOLERANCES = {name: {"rtol": 1e-5, "atol": 1e-6} for name in CAPABILITIES}
+TOLERANCES["coupled"] = {"rtol": 2e-5, "atol": 1e-5}
+
+
+# --- outcomes -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Exact:
+    kind = "exact"
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    error: type[Exception]
+    match: str  # a regular expression the message must match: the fix it names
+    why: str
+    kind = "refused"
+
+
+@dataclasses.dataclass(frozen=True)
+class NotApplicable:
+    why: str
+    witness: str | None = None  # a check in tests/_matrix_run.py that the reason holds
+    kind = "n/a"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    gap: str  # what fails today, with its issue item
+    then: Exact | Refused = Exact()
+    kind = "pending"
+
+
+Outcome = Exact | Refused | NotApplicable | Pending
+
+ANY = "*"
+
+_STATISTICS_MODULE = Refused(
+    TypeError,
+    r"statistics_fn.*Split the model yourself.*nnx\.split\(model, nnx\.Param",
+    "`statistics_fn`'s first pass cannot replay a module's carried state (its RNG "
+    "counters); the error says to split the model and pass its params (the split-state "
+    "column).",
+)
+_FP8_NNX = Refused(
+    ValueError,
+    r"fp8 metadata leaves.*gradaccum_jax\.flax\.Optimizer",
+    "`accumulate` refuses fp8 metadata in the optimizer's tree (a window would average "
+    "them and step them); the error names `ga.flax.Optimizer`, which holds them through "
+    "the window and writes their max at the close.",
+)
+_FP8_NNX_ADVICE = (
+    "issue 40 item 3: the refusal's advice for NNX (wrt=nnx.Param, write the metadata "
+    "into the model yourself) rolls the amax history K times per window; the fix names "
+    "ga.flax.Optimizer (branch i40-fp8)"
+)
+
+# The declarations, most specific first: (capability, route, style) with ANY as a wildcard.
+# A triple not listed is Exact.
+DECLARATIONS: list[tuple[tuple[str, str, str], Outcome]] = [
+    (
+        ("fp8", "jit_explicit", ANY),
+        NotApplicable(
+            "Flax's fp8 layers do not run under global-view `jit` on an Explicit mesh with "
+            "a sharded batch: the backward pass's `dot_general` contracts the sharded batch "
+            "axis and JAX asks for an `out_sharding` that `fp8_ops` does not pass "
+            "(flax 0.12.8, without this library).",
+            witness="flax_fp8_fails_on_an_explicit_mesh",
+        ),
+    ),
+    (
+        ("fp8", ANY, "linen"),
+        Refused(
+            ValueError,
+            r"fp8 metadata leaves.*gradaccum_jax\.flax\.TrainState",
+            "`accumulate` refuses fp8 metadata in the optimizer's tree (a window would "
+            "average them and step them); the error names `ga.flax.TrainState`, which "
+            "holds them through the window and writes their max at the close.",
+        ),
+    ),
+    (("fp8", ANY, "nnx_module"), Pending(_FP8_NNX_ADVICE, then=_FP8_NNX)),
+    (("fp8", ANY, "nnx_split"), Pending(_FP8_NNX_ADVICE, then=_FP8_NNX)),
+    (
+        ("fp8", ANY, "nnx_optimizer"),
+        Pending(
+            "issue 40 item 3: ga.flax.Optimizer does not yet hold the metadata through the "
+            "window (today they never move: the amax history stays where it started); "
+            "branch i40-fp8"
+        ),
+    ),
+    (
+        ("fp8", "shard_map", "train_state"),
+        Pending(
+            "issue 40 item 4: the running max differs per device and has no replica axis "
+            "(shard_map cannot infer its replication for out_specs); branch i40-fp8"
+        ),
+    ),
+    (
+        ("fp8", "pmap", "train_state"),
+        Pending(
+            "issue 40 item 4: each device keeps its own running max and writes it at the "
+            "close, so the replicas' metadata differ (no pmax); branch i40-fp8"
+        ),
+    ),
+    (("statistics", ANY, "nnx_module"), _STATISTICS_MODULE),
+    (("statistics", ANY, "nnx_optimizer"), _STATISTICS_MODULE),
+    (
+        ("privacy", "jit_explicit", ANY),
+        Pending(
+            "issue 40 item 1: clipped_grad under global-view jit on an Explicit mesh fails "
+            "inside the library (JAX's ShardingTypeError on slicing the sharded batch into "
+            "examples); the lead is fixing it"
+        ),
+    ),
+    (
+        ("privacy", ANY, "nnx_module"),
+        Pending(
+            "issue 40 item 2: clipped_grad on an NNX module that holds RNG state fails "
+            "inside the library (TypeError: cannot interpret 'key<fry>' as a data type); "
+            "the lead is fixing it"
+        ),
+    ),
+    (("privacy", ANY, "nnx_optimizer"), Pending("issue 40 item 2, as for the NNX module")),
+]
+
+
+def _fits(pattern: tuple[str, str, str], cell: tuple[str, str, str]) -> bool:
+    return all(p in (ANY, c) for p, c in zip(pattern, cell, strict=True))
+
+
+def outcome(capability: str, route: str, style: str) -> Outcome:
+    """The declared outcome of a cell: the first declaration that fits it, else `Exact`."""
+    for pattern, declared in DECLARATIONS:
+        if _fits(pattern, (capability, route, style)):
+            return declared
+    return Exact()
+
+
+def cells() -> list[tuple[str, str, str]]:
+    return [(c, r, s) for c in CAPABILITIES for r in ROUTES for s in STYLES]
+
+
+def quick(capability: str, route: str, style: str) -> bool:
+    """The cells of the quick loop: every (capability, route) and every (capability, style)
+    pair once, one style per route, rotated from capability to capability (a Latin
+    square); refusals and non-applicable cells cost nothing and always run."""
+    c, r, s = (
+        list(CAPABILITIES).index(capability),
+        list(ROUTES).index(route),
+        list(STYLES).index(style),
+    )
+    return (r + c) % len(STYLES) == s or not isinstance(
+        outcome(capability, route, style), Exact | Pending
+    )

@@ -1,0 +1,125 @@
+"""The route matrix: every capability on every route and model style, exact or refused.
+
+The cells are declared in tests/_matrix.py and built by tests/_matrix_run.py; each
+test runs one cell on the 8 forced host devices (tiny models: the whole matrix takes
+about a minute and a half on 2 cores; the quick loop runs a Latin square of it, every
+capability on every route and in every style once, and every refusal). docs/matrix.md
+is generated from the same declarations (`python tools/matrix_table.py`) and checked
+here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import traceback
+
+import _matrix as M
+import _matrix_run as run
+import jax
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LIBRARY = pathlib.Path(__import__("gradaccum_jax").__file__).resolve().parent
+
+
+def _cell_params():
+    for capability, route, style in M.cells():
+        declared = M.outcome(capability, route, style)
+        if isinstance(declared, M.NotApplicable) and declared.witness is None:
+            continue  # nothing to run: the page gives the reason
+        marks = [] if M.quick(capability, route, style) else [pytest.mark.slow]
+        if isinstance(declared, M.Pending):
+            marks.append(pytest.mark.xfail(strict=True, reason=declared.gap))
+        yield pytest.param(
+            capability, route, style, marks=marks, id=f"{capability}-{route}-{style}"
+        )
+
+
+def raised_by_library(err: BaseException) -> bool:
+    """Whether the innermost frame of `err`'s traceback is this library's own code."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and pathlib.Path(frames[-1].filename).resolve().is_relative_to(LIBRARY)
+
+
+def _where(err: BaseException) -> str:
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    return f"{frame.filename}:{frame.lineno}"
+
+
+def assert_close(got, want, start, *, rtol, atol):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    moved = max(
+        float(np.max(np.abs(np.asarray(w, np.float64) - np.asarray(s, np.float64))))
+        for w, s in zip(jax.tree.leaves(want), jax.tree.leaves(start), strict=True)
+    )
+    # The reference moves far beyond the tolerance: a cell that did nothing would fail.
+    assert moved > 100 * atol, moved
+    for (path, w), g in zip(
+        jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got), strict=True
+    ):
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(w), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+@pytest.mark.parametrize(("capability", "route", "style"), list(_cell_params()))
+def test_cell(capability, route, style):
+    declared = M.outcome(capability, route, style)
+    if isinstance(declared, M.Pending):
+        declared = declared.then
+    if isinstance(declared, M.NotApplicable):
+        assert getattr(run, declared.witness)(), f"{declared.witness}: the reason no longer holds"
+        return
+    program = run.CAPABILITY_PROGRAMS[capability]
+    if isinstance(declared, M.Refused):
+        with pytest.raises(declared.error, match=declared.match) as info:
+            program.run(style, route)
+        assert raised_by_library(info.value), (
+            f"the refusal came from {_where(info.value)}, not from the library's own check"
+        )
+        return
+    try:
+        got, want, start = program.run(style, route)
+    except Exception as err:
+        kind = (
+            "a refusal by the library: declare the cell Refused, or make it work"
+            if raised_by_library(err)
+            else "a bare error from JAX or Flax inside the step, which no user can act on"
+        )
+        pytest.fail(f"{type(err).__name__} from {_where(err)} ({kind}): {err}")
+    assert_close(got, want, start, **M.TOLERANCES[capability])
+
+
+# --- the declarations themselves ----------------------------------------------------------
+
+
+def test_every_declaration_decides_some_cell():
+    decided = {M.outcome(*cell) for cell in M.cells()}
+    for pattern, declared in M.DECLARATIONS:
+        assert declared in decided, f"{pattern} is shadowed by the declarations above it"
+        assert any(M._fits(pattern, cell) for cell in M.cells()), pattern
+
+
+def test_quick_cells_cover_every_route_and_style_of_each_capability():
+    quick = [cell for cell in M.cells() if M.quick(*cell)]
+    for capability in M.CAPABILITIES:
+        assert {r for c, r, _ in quick if c == capability} == set(M.ROUTES)
+        assert {s for c, _, s in quick if c == capability} == set(M.STYLES)
+
+
+def _table_tool():
+    spec = importlib.util.spec_from_file_location(
+        "matrix_table", ROOT / "tools" / "matrix_table.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_page_is_generated_from_the_declarations():
+    page = ROOT / "docs" / "matrix.md"
+    assert page.read_text(encoding="utf-8") == _table_tool().render(), (
+        "docs/matrix.md differs from tests/_matrix.py: run python tools/matrix_table.py"
+    )
