@@ -401,6 +401,21 @@ def test_flax_nnx_model_through_split_and_merge(mesh):
     assert_trees_close(reduce(grads), want)
 
 
+def test_an_nnx_module_is_refused_with_the_split_as_the_fix(mesh):
+    from flax import nnx
+
+    model = nnx.Sequential(nnx.Linear(6, 3, rngs=nnx.Rngs(0)), nnx.Dropout(0.1, rngs=nnx.Rngs(1)))
+
+    def loss(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    # Differentiated whole, its RNG counters would reach jax.grad as uint32 leaves.
+    with pytest.raises(
+        TypeError, match=r"flax\.nnx module at argnums position\(s\) \(0,\).*nnx\.split"
+    ):
+        jax.jit(ga.unreduced_value_and_grad(loss, AXIS))(model, sharded(make_batch(0)))
+
+
 @pytest.mark.requires(UNREDUCED_WINDOWS, jax="0.9.1")
 @pytest.mark.slow
 @pytest.mark.hlo

@@ -20,10 +20,15 @@ from gradaccum_jax._batching.splitting import _carry_argnums, _is_typed_key, _Op
 
 def module_positions(args: tuple[Any, ...], options: _Options) -> tuple[int, ...]:
     """The differentiated positions that hold a `flax.nnx.Module`."""
+    return modules_at(args, options.grad_nums)
+
+
+def modules_at(args: tuple[Any, ...], positions: tuple[int, ...]) -> tuple[int, ...]:
+    """Those of `positions` at which `args` holds a `flax.nnx.Module`."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return ()
-    return tuple(i for i in options.grad_nums if i < len(args) and isinstance(args[i], nnx.Module))
+    return tuple(i for i in positions if i < len(args) and isinstance(args[i], nnx.Module))
 
 
 def differentiated(nnx: Any, options: _Options) -> Any:

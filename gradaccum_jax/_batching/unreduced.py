@@ -25,6 +25,7 @@ from gradaccum_jax._base.compat import (
     unreduced_axes_in_body,
     varying_axes,
 )
+from gradaccum_jax._batching import nnx_modules
 from gradaccum_jax._batching.microbatch import microbatch_value_and_grad
 from gradaccum_jax._sharding.partials import _PER_DEVICE, _mesh_axes_of, _spec, mesh_axes_size
 
@@ -35,6 +36,26 @@ _FP8 = (
 )
 
 AxisName = Hashable | Sequence[Hashable]
+
+
+def _refuse_modules(args: tuple[Any, ...], grad_nums: tuple[int, ...]) -> None:
+    """A `flax.nnx` module to differentiate is refused: split it, as the guide shows."""
+    modules = nnx_modules.modules_at(args, grad_nums)
+    if modules:
+        # Differentiated whole, its RNG counters (uint32) fail inside jax.grad; split in
+        # here, every device would hold its own copy of the state besides the params
+        # (RNG streams drawing the same masks on every device, BatchNorm statistics of
+        # its own slice), with no single module to write them back into.
+        raise TypeError(
+            f"unreduced_value_and_grad got a flax.nnx module at argnums position(s) "
+            f"{modules}: its state besides the params (RNG streams, BatchNorm statistics) "
+            "would be differentiated with them, and each device would hold its own copy. "
+            "Split the model yourself: graphdef, params, rest = nnx.split(model, "
+            "nnx.Param, ...), differentiate params with a loss that merges them "
+            "(nnx.merge(graphdef, params, rest, copy=True)), and return the rest's new "
+            "values as aux where they change (see the global-view section of the "
+            "distributed-training guide)."
+        )
 
 
 def _positions(name: str, value: Any) -> tuple[int, ...]:
@@ -421,7 +442,8 @@ def unreduced_value_and_grad(
 
     Raises:
       TypeError: If `fun` is not callable, `axis_name` is not a name or a
-        tuple of names, or an argnums value is not a position.
+        tuple of names, or an argnums value is not a position; when called, if
+        a differentiated argument is a `flax.nnx` module (split it, as above).
       ValueError: If the argnums overlap; when called, if there is no context
         mesh, it lacks `axis_name` or the axis is not `Explicit`, a batch
         leaf's leading axis is not a multiple of the number of devices (times
@@ -465,6 +487,7 @@ def unreduced_value_and_grad(
         reduce_rules.refuse_max_leaves(
             [args[i] for i in grad_nums], "unreduced_value_and_grad", _FP8
         )
+        _refuse_modules(args, grad_nums)
         mesh_axes_size(axes, f"unreduced_value_and_grad(..., axis_name={axis_name!r})")
         _check_params(args, grad_nums)
         split = _split_axes(args, grad_nums, batch_nums, axes)
