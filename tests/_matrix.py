@@ -24,6 +24,7 @@ read it without starting JAX.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 # --- the three dimensions -----------------------------------------------------------------
 
@@ -54,6 +55,16 @@ ROUTES = {
         "global `jit`, Explicit mesh",
         "The same on a mesh with `AxisType.Explicit`, which `jax.make_mesh` gives by "
         "default from JAX 0.10: the road most new code takes.",
+    ),
+    "jit_unreduced": (
+        "global `jit`, Explicit, unreduced",
+        "Global-view `jax.jit` on the Explicit mesh with each device's gradient left "
+        "unreduced, the library's road to one reduction per window there: "
+        "`ga.unreduced_value_and_grad` (with `num_microbatches=K` or `statistics_fn=` "
+        "inside a step, whose partial sums the step then adds with `jax.reshard(grads, "
+        "P())`); for the contrastive and private capabilities each device's partial sums "
+        'leave a `jax.shard_map` with `out_specs=P(unreduced={"data"})`. Batch-norm '
+        "layers keep a window per device (no `axis_name`), summed by the commit.",
     ),
 }
 
@@ -128,7 +139,8 @@ CAPABILITIES = {
         "committed when it closes (the layer's `axis_name=` on the mapped routes). "
         "Reference: the running mean and variance of the whole window's batch (one EMA "
         "step), and params moved by the mean of the calls' gradients, each call "
-        "normalised with its own global batch's statistics (what the layer documents).",
+        "normalised with its own global batch's statistics, or with each device's "
+        "slice's where the windows are kept per device (what the layer documents).",
     ),
 }
 
@@ -186,15 +198,62 @@ _FP8_NNX = Refused(
     "them and step them); the error names `ga.flax.Optimizer`, which holds them through "
     "the window and writes their max at the close.",
 )
-_FP8_NNX_ADVICE = (
-    "issue 40 item 3: the refusal's advice for NNX (wrt=nnx.Param, write the metadata "
-    "into the model yourself) rolls the amax history K times per window; the fix names "
-    "ga.flax.Optimizer (branch i40-fp8)"
+_UNREDUCED_MODULE = Refused(
+    TypeError,
+    r"unreduced_value_and_grad got a flax\.nnx module.*nnx\.split\(model, nnx\.Param",
+    "`unreduced_value_and_grad` differentiates pytrees of params: the module's other state "
+    "(RNG streams, statistics) would be differentiated too, and each device would hold its "
+    "own copy; the error says to split the model (the split-state column).",
+)
+_PRIVACY_UNREDUCED = Refused(
+    ValueError,
+    r"dp_accumulate does not support gradients unreduced.*axis_name=",
+    "`dp_accumulate` takes no unreduced sums (its noisy close is not built for per-device "
+    "windows); the error says to reduce the clipped sums first, or to use `axis_name=` "
+    "under `jax.shard_map`. On this mesh `clipped_grad` itself returns reduced sums (the "
+    "Explicit column).",
+)
+_PRIVACY_NNX_SHARD_MAP = Pending(
+    "clipped_grad's fast path (method='fast', the default) on an NNX module that holds an "
+    "RNG stream, inside jax.shard_map: JAX's bare 'Primitive random_fold_in requires "
+    "varying manual axes to match' from _privacy/replay.py (the replayed fold_in of the "
+    "stream's key gets one varying and one invariant operand); method='per_example' is "
+    "exact there"
+)
+_PRIVACY_NNX_EXPLICIT = Pending(
+    "clipped_grad on an NNX module under global-view jit on an Explicit mesh: the "
+    "examples' index argument that the module split adds (_privacy/modules.py) is "
+    "replicated, and the batch-sharding check refuses it as a batch argument sharded "
+    "unlike the others ('argument 3': (None,)), naming a reshard the user cannot do"
 )
 
-# The declarations, most specific first: (capability, route, style) with ANY as a wildcard.
-# A triple not listed is Exact.
-DECLARATIONS: list[tuple[tuple[str, str, str], Outcome]] = [
+_MODULES = ("nnx_module", "nnx_optimizer")  # the styles that differentiate a module
+
+# The declarations, most specific first: (capability, route, style), each entry a name, a
+# tuple of names or ANY. A triple not listed is Exact.
+DECLARATIONS: list[tuple[tuple[Any, Any, Any], Outcome]] = [
+    (
+        ("fp8", ANY, "linen"),
+        Refused(
+            ValueError,
+            r"fp8 metadata leaves.*gradaccum_jax\.flax\.TrainState",
+            "`accumulate` refuses fp8 metadata in the optimizer's tree (a window would "
+            "average them and step them); the error names `ga.flax.TrainState`, which "
+            "holds them through the window and writes their max at the close.",
+        ),
+    ),
+    (("fp8", ANY, ("nnx_module", "nnx_split")), _FP8_NNX),
+    (
+        ("fp8", "jit_unreduced", ANY),
+        Refused(
+            ValueError,
+            r"unreduced_value_and_grad got fp8 metadata leaves.*microbatch_value_and_grad",
+            "`unreduced_value_and_grad` refuses fp8 metadata: left unreduced, the devices' "
+            "amaxes would be summed where the large batch takes their max; the error names "
+            "`microbatch_value_and_grad` in the global-view step (a road that, on an "
+            "Explicit mesh, meets the Flax limitation of the column before).",
+        ),
+    ),
     (
         ("fp8", "jit_explicit", ANY),
         NotApplicable(
@@ -206,71 +265,40 @@ DECLARATIONS: list[tuple[tuple[str, str, str], Outcome]] = [
         ),
     ),
     (
-        ("fp8", ANY, "linen"),
-        Refused(
-            ValueError,
-            r"fp8 metadata leaves.*gradaccum_jax\.flax\.TrainState",
-            "`accumulate` refuses fp8 metadata in the optimizer's tree (a window would "
-            "average them and step them); the error names `ga.flax.TrainState`, which "
-            "holds them through the window and writes their max at the close.",
-        ),
+        (("accumulate", "microbatch", "statistics", "batchnorm"), "jit_unreduced", _MODULES),
+        _UNREDUCED_MODULE,
     ),
-    (("fp8", ANY, "nnx_module"), Pending(_FP8_NNX_ADVICE, then=_FP8_NNX)),
-    (("fp8", ANY, "nnx_split"), Pending(_FP8_NNX_ADVICE, then=_FP8_NNX)),
+    (("statistics", ANY, _MODULES), _STATISTICS_MODULE),
+    (("privacy", "shard_map", _MODULES), _PRIVACY_NNX_SHARD_MAP),
     (
-        ("fp8", ANY, "nnx_optimizer"),
-        Pending(
-            "issue 40 item 3: ga.flax.Optimizer does not yet hold the metadata through the "
-            "window (today they never move: the amax history stays where it started); "
-            "branch i40-fp8"
-        ),
+        ("privacy", "jit_unreduced", _MODULES),
+        Pending(_PRIVACY_NNX_SHARD_MAP.gap, then=_PRIVACY_UNREDUCED),
     ),
-    (
-        ("fp8", "shard_map", "train_state"),
-        Pending(
-            "issue 40 item 4: the running max differs per device and has no replica axis "
-            "(shard_map cannot infer its replication for out_specs); branch i40-fp8"
-        ),
-    ),
-    (
-        ("fp8", "pmap", "train_state"),
-        Pending(
-            "issue 40 item 4: each device keeps its own running max and writes it at the "
-            "close, so the replicas' metadata differ (no pmax); branch i40-fp8"
-        ),
-    ),
-    (("statistics", ANY, "nnx_module"), _STATISTICS_MODULE),
-    (("statistics", ANY, "nnx_optimizer"), _STATISTICS_MODULE),
-    (
-        ("privacy", "jit_explicit", ANY),
-        Pending(
-            "issue 40 item 1: clipped_grad under global-view jit on an Explicit mesh fails "
-            "inside the library (JAX's ShardingTypeError on slicing the sharded batch into "
-            "examples); the lead is fixing it"
-        ),
-    ),
-    (
-        ("privacy", ANY, "nnx_module"),
-        Pending(
-            "issue 40 item 2: clipped_grad on an NNX module that holds RNG state fails "
-            "inside the library (TypeError: cannot interpret 'key<fry>' as a data type); "
-            "the lead is fixing it"
-        ),
-    ),
-    (("privacy", ANY, "nnx_optimizer"), Pending("issue 40 item 2, as for the NNX module")),
+    (("privacy", "jit_unreduced", ANY), _PRIVACY_UNREDUCED),
+    (("privacy", "jit_explicit", _MODULES), _PRIVACY_NNX_EXPLICIT),
 ]
 
 
-def _fits(pattern: tuple[str, str, str], cell: tuple[str, str, str]) -> bool:
-    return all(p in (ANY, c) for p, c in zip(pattern, cell, strict=True))
+def fits(pattern: tuple[Any, Any, Any], cell: tuple[str, str, str]) -> bool:
+    """Each entry of `pattern` is a name, a tuple of names, or `ANY`."""
+    return all(
+        p == ANY or c in (p if isinstance(p, tuple) else (p,))
+        for p, c in zip(pattern, cell, strict=True)
+    )
+
+
+def deciding(capability: str, route: str, style: str) -> int | None:
+    """The index of the first declaration that fits the cell (None: none, so `Exact`)."""
+    for i, (pattern, _) in enumerate(DECLARATIONS):
+        if fits(pattern, (capability, route, style)):
+            return i
+    return None
 
 
 def outcome(capability: str, route: str, style: str) -> Outcome:
     """The declared outcome of a cell: the first declaration that fits it, else `Exact`."""
-    for pattern, declared in DECLARATIONS:
-        if _fits(pattern, (capability, route, style)):
-            return declared
-    return Exact()
+    i = deciding(capability, route, style)
+    return Exact() if i is None else DECLARATIONS[i][1]
 
 
 def cells() -> list[tuple[str, str, str]]:

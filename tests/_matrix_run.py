@@ -1,394 +1,47 @@
-"""Builders of the route matrix (tests/_matrix.py): models per style, runners per route.
+"""The route matrix's capabilities: each one's train step, optimizer and whole-batch reference.
 
-A cell runs a capability's train step, written once against a small style interface
-(what is differentiated, how the update is applied), on a route (how the step is placed
-on the 8 host devices), and returns the variables it ends with, in one layout for every
-style, for comparison with the whole-batch reference of tests/_matrix.py.
+tests/_matrix.py declares what each cell must give; tests/_matrix_routes.py holds the
+models, styles and routes the steps here are written against. `CAPABILITY_PROGRAMS[name]
+.run(style, route)` returns the variables a cell ends with, the reference's, and the
+variables it started from.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _fp8_common import META, Mlp, warm_variables
+from _matrix_routes import (
+    AXIS,
+    D_IN,
+    D_OUT,
+    HIDDEN,
+    MOMENTUM,
+    ROUTE_CTX,
+    ROUTE_RUNNERS,
+    Ctx,
+    LinenNet,
+    R,
+    Style,
+    initial_params,
+    linen_variables,
+    make_style,
+    nnx_model,
+    pure_params,
+    summed,
+    vary_module,
+)
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
-from gradaccum_jax._base.compat import pcast_to_varying
-
-AXIS = "data"
-R = 8  # devices on the mapped and sharded routes
-D_IN, HIDDEN, D_OUT = 4, 8, 2
-MOMENTUM = 0.9  # of the batch-norm layers
-
-
-# --- models -------------------------------------------------------------------------------
-
-
-class LinenNet(nn.Module):
-    """Dense, (AccumBatchNorm,) tanh, Dense: the linen model of every style that uses linen."""
-
-    norm: bool = False
-    axis_name: Any = None
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = nn.Dense(HIDDEN, name="l1")(x)
-        if self.norm:
-            h = ga.flax.AccumBatchNorm(
-                use_running_average=False, momentum=MOMENTUM, axis_name=self.axis_name, name="bn"
-            )(h)
-        return nn.Dense(D_OUT, name="l2")(jnp.tanh(h))
-
-
-class NnxNet(nnx.Module):
-    """The same network in NNX (the same variable paths as `LinenNet`'s params)."""
-
-    def __init__(self, *, norm: bool = False, axis_name: Any = None) -> None:
-        rngs = nnx.Rngs(0)
-        self.l1 = nnx.Linear(D_IN, HIDDEN, rngs=rngs)
-        self.bn = (
-            ga.flax.NNXAccumBatchNorm(HIDDEN, momentum=MOMENTUM, axis_name=axis_name, rngs=rngs)
-            if norm
-            else None
-        )
-        # Modules hold RNG streams (here a dropout layer's): a rate of 0 keeps the
-        # outputs those of the linen model, while the stream's key and counter are
-        # state that every capability must carry without differentiating it.
-        self.drop = nnx.Dropout(0.0, rngs=rngs)
-        self.l2 = nnx.Linear(HIDDEN, D_OUT, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = self.l1(x)
-        if self.bn is not None:
-            h = self.bn(h)
-        return self.l2(self.drop(jnp.tanh(h)))
-
-
-def initial_params(norm: bool = False) -> dict[str, Any]:
-    """The params every style starts from (numpy, the layout of `LinenNet`'s params)."""
-    rng = np.random.default_rng(0)
-    params = {
-        "l1": {
-            "kernel": rng.normal(size=(D_IN, HIDDEN)).astype(np.float32) / 2,
-            "bias": rng.normal(size=HIDDEN).astype(np.float32) / 4,
-        },
-        "l2": {
-            "kernel": rng.normal(size=(HIDDEN, D_OUT)).astype(np.float32) / 3,
-            "bias": rng.normal(size=D_OUT).astype(np.float32) / 4,
-        },
-    }
-    if norm:
-        params["bn"] = {
-            "scale": 1 + rng.normal(size=HIDDEN).astype(np.float32) / 4,
-            "bias": rng.normal(size=HIDDEN).astype(np.float32) / 4,
-        }
-    return params
-
-
-def linen_variables(model: nn.Module, params: dict[str, Any]) -> dict[str, Any]:
-    variables = model.init(jax.random.key(0), jnp.zeros((2, D_IN)))
-    return {**variables, "params": jax.tree.map(jnp.asarray, params)}
-
-
-def nnx_model(params: dict[str, Any], **kwargs: Any) -> NnxNet:
-    model = NnxNet(**kwargs)
-    state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
-    nnx.update(model, state)
-    return model
-
-
-def pure_params(module: nnx.Module) -> dict[str, Any]:
-    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
-
-
-# --- the route's context, seen by the step ------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Ctx:
-    """What a step needs to know of its route.
-
-    axis: the mapped axis (`shard_map`, `pmap`) or None (one device, global-view jit).
-    typed: inside `shard_map`, where replicated params must be cast to varying before
-      they are differentiated (otherwise the backward pass sums every device's gradient).
-    """
-
-    axis: str | None = None
-    typed: bool = False
-
-    def vary(self, tree: Any) -> Any:
-        return pcast_to_varying(tree, self.axis) if self.typed else tree
-
-    def mean(self, tree: Any) -> Any:
-        return jax.lax.pmean(tree, self.axis) if self.axis else tree
-
-    @property
-    def devices(self) -> int:
-        return R if self.axis else 1
-
-
-def route_ctx(route: str) -> Ctx:
-    """The context of a capability's optimizer: `axis_name` on the mapped routes."""
-    return Ctx(axis=AXIS) if route in ("shard_map", "pmap") else Ctx()
-
-
-def vary_module(model: nnx.Module, ctx: Ctx, wrt: Any = nnx.Param) -> nnx.Module:
-    """`model`, or on a typed route a copy whose differentiated variables (`wrt`) vary.
-
-    The rest of the state (statistics, RNG streams) stays replicated, as the state
-    that the step returns must be.
-    """
-    if not ctx.typed:
-        return model
-    graphdef, diff, rest = nnx.split(model, wrt, ...)
-    return nnx.merge(graphdef, ctx.vary(diff), rest)
-
-
-# --- styles: what is differentiated, and how the update is applied -------------------------
-
-
-class Style:
-    """One way to hold a model and its optimizer; every step is written against this."""
-
-    name: str
-    family: str  # "linen" or "nnx"
-
-    def init(self, tx: optax.GradientTransformation, params: dict[str, Any]) -> Any:
-        raise NotImplementedError
-
-    def diff(self, state: Any, ctx: Ctx) -> Any:
-        """What the capability differentiates, with params varying on a typed route."""
-        raise NotImplementedError
-
-    def forward(self, diff: Any, x: jax.Array) -> jax.Array:
-        raise NotImplementedError
-
-    def grad(self, loss: Callable[..., jax.Array], diff: Any, *args: Any) -> Any:
-        return jax.grad(loss)(diff, *args)
-
-    def update(self, state: Any, grads: Any) -> Any:
-        raise NotImplementedError
-
-    def params(self, state: Any) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-class LinenParams(Style):
-    """Linen params, the optax step written out: `tx.update`, `optax.apply_updates`."""
-
-    name, family = "linen", "linen"
-
-    def __init__(self, model: nn.Module | None = None) -> None:
-        self.model = model or LinenNet()
-
-    def init(self, tx, params):
-        self.tx = tx
-        variables = linen_variables(self.model, params)
-        return variables["params"], tx.init(variables["params"])
-
-    def diff(self, state, ctx):
-        return ctx.vary(state[0])
-
-    def forward(self, diff, x):
-        return self.model.apply({"params": diff}, x)
-
-    def update(self, state, grads):
-        params, opt_state = state
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    def params(self, state):
-        return state[0]
-
-
-class FlaxTrainState(LinenParams):
-    """`ga.flax.TrainState`: linen only (it holds `apply_fn` and a params tree)."""
-
-    name = "train_state"
-
-    def init(self, tx, params):
-        variables = linen_variables(self.model, params)
-        return ga.flax.TrainState.create(
-            apply_fn=self.model.apply, params=variables["params"], tx=tx
-        )
-
-    def diff(self, state, ctx):
-        return ctx.vary(state.params)
-
-    def update(self, state, grads):
-        return state.apply_gradients(grads=grads)
-
-    def params(self, state):
-        return state.params
-
-
-class NnxModule(Style):
-    """An NNX module, differentiated as a module, stepped by `optimizer_cls`."""
-
-    family = "nnx"
-
-    def __init__(self, name: str, optimizer_cls: type) -> None:
-        self.name = name
-        self.optimizer_cls = optimizer_cls
-
-    def init(self, tx, params):
-        model = nnx_model(params)
-        return model, self.optimizer_cls(model, tx, wrt=nnx.Param)
-
-    def diff(self, state, ctx):
-        return vary_module(state[0], ctx)
-
-    def forward(self, diff, x):
-        return diff(x)
-
-    def grad(self, loss, diff, *args):
-        return nnx.grad(loss)(diff, *args)
-
-    def update(self, state, grads):
-        model, optimizer = state
-        optimizer.update(model, grads)
-        return model, optimizer
-
-    def params(self, state):
-        return pure_params(state[0])
-
-
-class NnxSplit(Style):
-    """`nnx.split` state: pure functions of the params' `nnx.State`, merged in the loss."""
-
-    name, family = "nnx_split", "nnx"
-
-    def init(self, tx, params):
-        self.tx = tx
-        self.graphdef, state, self.rest = nnx.split(nnx_model(params), nnx.Param, ...)
-        return state, tx.init(state)
-
-    def diff(self, state, ctx):
-        return ctx.vary(state[0])
-
-    def forward(self, diff, x):
-        return nnx.merge(self.graphdef, diff, self.rest, copy=True)(x)
-
-    update = LinenParams.update
-
-    def params(self, state):
-        return nnx.to_pure_dict(state[0])
-
-
-def make_style(name: str) -> Style:
-    return {
-        "linen": LinenParams,
-        "train_state": FlaxTrainState,
-        "nnx_module": functools.partial(NnxModule, "nnx_module", nnx.Optimizer),
-        "nnx_optimizer": functools.partial(NnxModule, "nnx_optimizer", ga.flax.Optimizer),
-        "nnx_split": NnxSplit,
-    }[name]()
-
-
-# --- routes: where the step runs ----------------------------------------------------------
-
-
-def _has_window(state: Any) -> bool:
-    found = []
-    jax.tree.map(
-        lambda x: found.append(isinstance(x, ga.AccumulateState)),
-        state,
-        is_leaf=lambda x: isinstance(x, ga.AccumulateState),
-    )
-    return any(found)
-
-
-def _state_specs(state: Any) -> Any:
-    if _has_window(state):
-        return ga.replica_state_specs(jax.eval_shape(lambda: state), AXIS)
-    return jax.tree.map(lambda _: P(), state)
-
-
-def _replicas_agree(state: Any) -> Any:
-    """One replica's copy of a `pmap` state, after checking every replica holds the same."""
-
-    def first(x):
-        x = np.asarray(
-            jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-        )
-        np.testing.assert_array_equal(x, np.broadcast_to(x[0], x.shape))
-        return x[0]
-
-    return jax.tree.map(first, state)
-
-
-def run_one_device(step, state, batches):
-    step = jax.jit(functools.partial(step, ctx=Ctx()))
-    for batch in batches:
-        state = step(state, batch)
-    return state
-
-
-def run_global_view(kind):
-    def run(step, state, batches):
-        mesh = jax.make_mesh((R,), (AXIS,), axis_types=(kind,))
-        with jax.set_mesh(mesh):
-            state = jax.device_put(state, NamedSharding(mesh, P()))
-            step = jax.jit(functools.partial(step, ctx=Ctx()))
-            for batch in batches:
-                state = step(state, jax.device_put(batch, NamedSharding(mesh, P(AXIS))))
-        return state
-
-    return run
-
-
-def run_shard_map(step, state, batches):
-    mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
-    specs = _state_specs(state)
-    window = _has_window(state)
-    ctx = Ctx(axis=AXIS, typed=True)
-
-    def body(state, batch):
-        state = ga.remove_replica_axis(state) if window else state
-        state = step(state, batch, ctx=ctx)
-        return ga.add_replica_axis(state) if window else state
-
-    def place(state):
-        return ga.add_replica_axis(state) if window else state
-
-    state = jax.device_put(state, NamedSharding(mesh, P()))
-    state = jax.jit(jax.shard_map(place, mesh=mesh, in_specs=P(), out_specs=specs))(state)
-    step_fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=specs))
-    for batch in batches:
-        state = step_fn(state, jax.device_put(batch, NamedSharding(mesh, P(AXIS))))
-    return state
-
-
-def run_pmap(step, state, batches):
-    def stack(x):
-        return jax.tree.map(lambda leaf: jnp.stack([leaf] * R), x)
-
-    step_fn = jax.pmap(functools.partial(step, ctx=Ctx(axis=AXIS)), axis_name=AXIS)
-    state = stack(state)
-    for batch in batches:
-        state = step_fn(state, jax.tree.map(lambda x: x.reshape(R, -1, *x.shape[1:]), batch))
-    return _replicas_agree(state)
-
-
-ROUTE_RUNNERS = {
-    "one_device": run_one_device,
-    "shard_map": run_shard_map,
-    "pmap": run_pmap,
-    "jit_auto": run_global_view(jax.sharding.AxisType.Auto),
-    "jit_explicit": run_global_view(jax.sharding.AxisType.Explicit),
-}
-
 
 # --- capabilities: the step, its optimizer and its whole-batch reference -------------------
 
@@ -463,15 +116,18 @@ class Capability:
         """The variables a cell ends with, the whole-batch reference's, and the start."""
         style = make_style(style_name)
         params = initial_params()
-        state = style.init(self.tx(route_ctx(route)), params)
+        state = style.init(self.tx(ROUTE_CTX[route]), params)
         batches = self.batches()
         step = functools.partial(self.step, style)
-        state = ROUTE_RUNNERS[route](step, state, batches)
-        return style.params(state), self.reference(params, batches), params
+        got = ROUTE_RUNNERS[route](step, state, batches, style.params)
+        return got, self.reference(params, batches), params
 
 
 class Accumulate(Capability):
     def grads(self, style, diff, batch, ctx):
+        if ctx.unreduced:
+            grad_fn = ga.unreduced_value_and_grad(self.loss(style), AXIS, reduce_value=False)
+            return grad_fn(diff, batch)[1]
         return style.grad(self.loss(style), diff, batch)
 
 
@@ -479,6 +135,9 @@ class Microbatch(Capability):
     window = False
 
     def grads(self, style, diff, batch, ctx):
+        if ctx.unreduced:
+            grad_fn = ga.unreduced_value_and_grad(self.loss(style), AXIS, num_microbatches=K)
+            return summed(grad_fn(diff, batch)[1])
         _, grads = ga.microbatch_value_and_grad(self.loss(style), K)(diff, batch)
         return ctx.mean(grads)
 
@@ -507,6 +166,11 @@ class Statistics(Capability):
         def loss(diff, batch, *, statistics):
             return _balanced_mse(style.forward(diff, batch["x"]), batch["y"], statistics["counts"])
 
+        if ctx.unreduced:
+            grad_fn = ga.unreduced_value_and_grad(
+                loss, AXIS, num_microbatches=K, statistics_fn=counts
+            )
+            return summed(grad_fn(diff, batch)[1])
         fn = ga.microbatch_value_and_grad(loss, K, statistics_fn=counts, axis_name=ctx.axis)
         return ctx.mean(fn(diff, batch)[1])
 
@@ -535,9 +199,16 @@ class Coupled(Capability):
         def embed(diff, batch):
             return {"out": style.forward(diff, batch["x"]), "y": batch["y"]}
 
-        fn = ga.coupled_value_and_grad(
-            lambda d, reps: _contrastive(reps), embed, K, axis_name=ctx.axis
-        )
+        def loss(diff, reps):
+            return _contrastive(reps)
+
+        if ctx.unreduced:
+            # The guide's unreduced route: each device's partial sum out of shard_map.
+            fn = ga.coupled_value_and_grad(loss, embed, K, axis_name=AXIS, grad_reduction="sum")
+            local = lambda d, b: fn(style.local(d, ROUTE_CTX["shard_map"]), b)[1]  # noqa: E731
+            out = P(unreduced={AXIS})
+            return summed(jax.shard_map(local, in_specs=(P(), P(AXIS)), out_specs=out)(diff, batch))
+        fn = ga.coupled_value_and_grad(loss, embed, K, axis_name=ctx.axis)
         return ctx.mean(fn(diff, batch)[1])
 
     def reference(self, params, batches):
@@ -563,7 +234,13 @@ class Privacy(Capability):
         )
 
     def grads(self, style, diff, batch, ctx):
-        return ga.privacy.clipped_grad(self.loss(style), CLIP)(diff, batch)[1]
+        fn = ga.privacy.clipped_grad(self.loss(style), CLIP)
+        if ctx.unreduced:
+            # Each device's clipped sums, left unreduced: the global-view window.
+            local = lambda d, b: fn(style.local(d, ROUTE_CTX["shard_map"]), b)[1]  # noqa: E731
+            out = P(unreduced={AXIS})
+            return jax.shard_map(local, in_specs=(P(), P(AXIS)), out_specs=out)(diff, batch)
+        return fn(diff, batch)[1]
 
     def reference(self, params, batches):
         def clipped_mean(params, batch):
@@ -601,53 +278,88 @@ class BnTrainState(ga.flax.TrainState):
     batch_stats: Any
 
 
-def _bn_linen_grads(model, params, stats, x, y):
-    def loss(params):
-        out, new = model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
-        return mse(out, y), new["batch_stats"]
+def grads_and_aux(loss: Callable[..., Any], ctx: Ctx, batch_argnum: int) -> Callable[..., Any]:
+    """`(grads, aux)` of `loss(diff, ..., batch) -> (value, aux)`, as the route takes them:
+    `jax.grad`, or each device's gradient left unreduced (`unreduced_value_and_grad`)."""
+    if not ctx.unreduced:
+        return jax.grad(loss, has_aux=True)
+    fn = ga.unreduced_value_and_grad(
+        loss, AXIS, has_aux=True, batch_argnums=batch_argnum, reduce_value=False
+    )
 
-    return jax.grad(loss, has_aux=True)(params)
+    def run(*args):
+        (_, aux), grads = fn(*args)
+        return grads, aux
+
+    return run
+
+
+def _bn_linen_grads(model, params, stats, batch, ctx):
+    def loss(params, stats, batch):
+        out, new = model.apply(
+            {"params": params, "batch_stats": stats}, batch["x"], mutable=["batch_stats"]
+        )
+        return mse(out, batch["y"]), new["batch_stats"]
+
+    return grads_and_aux(loss, ctx, 2)(ctx.vary(params), stats, batch)
 
 
 def _bn_forward(params, x):
-    """The reference layer: each call's batch normalised with its own statistics."""
+    """The reference layer: a batch normalised with its own statistics."""
     h = x @ params["l1"]["kernel"] + params["l1"]["bias"]
     h = (h - h.mean(0)) / jnp.sqrt(h.var(0) + 1e-5) * params["bn"]["scale"] + params["bn"]["bias"]
     return jnp.tanh(h) @ params["l2"]["kernel"] + params["l2"]["bias"]
 
 
-class BatchNorm(Capability):
+class PerStyle(Capability):
+    """A capability whose step handles the model's own state (statistics, fp8 metadata),
+    written once per style: `init_<style>(tx, start, ctx)`, `step_<style>(tx, state,
+    batch, ctx)` and `read_<style>(state)`, with `start()` the variables it starts from
+    and `expected(start, batches, ctx)` the reference's, both in the layout `read` gives."""
+
+    def start(self) -> Any:
+        raise NotImplementedError
+
+    def expected(self, start: Any, batches: list[Any], ctx: Ctx) -> Any:
+        raise NotImplementedError
+
+    def run(self, style_name, route):
+        ctx, start = ROUTE_CTX[route], self.start()
+        tx = self.tx(ctx)
+        state = getattr(self, f"init_{style_name}")(tx, start, ctx)
+        step = functools.partial(getattr(self, f"step_{style_name}"), tx)
+        batches = self.batches()
+        got = ROUTE_RUNNERS[route](step, state, batches, getattr(self, f"read_{style_name}"))
+        return got, self.expected(start, batches, ctx), start
+
+
+class BatchNorm(PerStyle):
     """`AccumBatchNorm` / `NNXAccumBatchNorm` in an `accumulate` window, committed at the close.
 
     Exact here: the running statistics after each window (those of the whole window's
-    batch, one EMA step), and the params (the mean of the calls' gradients, each call
-    normalised with its own global batch's statistics, as documented).
+    batch, one EMA step), and the params (the mean of the calls' gradients, each call's
+    batch normalised with its own statistics, as the layer documents: the global batch
+    of the call, or each device's slice where the windows are kept per device).
     """
 
-    def run(self, style_name, route):
-        ctx = route_ctx(route)
-        params = initial_params(norm=True)
-        tx = self.tx(ctx)
-        step = functools.partial(getattr(self, f"step_{style_name}"), tx)
-        state = getattr(self, f"init_{style_name}")(tx, params, ctx.axis)
-        batches = self.batches()
-        state = ROUTE_RUNNERS[route](step, state, batches)
-        start = {"params": params, "stats": {"mean": np.zeros(HIDDEN), "var": np.ones(HIDDEN)}}
-        return (
-            getattr(self, f"read_{style_name}")(state),
-            self.bn_reference(params, batches),
-            start,
-        )
+    def batches(self):
+        # 8 rows per device: where each device normalises its own slice (per-device
+        # windows), 2 rows would make the layer's gradient ill-conditioned.
+        return make_batches(WINDOWS * K, R * 8)
+
+    def start(self):
+        stats = {"mean": np.zeros(HIDDEN, np.float32), "var": np.ones(HIDDEN, np.float32)}
+        return {"params": initial_params(norm=True), "stats": stats}
 
     # linen params
-    def init_linen(self, tx, params, axis):
-        self.model = LinenNet(norm=True, axis_name=axis)
-        variables = linen_variables(self.model, params)
+    def init_linen(self, tx, start, ctx):
+        self.model = LinenNet(norm=True, axis_name=ctx.axis)
+        variables = linen_variables(self.model, start["params"])
         return variables["params"], variables["batch_stats"], tx.init(variables["params"])
 
     def step_linen(self, tx, state, batch, ctx):
         params, stats, opt_state = state
-        grads, stats = _bn_linen_grads(self.model, ctx.vary(params), stats, batch["x"], batch["y"])
+        grads, stats = _bn_linen_grads(self.model, params, stats, batch, ctx)
         closes = ga.closes_window(opt_state)
         updates, opt_state = tx.update(grads, opt_state, params)
         stats = ga.flax.commit_batch_stats(stats, closes)
@@ -657,9 +369,9 @@ class BatchNorm(Capability):
         return {"params": state[0], "stats": _linen_stats(state[1])}
 
     # ga.flax.TrainState with a batch_stats field
-    def init_train_state(self, tx, params, axis):
-        self.model = LinenNet(norm=True, axis_name=axis)
-        variables = linen_variables(self.model, params)
+    def init_train_state(self, tx, start, ctx):
+        self.model = LinenNet(norm=True, axis_name=ctx.axis)
+        variables = linen_variables(self.model, start["params"])
         return BnTrainState.create(
             apply_fn=self.model.apply,
             params=variables["params"],
@@ -668,9 +380,7 @@ class BatchNorm(Capability):
         )
 
     def step_train_state(self, tx, state, batch, ctx):
-        grads, stats = _bn_linen_grads(
-            self.model, ctx.vary(state.params), state.batch_stats, batch["x"], batch["y"]
-        )
+        grads, stats = _bn_linen_grads(self.model, state.params, state.batch_stats, batch, ctx)
         closes = ga.closes_window(state.opt_state)
         stats = ga.flax.commit_batch_stats(stats, closes)
         return state.apply_gradients(grads=grads, batch_stats=stats)
@@ -679,14 +389,21 @@ class BatchNorm(Capability):
         return {"params": state.params, "stats": _linen_stats(state.batch_stats)}
 
     # NNX modules, with flax's nnx.Optimizer or ga.flax.Optimizer
-    def _init_module(self, optimizer_cls, tx, params, axis):
-        model = nnx_model(params, norm=True, axis_name=axis)
+    def _init_module(self, optimizer_cls, tx, start, ctx):
+        model = nnx_model(start["params"], norm=True, axis_name=ctx.axis)
         return model, optimizer_cls(model, tx, wrt=nnx.Param)
 
     def _step_module(self, tx, state, batch, ctx):
         model, optimizer = state
         local = vary_module(model, ctx)
-        grads = nnx.grad(lambda m: mse(m(batch["x"]), batch["y"]))(local)
+
+        def loss(model, batch):
+            return mse(model(batch["x"]), batch["y"])
+
+        if ctx.unreduced:
+            grads = ga.unreduced_value_and_grad(loss, AXIS)(local, batch)[1]
+        else:
+            grads = nnx.grad(loss)(local, batch)
         # On a typed route the params were cast in a copy: its statistics are the model's.
         nnx.update(model, nnx.state(local, nnx.BatchStat))
         closes = ga.closes_window(optimizer.opt_state)
@@ -702,40 +419,46 @@ class BatchNorm(Capability):
     step_nnx_module = step_nnx_optimizer = _step_module
     read_nnx_module = read_nnx_optimizer = _read_module
 
-    # split NNX state: params, the rest (statistics, RNG streams), the optax state
-    def init_nnx_split(self, tx, params, axis):
-        self.graphdef, state, rest = nnx.split(
-            nnx_model(params, norm=True, axis_name=axis), nnx.Param, ...
-        )
-        return state, rest, tx.init(state)
+    # split NNX state: params, statistics, the rest (RNG streams), the optax state
+    def init_nnx_split(self, tx, start, ctx):
+        model = nnx_model(start["params"], norm=True, axis_name=ctx.axis)
+        self.graphdef, state, stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+        return state, stats, rest, tx.init(state)
 
     def step_nnx_split(self, tx, state, batch, ctx):
-        params, rest, opt_state = state
+        params, stats, rest, opt_state = state
 
-        def loss(params, rest):
-            model = nnx.merge(self.graphdef, params, rest, copy=True)
-            return mse(model(batch["x"]), batch["y"]), nnx.state(model, nnx.Not(nnx.Param))
+        def loss(params, stats, rest, batch):
+            # copy=True: the variables the layer writes belong to this trace.
+            model = nnx.merge(self.graphdef, params, stats, rest, copy=True)
+            return mse(model(batch["x"]), batch["y"]), nnx.state(model, nnx.BatchStat)
 
-        grads, rest = jax.grad(loss, has_aux=True)(ctx.vary(params), rest)
+        grads, stats = grads_and_aux(loss, ctx, 3)(ctx.vary(params), stats, rest, batch)
         closes = ga.closes_window(opt_state)
         updates, opt_state = tx.update(grads, opt_state, params)
-        model = nnx.merge(self.graphdef, params, rest, copy=True)
+        model = nnx.merge(self.graphdef, params, stats, rest)
         ga.flax.commit_nnx_batch_stats(model, closes)
-        rest = nnx.state(model, nnx.Not(nnx.Param))
-        return optax.apply_updates(params, updates), rest, opt_state
+        stats = nnx.state(model, nnx.BatchStat)
+        return optax.apply_updates(params, updates), stats, rest, opt_state
 
     def read_nnx_split(self, state):
-        model = nnx.merge(self.graphdef, state[0], state[1])
+        model = nnx.merge(self.graphdef, state[0], state[1], state[2])
         return {"params": pure_params(model), "stats": _nnx_stats(model)}
 
-    def bn_reference(self, params, batches):
-        params = jax.tree.map(jnp.asarray, params)
+    def expected(self, start, batches, ctx):
+        """One device; each call's batch normalised by itself, or each device's slice by
+        itself where the windows are kept per device."""
+        slices = R if ctx.unreduced else 1
+        params = jax.tree.map(jnp.asarray, start["params"])
         mean, var = jnp.zeros(HIDDEN), jnp.ones(HIDDEN)
+
+        def loss(params, x, y):
+            x, y = x.reshape(slices, -1, D_IN), y.reshape(slices, -1, D_OUT)
+            return jnp.mean(jax.vmap(lambda x, y: mse(_bn_forward(params, x), y))(x, y))
+
         for w in range(WINDOWS):
             window = batches[w * K : (w + 1) * K]
-            calls = [
-                jax.grad(lambda p, b=b: mse(_bn_forward(p, b["x"]), b["y"]))(params) for b in window
-            ]
+            calls = [jax.grad(loss)(params, b["x"], b["y"]) for b in window]
             h = concat(window)["x"] @ params["l1"]["kernel"] + params["l1"]["bias"]
             mean = MOMENTUM * mean + (1 - MOMENTUM) * h.mean(0)
             var = MOMENTUM * var + (1 - MOMENTUM) * h.var(0)
@@ -757,26 +480,12 @@ CAPABILITY_PROGRAMS["batchnorm"] = BatchNorm()
 
 # --- fp8 metadata: held through the window, its max written at the close ------------------
 
-from _fp8_common import META, Mlp, warm_variables  # noqa: E402
-
 
 def _is_fp8(path: Any, value: Any) -> bool:
     return type(value).__name__ == META
 
 
-def _fp8_batches() -> list[dict[str, np.ndarray]]:
-    # Rows of very different scales, so that every call has its own amax.
-    batches = make_batches(WINDOWS * K, R * ROWS, seed=2)
-    scales = np.linspace(0.5, 8.0, WINDOWS * K * R * ROWS, dtype=np.float32).reshape(
-        WINDOWS * K, R * ROWS, 1
-    )
-    return [
-        {**b, "x": b["x"] * s}
-        for b, s in zip(batches, np.random.default_rng(3).permuted(scales, axis=1), strict=True)
-    ]
-
-
-class Fp8(Capability):
+class Fp8(PerStyle):
     """Flax fp8 layers (delayed scaling) in an `accumulate` window.
 
     Each call differentiates its share of the window's loss (1/K, and 1/devices on a
@@ -787,41 +496,45 @@ class Fp8(Capability):
     def tx(self, ctx):
         return ga.accumulate(optax.sgd(LR), K, use_grad_mean=False, axis_name=ctx.axis)
 
-    def run(self, style_name, route):
-        self.model = Mlp()
-        variables = warm_variables(self.model)
-        tx = self.tx(route_ctx(route))
-        state = getattr(self, f"init_{style_name}")(tx, variables)
-        step = functools.partial(getattr(self, f"step_{style_name}"), tx)
-        batches = _fp8_batches()
-        state = ROUTE_RUNNERS[route](step, state, batches)
-        return (
-            getattr(self, f"read_{style_name}")(state),
-            self.fp8_reference(variables, batches),
-            {"params": variables["params"], META: variables[META]},
-        )
+    model = Mlp()
 
-    def share(self, batch, ctx):
-        return lambda v: mse(self.model.apply(v, batch["x"]), batch["y"]) / (K * ctx.devices)
+    def start(self):
+        return dict(warm_variables(self.model))
+
+    def batches(self):
+        # Rows of very different scales, so that every call has its own amax.
+        batches = make_batches(WINDOWS * K, R * ROWS, seed=2)
+        scales = np.linspace(0.5, 8.0, WINDOWS * K * R * ROWS, dtype=np.float32)
+        scales = np.random.default_rng(3).permutation(scales).reshape(WINDOWS * K, R * ROWS, 1)
+        return [{**b, "x": b["x"] * s} for b, s in zip(batches, scales, strict=True)]
+
+    def shares(self, loss, diff, batch, ctx, grad=jax.grad):
+        """The gradient of this call's share of the window's loss, as the route takes it."""
+        if ctx.unreduced:  # unreduced_value_and_grad divides by the devices itself
+            return ga.unreduced_value_and_grad(lambda d, b: loss(d, b) / K, AXIS)(diff, batch)[1]
+        return grad(lambda d: loss(d, batch) / (K * ctx.devices))(diff)
+
+    def linen_loss(self, variables, batch):
+        return mse(self.model.apply(variables, batch["x"]), batch["y"])
 
     # linen variables with the optax step written out: the metadata reach `tx`
-    def init_linen(self, tx, variables):
+    def init_linen(self, tx, variables, ctx):
         return variables, tx.init(variables)
 
     def step_linen(self, tx, state, batch, ctx):
         variables, opt_state = state
-        grads = jax.grad(self.share(batch, ctx))(ctx.vary(variables))
+        grads = self.shares(self.linen_loss, ctx.vary(variables), batch, ctx)
         updates, opt_state = tx.update(grads, opt_state, variables)
         return optax.apply_updates(variables, updates), opt_state
 
     def read_linen(self, state):
         return {"params": state[0]["params"], META: state[0][META]}
 
-    def init_train_state(self, tx, variables):
+    def init_train_state(self, tx, variables, ctx):
         return ga.flax.TrainState.create(apply_fn=self.model.apply, params=variables, tx=tx)
 
     def step_train_state(self, tx, state, batch, ctx):
-        grads = jax.grad(self.share(batch, ctx))(ctx.vary(state.params))
+        grads = self.shares(self.linen_loss, ctx.vary(state.params), batch, ctx)
         return state.apply_gradients(grads=grads)
 
     def read_train_state(self, state):
@@ -837,20 +550,20 @@ class Fp8(Capability):
             nnx.update(model, state)
         return model
 
-    def init_nnx_module(self, tx, variables):
+    def init_nnx_module(self, tx, variables, ctx):
         # Flax's own optimizer, told to step the metadata with the params.
         model = self._module(variables)
         return model, nnx.Optimizer(model, tx, wrt=nnx.Any(nnx.Param, _is_fp8))
 
-    def init_nnx_optimizer(self, tx, variables):
+    def init_nnx_optimizer(self, tx, variables, ctx):
         model = self._module(variables)
         return model, ga.flax.Optimizer(model, tx, wrt=nnx.Param)
 
     def _step_module(self, tx, state, batch, ctx):
         model, optimizer = state
         local = vary_module(model, ctx, nnx.Any(nnx.Param, _is_fp8))
-        loss = lambda m: mse(m(batch["x"]), batch["y"]) / (K * ctx.devices)  # noqa: E731
-        grads = nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, _is_fp8)))(local)
+        grad = functools.partial(nnx.grad, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, _is_fp8)))
+        grads = self.shares(lambda m, b: mse(m(b["x"]), b["y"]), local, batch, ctx, grad)
         optimizer.update(model, grads)
         return model, optimizer
 
@@ -866,26 +579,26 @@ class Fp8(Capability):
     read_nnx_module = read_nnx_optimizer = _read_module
 
     # split NNX state: the metadata split out with the params, as the optimizer's tree
-    def init_nnx_split(self, tx, variables):
+    def init_nnx_split(self, tx, variables, ctx):
         self.graphdef, state, self.rest = nnx.split(
             self._module(variables), nnx.Any(nnx.Param, _is_fp8), ...
         )
         return state, tx.init(state)
 
     def step_nnx_split(self, tx, state, batch, ctx):
-        def loss(state):
+        def loss(state, batch):
             model = nnx.merge(self.graphdef, state, self.rest, copy=True)
-            return mse(model(batch["x"]), batch["y"]) / (K * ctx.devices)
+            return mse(model(batch["x"]), batch["y"])
 
         params, opt_state = state
-        grads = jax.grad(loss)(ctx.vary(params))
+        grads = self.shares(loss, ctx.vary(params), batch, ctx)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
     def read_nnx_split(self, state):
         return self._read_module((nnx.merge(self.graphdef, state[0], self.rest),))
 
-    def fp8_reference(self, variables, batches):
+    def expected(self, variables, batches, ctx):
         """Flax's own fp8 step on each window's whole batch: SGD, metadata overwritten."""
         loss = lambda v, b: mse(self.model.apply(v, b["x"]), b["y"])  # noqa: E731
         for w in range(WINDOWS):
@@ -906,7 +619,7 @@ def flax_fp8_fails_on_an_explicit_mesh() -> bool:
     Explicit mesh with a sharded batch (the reason the fp8 cells there are not applicable)."""
     model = Mlp()
     variables = warm_variables(model)
-    batch = _fp8_batches()[0]
+    batch = Fp8().batches()[0]
     mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
     with jax.set_mesh(mesh):
         variables = jax.device_put(variables, NamedSharding(mesh, P()))

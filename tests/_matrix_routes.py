@@ -1,0 +1,412 @@
+"""The route matrix's models, model styles and routes (tests/_matrix.py declares the cells).
+
+A capability's train step (tests/_matrix_run.py) is written once against the small
+`Style` interface (what is differentiated, how the update is applied) and a `Ctx` (what
+the route asks of the step); a runner places it on a route, on the 8 host devices, and
+returns the variables it ends with in one layout for every style.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradaccum_jax as ga
+from gradaccum_jax._base import compat
+from gradaccum_jax._base.compat import pcast_to_varying
+
+AXIS = "data"
+R = 8  # devices on the mapped and sharded routes
+D_IN, HIDDEN, D_OUT = 4, 8, 2
+MOMENTUM = 0.9  # of the batch-norm layers
+
+
+# --- models -------------------------------------------------------------------------------
+
+
+class LinenNet(nn.Module):
+    """Dense, (AccumBatchNorm,) tanh, Dense: the linen model of every style that uses linen."""
+
+    norm: bool = False
+    axis_name: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = nn.Dense(HIDDEN, name="l1")(x)
+        if self.norm:
+            h = ga.flax.AccumBatchNorm(
+                use_running_average=False, momentum=MOMENTUM, axis_name=self.axis_name, name="bn"
+            )(h)
+        return nn.Dense(D_OUT, name="l2")(jnp.tanh(h))
+
+
+class NnxNet(nnx.Module):
+    """The same network in NNX (the same variable paths as `LinenNet`'s params)."""
+
+    def __init__(self, *, norm: bool = False, axis_name: Any = None) -> None:
+        rngs = nnx.Rngs(0)
+        self.l1 = nnx.Linear(D_IN, HIDDEN, rngs=rngs)
+        self.bn = (
+            ga.flax.NNXAccumBatchNorm(HIDDEN, momentum=MOMENTUM, axis_name=axis_name, rngs=rngs)
+            if norm
+            else None
+        )
+        # Modules hold RNG streams (here a dropout layer's): a rate of 0 keeps the
+        # outputs those of the linen model, while the stream's key and counter are
+        # state that every capability must carry without differentiating it.
+        self.drop = nnx.Dropout(0.0, rngs=rngs)
+        self.l2 = nnx.Linear(HIDDEN, D_OUT, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = self.l1(x)
+        if self.bn is not None:
+            h = self.bn(h)
+        return self.l2(self.drop(jnp.tanh(h)))
+
+
+def initial_params(norm: bool = False) -> dict[str, Any]:
+    """The params every style starts from (numpy, the layout of `LinenNet`'s params)."""
+    rng = np.random.default_rng(0)
+    params = {
+        "l1": {
+            "kernel": rng.normal(size=(D_IN, HIDDEN)).astype(np.float32) / 2,
+            "bias": rng.normal(size=HIDDEN).astype(np.float32) / 4,
+        },
+        "l2": {
+            "kernel": rng.normal(size=(HIDDEN, D_OUT)).astype(np.float32) / 3,
+            "bias": rng.normal(size=D_OUT).astype(np.float32) / 4,
+        },
+    }
+    if norm:
+        params["bn"] = {
+            "scale": 1 + rng.normal(size=HIDDEN).astype(np.float32) / 4,
+            "bias": rng.normal(size=HIDDEN).astype(np.float32) / 4,
+        }
+    return params
+
+
+def linen_variables(model: nn.Module, params: dict[str, Any]) -> dict[str, Any]:
+    variables = model.init(jax.random.key(0), jnp.zeros((2, D_IN)))
+    return {**variables, "params": jax.tree.map(jnp.asarray, params)}
+
+
+def nnx_model(params: dict[str, Any], **kwargs: Any) -> NnxNet:
+    model = NnxNet(**kwargs)
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+    nnx.update(model, state)
+    return model
+
+
+def pure_params(module: nnx.Module) -> dict[str, Any]:
+    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+
+# --- the route's context, seen by the step ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Ctx:
+    """What a step needs to know of its route.
+
+    axis: the mapped axis (`shard_map`, `pmap`) or None (one device, global-view jit).
+    typed: inside `shard_map`, where replicated params must be cast to varying before
+      they are differentiated (otherwise the backward pass sums every device's gradient).
+    unreduced: global-view jit on an Explicit mesh with per-device gradients left
+      unreduced (`ga.unreduced_value_and_grad`), summed where a window closes.
+    """
+
+    axis: str | None = None
+    typed: bool = False
+    unreduced: bool = False
+
+    def vary(self, tree: Any) -> Any:
+        return pcast_to_varying(tree, self.axis) if self.typed else tree
+
+    def mean(self, tree: Any) -> Any:
+        """The devices' values reduced as the micro-batching guide does (`reduce_replicas`)."""
+        return ga.reduce_replicas(tree, self.axis) if self.axis else tree
+
+    @property
+    def devices(self) -> int:
+        return R if self.axis else 1
+
+
+ROUTE_CTX = {
+    "one_device": Ctx(),
+    "shard_map": Ctx(axis=AXIS, typed=True),
+    "pmap": Ctx(axis=AXIS),
+    "jit_auto": Ctx(),
+    "jit_explicit": Ctx(),
+    "jit_unreduced": Ctx(unreduced=True),
+}
+
+
+def summed(tree: Any) -> Any:
+    """Partial sums typed unreduced over the devices, summed into replicated arrays."""
+    return compat.reshard(tree, P())
+
+
+def vary_module(model: nnx.Module, ctx: Ctx, wrt: Any = nnx.Param) -> nnx.Module:
+    """`model`, or on a typed route a copy whose differentiated variables (`wrt`) vary.
+
+    The rest of the state (statistics, RNG streams) stays replicated, as the state
+    that the step returns must be.
+    """
+    if not ctx.typed:
+        return model
+    graphdef, diff, rest = nnx.split(model, wrt, ...)
+    return nnx.merge(graphdef, ctx.vary(diff), rest)
+
+
+# --- styles: what is differentiated, and how the update is applied -------------------------
+
+
+class Style:
+    """One way to hold a model and its optimizer; every step is written against this."""
+
+    name: str
+    family: str  # "linen" or "nnx"
+
+    def init(self, tx: optax.GradientTransformation, params: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def arg(self, state: Any) -> Any:
+        """What the capability differentiates: params, a params `nnx.State`, a module."""
+        raise NotImplementedError
+
+    def local(self, diff: Any, ctx: Ctx) -> Any:
+        """`diff` with its params cast to varying on a typed route (`shard_map`)."""
+        return ctx.vary(diff)
+
+    def diff(self, state: Any, ctx: Ctx) -> Any:
+        return self.local(self.arg(state), ctx)
+
+    def forward(self, diff: Any, x: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def grad(self, loss: Callable[..., jax.Array], diff: Any, *args: Any) -> Any:
+        return jax.grad(loss)(diff, *args)
+
+    def update(self, state: Any, grads: Any) -> Any:
+        raise NotImplementedError
+
+    def params(self, state: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class LinenParams(Style):
+    """Linen params, the optax step written out: `tx.update`, `optax.apply_updates`."""
+
+    name, family = "linen", "linen"
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.model = model or LinenNet()
+
+    def init(self, tx, params):
+        self.tx = tx
+        variables = linen_variables(self.model, params)
+        return variables["params"], tx.init(variables["params"])
+
+    def arg(self, state):
+        return state[0]
+
+    def forward(self, diff, x):
+        return self.model.apply({"params": diff}, x)
+
+    def update(self, state, grads):
+        params, opt_state = state
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def params(self, state):
+        return state[0]
+
+
+class FlaxTrainState(LinenParams):
+    """`ga.flax.TrainState`: linen only (it holds `apply_fn` and a params tree)."""
+
+    name = "train_state"
+
+    def init(self, tx, params):
+        variables = linen_variables(self.model, params)
+        return ga.flax.TrainState.create(
+            apply_fn=self.model.apply, params=variables["params"], tx=tx
+        )
+
+    def arg(self, state):
+        return state.params
+
+    def update(self, state, grads):
+        return state.apply_gradients(grads=grads)
+
+    def params(self, state):
+        return state.params
+
+
+class NnxModule(Style):
+    """An NNX module, differentiated as a module, stepped by `optimizer_cls`."""
+
+    family = "nnx"
+
+    def __init__(self, name: str, optimizer_cls: type) -> None:
+        self.name = name
+        self.optimizer_cls = optimizer_cls
+
+    def init(self, tx, params):
+        model = nnx_model(params)
+        return model, self.optimizer_cls(model, tx, wrt=nnx.Param)
+
+    def arg(self, state):
+        return state[0]
+
+    def local(self, diff, ctx):
+        return vary_module(diff, ctx)
+
+    def forward(self, diff, x):
+        return diff(x)
+
+    def grad(self, loss, diff, *args):
+        return nnx.grad(loss)(diff, *args)
+
+    def update(self, state, grads):
+        model, optimizer = state
+        optimizer.update(model, grads)
+        return model, optimizer
+
+    def params(self, state):
+        return pure_params(state[0])
+
+
+class NnxSplit(Style):
+    """`nnx.split` state: pure functions of the params' `nnx.State`, merged in the loss."""
+
+    name, family = "nnx_split", "nnx"
+
+    def init(self, tx, params):
+        self.tx = tx
+        self.graphdef, state, self.rest = nnx.split(nnx_model(params), nnx.Param, ...)
+        return state, tx.init(state)
+
+    def arg(self, state):
+        return state[0]
+
+    def forward(self, diff, x):
+        return nnx.merge(self.graphdef, diff, self.rest, copy=True)(x)
+
+    update = LinenParams.update
+
+    def params(self, state):
+        return nnx.to_pure_dict(state[0])
+
+
+def make_style(name: str) -> Style:
+    return {
+        "linen": LinenParams,
+        "train_state": FlaxTrainState,
+        "nnx_module": functools.partial(NnxModule, "nnx_module", nnx.Optimizer),
+        "nnx_optimizer": functools.partial(NnxModule, "nnx_optimizer", ga.flax.Optimizer),
+        "nnx_split": NnxSplit,
+    }[name]()
+
+
+# --- routes: where the step runs ----------------------------------------------------------
+
+
+def _has_window(state: Any) -> bool:
+    found = []
+    jax.tree.map(
+        lambda x: found.append(isinstance(x, ga.AccumulateState)),
+        state,
+        is_leaf=lambda x: isinstance(x, ga.AccumulateState),
+    )
+    return any(found)
+
+
+def _state_specs(state: Any) -> Any:
+    if _has_window(state):
+        return ga.replica_state_specs(jax.eval_shape(lambda: state), AXIS)
+    return jax.tree.map(lambda _: P(), state)
+
+
+# A runner takes `step(state, batch, ctx)`, the initial state, the global batches and
+# `read(state)`, the variables to compare; it returns what `read` gives at the end.
+
+
+def run_one_device(step, state, batches, read):
+    step = jax.jit(functools.partial(step, ctx=ROUTE_CTX["one_device"]))
+    for batch in batches:
+        state = step(state, batch)
+    return read(state)
+
+
+def run_global_view(kind, route):
+    def run(step, state, batches, read):
+        mesh = jax.make_mesh((R,), (AXIS,), axis_types=(kind,))
+        with jax.set_mesh(mesh):
+            state = jax.device_put(state, NamedSharding(mesh, P()))
+            step = jax.jit(functools.partial(step, ctx=ROUTE_CTX[route]))
+            for batch in batches:
+                state = step(state, jax.device_put(batch, NamedSharding(mesh, P(AXIS))))
+            return read(state)
+
+    return run
+
+
+def run_shard_map(step, state, batches, read):
+    mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+    specs = _state_specs(state)
+    window = _has_window(state)
+    ctx = ROUTE_CTX["shard_map"]
+
+    def body(state, batch):
+        state = ga.remove_replica_axis(state) if window else state
+        state = step(state, batch, ctx=ctx)
+        return ga.add_replica_axis(state) if window else state
+
+    def place(state):
+        return ga.add_replica_axis(state) if window else state
+
+    state = jax.device_put(state, NamedSharding(mesh, P()))
+    state = jax.jit(jax.shard_map(place, mesh=mesh, in_specs=P(), out_specs=specs))(state)
+    step_fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=specs))
+    for batch in batches:
+        state = step_fn(state, jax.device_put(batch, NamedSharding(mesh, P(AXIS))))
+    return read(state)
+
+
+def run_pmap(step, state, batches, read):
+    step_fn = jax.pmap(functools.partial(step, ctx=ROUTE_CTX["pmap"]), axis_name=AXIS)
+    state = jax.tree.map(lambda leaf: jnp.stack([leaf] * R), state)
+    for batch in batches:
+        state = step_fn(state, jax.tree.map(lambda x: x.reshape(R, -1, *x.shape[1:]), batch))
+    # Every device holds its copy of the state: the variables must end the same on all
+    # of them (a window's own partial sums and running maxes may differ).
+    copies = [read(jax.tree.map(lambda x, i=i: x[i], state)) for i in range(R)]
+    for i, copy in enumerate(copies[1:], 1):
+        for (path, a), b in zip(
+            jax.tree_util.tree_flatten_with_path(copies[0])[0], jax.tree.leaves(copy), strict=True
+        ):
+            np.testing.assert_array_equal(b, a, err_msg=f"device {i}: {jax.tree_util.keystr(path)}")
+    return copies[0]
+
+
+ROUTE_RUNNERS = {
+    "one_device": run_one_device,
+    "shard_map": run_shard_map,
+    "pmap": run_pmap,
+    "jit_auto": run_global_view(jax.sharding.AxisType.Auto, "jit_auto"),
+    "jit_explicit": run_global_view(jax.sharding.AxisType.Explicit, "jit_explicit"),
+    "jit_unreduced": run_global_view(jax.sharding.AxisType.Explicit, "jit_unreduced"),
+}
