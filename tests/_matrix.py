@@ -144,6 +144,13 @@ CAPABILITIES = {
     ),
 }
 
+# The sizes of every cell (tests/_matrix_run.py builds them from these).
+DEVICES = 8  # host devices on the mapped and sharded routes
+K = 2  # micro-batches per window (calls) or per step (inside one call)
+STEPS = 2  # windows or steps of SGD per cell
+ROWS = 2  # examples per device and micro-batch
+BATCHNORM_ROWS = 8  # where each device normalises its own slice, 2 would be ill-conditioned
+
 # Tolerances per capability: float32 sums in another order (and, for the contrastive
 # loss, a tiled softmax over the batch).
 TOLERANCES = {name: {"rtol": 1e-5, "atol": 1e-6} for name in CAPABILITIES}
@@ -217,8 +224,7 @@ _PRIVACY_NNX_SHARD_MAP = Pending(
     "clipped_grad's fast path (method='fast', the default) on an NNX module that holds an "
     "RNG stream, inside jax.shard_map: JAX's bare 'Primitive random_fold_in requires "
     "varying manual axes to match' from _privacy/replay.py (the replayed fold_in of the "
-    "stream's key gets one varying and one invariant operand); method='per_example' is "
-    "exact there"
+    "stream's key gets one varying and one invariant operand)"
 )
 _PRIVACY_NNX_EXPLICIT = Pending(
     "clipped_grad on an NNX module under global-view jit on an Explicit mesh: the "
@@ -260,7 +266,7 @@ DECLARATIONS: list[tuple[tuple[Any, Any, Any], Outcome]] = [
             "Flax's fp8 layers do not run under global-view `jit` on an Explicit mesh with "
             "a sharded batch: the backward pass's `dot_general` contracts the sharded batch "
             "axis and JAX asks for an `out_sharding` that `fp8_ops` does not pass "
-            "(flax 0.12.8, without this library).",
+            "(flax 0.12, without this library; the test checks that it still fails).",
             witness="flax_fp8_fails_on_an_explicit_mesh",
         ),
     ),

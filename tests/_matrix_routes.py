@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import _matrix as M
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ from gradaccum_jax._base import compat
 from gradaccum_jax._base.compat import pcast_to_varying
 
 AXIS = "data"
-R = 8  # devices on the mapped and sharded routes
+R = M.DEVICES
 D_IN, HIDDEN, D_OUT = 4, 8, 2
 MOMENTUM = 0.9  # of the batch-norm layers
 

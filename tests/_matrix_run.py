@@ -12,6 +12,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import _matrix as M
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,10 +46,8 @@ import gradaccum_jax as ga
 
 # --- capabilities: the step, its optimizer and its whole-batch reference -------------------
 
-K = 2  # micro-batches per window or per step
+K, WINDOWS, ROWS = M.K, M.STEPS, M.ROWS
 LR = 0.5
-WINDOWS = 2
-ROWS = 2  # examples per device and micro-batch
 CLIP = 0.3  # the l2 clip norm of the DP cells
 
 
@@ -343,9 +342,7 @@ class BatchNorm(PerStyle):
     """
 
     def batches(self):
-        # 8 rows per device: where each device normalises its own slice (per-device
-        # windows), 2 rows would make the layer's gradient ill-conditioned.
-        return make_batches(WINDOWS * K, R * 8)
+        return make_batches(WINDOWS * K, R * M.BATCHNORM_ROWS)
 
     def start(self):
         stats = {"mean": np.zeros(HIDDEN, np.float32), "var": np.ones(HIDDEN, np.float32)}

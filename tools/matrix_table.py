@@ -109,8 +109,9 @@ def render() -> str:
         "",
         "## Tolerances",
         "",
-        "Every cell uses 8 host devices of 2 examples per micro-batch, `K = 2` micro-batches "
-        "per window or step, two windows or steps of SGD, float32. The comparison is "
+        f"Every cell uses {M.DEVICES} host devices of {M.ROWS} examples per micro-batch "
+        f"({M.BATCHNORM_ROWS} for batch normalisation), `K = {M.K}` micro-batches per window "
+        f"or step, {M.STEPS} windows or steps of SGD, float32. The comparison is "
         "`numpy.testing.assert_allclose` per variable, after checking that the reference "
         "moved the variables by more than 100 times `atol` (a cell that does nothing "
         "fails):",
