@@ -220,19 +220,6 @@ _PRIVACY_UNREDUCED = Refused(
     "under `jax.shard_map`. On this mesh `clipped_grad` itself returns reduced sums (the "
     "Explicit column).",
 )
-_PRIVACY_NNX_SHARD_MAP = Pending(
-    "clipped_grad's fast path (method='fast', the default) on an NNX module that holds an "
-    "RNG stream, inside jax.shard_map: JAX's bare 'Primitive random_fold_in requires "
-    "varying manual axes to match' from _privacy/replay.py (the replayed fold_in of the "
-    "stream's key gets one varying and one invariant operand)"
-)
-_PRIVACY_NNX_EXPLICIT = Pending(
-    "clipped_grad on an NNX module under global-view jit on an Explicit mesh: the "
-    "examples' index argument that the module split adds (_privacy/modules.py) is "
-    "replicated, and the batch-sharding check refuses it as a batch argument sharded "
-    "unlike the others ('argument 3': (None,)), naming a reshard the user cannot do"
-)
-
 _MODULES = ("nnx_module", "nnx_optimizer")  # the styles that differentiate a module
 
 # The declarations, most specific first: (capability, route, style), each entry a name, a
@@ -275,13 +262,7 @@ DECLARATIONS: list[tuple[tuple[Any, Any, Any], Outcome]] = [
         _UNREDUCED_MODULE,
     ),
     (("statistics", ANY, _MODULES), _STATISTICS_MODULE),
-    (("privacy", "shard_map", _MODULES), _PRIVACY_NNX_SHARD_MAP),
-    (
-        ("privacy", "jit_unreduced", _MODULES),
-        Pending(_PRIVACY_NNX_SHARD_MAP.gap, then=_PRIVACY_UNREDUCED),
-    ),
     (("privacy", "jit_unreduced", ANY), _PRIVACY_UNREDUCED),
-    (("privacy", "jit_explicit", _MODULES), _PRIVACY_NNX_EXPLICIT),
 ]
 
 

@@ -61,8 +61,12 @@ class ClippedGradFn:
             return _clipped_sums(self._options, args, kwargs, is_padding_example)
         options, split = _split_modules(self._options, args, found)
         out = _clipped_sums(options, split.args, kwargs, is_padding_example)
+        # The streams count alike whatever the data: an example of zeros will do (no slice
+        # of a batch split over a mesh, and nothing computed from it under jit).
         one = tuple(
-            jax.tree.map(lambda x: x[:1], a) if i in options.batched else a
+            jax.tree.map(lambda x: jnp.zeros((1, *x.shape[1:]), x.dtype), a)
+            if i in options.batched
+            else a
             for i, a in enumerate(split.args)
         )
         split.finish(one, kwargs)
@@ -297,7 +301,9 @@ def _split_modules(
 ) -> tuple[_Options, modules.Split]:
     """The options and arguments of a call whose `flax.nnx` modules are split
     (`modules.py`): their params differentiated, the examples' indices a batch argument."""
-    split = modules.split(options.loss_fn, args, found, _batch_size(args, options.batched))
+    batch_leaf = jax.tree.leaves([args[i] for i in options.batched])[0]
+    n = _batch_size(args, options.batched)
+    split = modules.split(options.loss_fn, args, found, n, batch_leaf)
     value_and_grad = jax.value_and_grad(
         split.loss_fn, argnums=options.argnums, has_aux=options.has_aux
     )
@@ -433,9 +439,9 @@ _P = jax.sharding.PartitionSpec
 def _over_chunks(per_chunk: Callable, xs: Any, vary: Callable) -> Any:
     """`per_chunk` over the chunks of `xs` in a `lax.scan`, all-padding chunks skipped:
     `(loss_sum, grad_sum, aux, norms)`, aux and norms stacked per chunk."""
-    shapes = jax.eval_shape(
-        per_chunk, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
-    )
+    # The first chunk itself, not shapes: its type keeps the mesh axes it varies along
+    # inside shard_map, which the fast path's replayed primitives check.
+    shapes = jax.eval_shape(per_chunk, *jax.tree.map(lambda x: x[0], xs))
     sums = vary(
         (
             jnp.zeros((), shapes[0].dtype),

@@ -23,6 +23,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gradaccum_jax._base import compat
+from gradaccum_jax._sharding import global_view
+
 
 class Split(NamedTuple):
     """`clipped_grad`'s loss and arguments with the modules split.
@@ -56,20 +59,31 @@ def _is_key(x: Any) -> bool:
 
 
 def split(
-    loss_fn: Callable[..., Any], args: tuple[Any, ...], modules: tuple[int, ...], n: int
+    loss_fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    modules: tuple[int, ...],
+    n: int,
+    batch_leaf: Any,
 ) -> Split:
-    """Splits the modules at `modules` (see the module docstring) for a batch of `n`."""
+    """Splits the modules at `modules` (see the module docstring) for a batch of `n`;
+    `batch_leaf`, a leaf of the batch, says how the examples' indices are sharded."""
     nnx = sys.modules["flax.nnx"]
     parts = {i: nnx.split(args[i], nnx.Param, nnx.RngState, ...) for i in modules}
     state_at = len(args)
+
+    def fold(key: Any, index: jax.Array) -> Any:
+        if not _is_key(key):
+            return key
+        # Inside shard_map the index varies over the batch's axes and the module's keys
+        # (replicated) do not: typed alike first, as fold_in requires.
+        missing = tuple(sorted(compat.varying_axes(index) - compat.varying_axes(key), key=str))
+        return jax.random.fold_in(compat.pcast_to_varying(key, missing) if missing else key, index)
 
     def merged(call_args: list[Any], states: dict, index: jax.Array) -> dict[int, Any]:
         models = {}
         for i, (graphdef, *_) in parts.items():
             streams, rest = states[i]
-            streams = jax.tree.map(
-                lambda x: jax.random.fold_in(x, index) if _is_key(x) else x, streams
-            )
+            streams = jax.tree.map(lambda x: fold(x, index), streams)
             models[i] = nnx.merge(graphdef, call_args[i], streams, rest, copy=True)
         return models
 
@@ -101,20 +115,26 @@ def split(
     for i, (_, params, _, _) in parts.items():
         pure_args[i] = params
     states = {i: (streams, rest) for i, (_, _, streams, rest) in parts.items()}
-    pure_args += [states, _example_indices(args, n)]
+    pure_args += [states, _example_indices(args, n, batch_leaf)]
     return Split(pure_loss, tuple(pure_args), state_at + 1, finish)
 
 
-def _example_indices(args: tuple[Any, ...], n: int) -> jax.Array:
-    """Each example's index: inside `jax.shard_map`, unique across the devices that the
-    arguments vary over (their keys are the same on every device)."""
-    from gradaccum_jax._base import compat
+def _example_indices(args: tuple[Any, ...], n: int, batch_leaf: Any) -> jax.Array:
+    """Each example's index, a batch argument like the others.
 
+    Inside `jax.shard_map`, unique across the devices that the arguments vary over
+    (the module's keys are the same on every device). Under global-view `jax.jit`,
+    split over the mesh axes the batch is split over in its type.
+    """
     axes = sorted(frozenset().union(*map(compat.varying_axes, jax.tree.leaves(args))), key=str)
     offset = jnp.uint32(0)
     for name in axes:
         offset = offset * jax.lax.psum(1, name) + jax.lax.axis_index(name).astype(jnp.uint32)
-    return offset * n + jnp.arange(n, dtype=jnp.uint32)
+    index = offset * n + jnp.arange(n, dtype=jnp.uint32)
+    entry = (global_view.spec_entries(batch_leaf) or (None,))[0]
+    if entry is not None and not axes:
+        index = compat.reshard(index, jax.sharding.PartitionSpec(entry))
+    return index
 
 
 def _check_unchanged(position: int, before: Any, after: Any) -> None:
