@@ -152,7 +152,7 @@ def measure_model(name: str, quick: bool, reps: int, micro: int) -> list[dict]:
     )
     slow = harness.interleaved_times(
         {k: calls[k] for k in ("non-private", "per_example", "jax_privacy")},
-        max(2, reps // 3),
+        max(2, reps // 5),
         warmup=1,
     )
     references = {"fast": times["non-private"]}
@@ -321,7 +321,7 @@ def opacus_rows(quick: bool, reps: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = harness.benchmark_parser(__doc__, reps="interleaved rounds per model")
     args = parser.parse_args(argv)
-    reps = args.reps or (2 if args.quick else 9)
+    reps = args.reps or (2 if args.quick else 21)
     rows = []
     for name in ("mlp", "cnn", "transformer"):
         rows += measure_model(name, args.quick, reps, micro=8 if args.quick else 32)

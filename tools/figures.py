@@ -667,9 +667,9 @@ FIGURES: dict[str, Callable[[Rows], str]] = {
     },
     "privacy.half_padding": lambda r: times(_privacy(r, "clipped_sum_half_padding")["ratio"]),
     "privacy.dp_vs_plain": lambda r: times(_privacy(r, "dp_step")["ratio"]),
-    "privacy.example_fast": lambda r: f"{_privacy(r, 'dp_digits_example')['ms'] / 1e3:.2f} s",
+    "privacy.example_fast": lambda r: f"{_privacy(r, 'dp_digits_example')['ms']:.1f} ms",
     "privacy.example_per_example": (
-        lambda r: f"{_privacy(r, 'dp_digits_example')['ms_reference'] / 1e3:.2f} s"
+        lambda r: f"{_privacy(r, 'dp_digits_example')['ms_reference']:.1f} ms"
     ),
     # coupled benchmark: exact micro-batching of a contrastive loss
     "coupled.time": lambda r: times(coupled_step(r, "coupled", 1024, 8)["time_vs_full"]),
