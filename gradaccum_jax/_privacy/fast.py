@@ -35,8 +35,6 @@ import jax.numpy as jnp
 from gradaccum_jax._privacy import graph, norm_rules, replay
 from gradaccum_jax._privacy.graph import BATCHED, CONST, DERIVED
 
-METHODS = ("ghost", "layer", "materialized", "per_example", "unused")
-
 
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:

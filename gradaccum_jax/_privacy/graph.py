@@ -34,7 +34,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
@@ -103,7 +102,6 @@ class Abstract:
 
     kind: str
     origin: Origin = _NO_ORIGIN
-    is_float: bool = True
 
 
 @dataclasses.dataclass
@@ -267,7 +265,8 @@ class _Analyzer:
         self.lengths: tuple[int, ...] = ()
 
     def literal(self, x: Any) -> Abstract:
-        return Abstract(CONST, is_float=is_float(x.aval))
+        del x  # a literal's gradient is nothing
+        return Abstract(CONST)
 
     def read(self, x: Any) -> Abstract:
         return self.literal(x) if isinstance(x, core.Literal) else x
@@ -277,9 +276,9 @@ class _Analyzer:
         what = category(eqn, [a.kind for a in ins])
         outs_float = [is_float(v.aval) for v in eqn.outvars]
         if what in ("const", "stop"):
-            return [Abstract(CONST, is_float=f) for f in outs_float]
+            return [Abstract(CONST) for _ in eqn.outvars]
         if what == "batched":
-            return [Abstract(BATCHED, is_float=f) for f in outs_float]
+            return [Abstract(BATCHED) for _ in eqn.outvars]
         if what == "derived":
             return [self._derived(eqn, ins, f) for f in outs_float]
         if what == "call":
@@ -295,7 +294,7 @@ class _Analyzer:
                 _leaves_of(ins), f"a parameter enters `{eqn.primitive.name}` with the batch"
             )
         self._site(eqn, ins)
-        return [Abstract(BATCHED, is_float=f) for f in outs_float]
+        return [Abstract(BATCHED) for _ in eqn.outvars]
 
     def _block(self, enter: Callable[[], list[Abstract]]) -> list[Abstract]:
         """Walks a scan's or remat's body, recording the sites and blocks it holds."""
@@ -307,7 +306,7 @@ class _Analyzer:
 
     def _derived(self, eqn: Any, ins: list[Abstract], out_float: bool) -> Abstract:
         if not out_float:  # an integer made from parameters has no gradient
-            return Abstract(CONST, is_float=False)
+            return Abstract(CONST)
         derived = [a.origin for a in ins if a.kind == DERIVED]
         leaves = frozenset().union(*(o.leaves for o in derived))
         shared = any(o.shared for o in derived)
@@ -383,10 +382,10 @@ def carry_kinds(eqn: Any, ins: list[Any]) -> list[Abstract]:
 def _carry_join(a: Abstract, b: Abstract) -> Abstract:
     kind = join([a.kind, b.kind])
     if kind != DERIVED:
-        return Abstract(kind, is_float=a.is_float)
+        return Abstract(kind)
     origins = [x.origin for x in (a, b) if x.kind == DERIVED]
     leaves = frozenset().union(*(o.leaves for o in origins))
-    return Abstract(DERIVED, Origin(leaves, None, True), a.is_float)
+    return Abstract(DERIVED, Origin(leaves, None, True))
 
 
 def _leaves_of(ins: Sequence[Abstract]) -> frozenset[int]:
@@ -396,7 +395,7 @@ def _leaves_of(ins: Sequence[Abstract]) -> frozenset[int]:
 def _shared(a: Abstract) -> Abstract:
     if a.kind != DERIVED:
         return a
-    return Abstract(DERIVED, Origin(a.origin.leaves, None, True), a.is_float)
+    return Abstract(DERIVED, Origin(a.origin.leaves, None, True))
 
 
 def _sliced(a: Abstract) -> Abstract:
@@ -404,14 +403,14 @@ def _sliced(a: Abstract) -> Abstract:
         return a
     o = a.origin
     chain = None if o.chain is None else (*o.chain, Step("slice"))
-    return Abstract(DERIVED, Origin(o.leaves, chain, o.shared), a.is_float)
+    return Abstract(DERIVED, Origin(o.leaves, chain, o.shared))
 
 
 def _stacked(a: Abstract) -> Abstract:
     if a.kind != DERIVED:
         return a
     # A scan's derived outputs are stacked iterations: no longer one leaf's entries moved.
-    return Abstract(DERIVED, Origin(a.origin.leaves, None, a.origin.shared), a.is_float)
+    return Abstract(DERIVED, Origin(a.origin.leaves, None, a.origin.shared))
 
 
 def analyze(
@@ -437,12 +436,7 @@ def analyze(
         elif leaf is not None and f:
             inputs.append(Abstract(BATCHED))
         else:
-            inputs.append(Abstract(kind, is_float=f))
+            inputs.append(Abstract(kind))
     analyzer = _Analyzer()
     outs = walk(closed.jaxpr, [Abstract(CONST)] * len(closed.consts), inputs, analyzer)
     return Analysis(analyzer.sites, analyzer.blocks, [analyzer.read(o) for o in outs])
-
-
-def abstract_eval(fun: Callable, *args: Any) -> Any:
-    """`jax.make_jaxpr` of `fun` at `args` (arrays or `ShapeDtypeStruct`s)."""
-    return jax.make_jaxpr(fun)(*args)
