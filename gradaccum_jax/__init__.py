@@ -65,6 +65,15 @@ from gradaccum_jax._clipping.norm import (
     normalize,
     normalize_grads,
 )
+from gradaccum_jax._pipeline.pipeline import (
+    pipeline_value_and_grad,
+    stack_stages,
+    unstack_stages,
+)
+from gradaccum_jax._pipeline.schedules import (
+    PipelineSchedule,
+    pipeline_schedule,
+)
 from gradaccum_jax._sharding.checkpoint import (
     checkpointable,
     restore_unreduced,
@@ -133,6 +142,7 @@ __all__ = [
     "LossScaleState",
     "MicrobatchPlan",
     "NoiseScaleState",
+    "PipelineSchedule",
     "SplitAccumulateState",
     "accumulate",
     "adaptive_grad_clip",
@@ -167,6 +177,8 @@ __all__ = [
     "normalize_by_ema",
     "normalize_grads",
     "optimizer_step",
+    "pipeline_schedule",
+    "pipeline_value_and_grad",
     "plan_microbatches",
     "reduce_replicas",
     "remove_replica_axis",
@@ -175,8 +187,10 @@ __all__ = [
     "scale_loss",
     "scaled_value_and_grad",
     "split_accumulate",
+    "stack_stages",
     "static_loss_scale",
     "unreduced_value_and_grad",
+    "unstack_stages",
 ]
 
 
