@@ -537,25 +537,16 @@ def _global_view(options: _Options, params: Any, batch: Any, key: Any) -> Any:
         for k, p in params.items()
     }
     data_spec = _P(data)
-    flags: list[Any] = []
-
-    def body(params: Any, batch: Any, key: Any) -> Any:
-        out = _on_device(options, params, batch, key, data)
-        if not options.has_aux:
-            return out
-        (value, aux), grads = out
-        concat = _concat_flags(options, params, batch)
-        flags.append(concat)
-        # Every aux leaf leaves split over the data axes: the means (equal on every
-        # shard) with a leading axis of 1, taken back out below.
-        aux = jax.tree.map(lambda a, c: a if c else a[None], aux, concat)
-        return (value, aux), grads
-
     out_specs: Any = (_P(), param_specs)
     if options.has_aux:
-        out_specs = ((_P(), data_spec), param_specs)
+        shards = math.prod(mesh.shape[a] for a in data)
+        local = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]), x.dtype), batch
+        )
+        concat = _concat_flags(options, params, local)
+        out_specs = ((_P(), jax.tree.map(lambda c: data_spec if c else _P(), concat)), param_specs)
     mapped = jax.shard_map(
-        body,
+        lambda p, b, k: _on_device(options, p, b, k, data),
         mesh=mesh,
         in_specs=(param_specs, jax.tree.map(lambda _: data_spec, batch), _P()),
         out_specs=out_specs,
@@ -564,15 +555,14 @@ def _global_view(options: _Options, params: Any, batch: Any, key: Any) -> Any:
     if _explicit(mesh):  # shard_map takes explicit arrays only as its in_specs split them
         specs = (param_specs, jax.tree.map(lambda _: data_spec, batch), _P())
         args = tuple(
-            jax.tree.map(lambda x, spec: compat.reshard(x, spec), a, sp) if a is not None else a
+            jax.tree.map(
+                lambda x, spec: compat.reshard(x, jax.NamedSharding(mesh, spec)), a, sp
+            )
+            if a is not None
+            else a
             for a, sp in zip(args, specs, strict=True)
         )
-    out = mapped(*args)
-    if not options.has_aux:
-        return out
-    (value, aux), grads = out
-    aux = jax.tree.map(lambda a, c: a if c else a[0], aux, flags[0])
-    return (value, aux), grads
+    return mapped(*args)
 
 
 def _explicit(mesh: Any) -> bool:
@@ -583,7 +573,7 @@ def _explicit(mesh: Any) -> bool:
 def _concat_flags(options: _Options, params: Any, batch: Any) -> Any:
     """Which aux leaves are per example (leading axis the micro-batch size), per device."""
     n = options.num_microbatches
-    micro = jax.tree.map(lambda x: x[0], _split(batch, n))
+    micro = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], _split(b, n)), batch)
     outer = {k: p for k, p in params.items() if k != options.stages_key}
     model = _model(options, False, 0)
     x = jax.eval_shape(model.embed, outer, micro, None)

@@ -1,0 +1,314 @@
+"""`pipeline_value_and_grad`: pipeline stages and micro-batches in one schedule.
+
+Every schedule is checked against `jax.value_and_grad` of the unstaged model on the
+whole batch (float64, 1e-12; float32, 1e-5) at N < S, N = S and N >> S, on every
+route (the user's `shard_map`, global view on Auto and Explicit meshes, with and
+without `jax.set_mesh`), with tied weights, token weights, aux, keys and remat; the
+compiled program is checked for where its collectives are, and bubble slots for not
+leaking into the gradients.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradaccum_jax as ga
+from benchmarks import harness
+from gradaccum_jax._pipeline import executor
+
+P = jax.P
+S, D, H, V_IN = 4, 2, 8, 5
+EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("circular", 2)]
+
+
+def x64():
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64  # older jax releases of the supported range
+
+    return enable_x64()
+
+
+def stage_fn(w, x):
+    """Two residual tanh layers (the stage params carry a per-stage layer axis)."""
+
+    def layer(x, p):
+        return x + jnp.tanh(x @ p["w"] + p["b"]), None
+
+    return jax.lax.scan(layer, x, w)[0]
+
+
+def embed_fn(outer, batch):
+    return batch["x"] @ outer["emb"]
+
+
+def tied_loss(outer, y, batch):
+    """The embedding's transpose as the head: the tied weight gets both uses' gradients."""
+    return jnp.mean((y @ outer["emb"].T - batch["y"]) ** 2)
+
+
+def make_params(v=1, dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    layers = {
+        "w": rng.normal(size=(2 * S * v, H, H)) / 3,
+        "b": rng.normal(size=(2 * S * v, H)) / 3,
+    }
+    layers = jax.tree.map(lambda x: jnp.asarray(x, dtype), layers)
+    return {
+        "stages": ga.stack_stages(layers, S, v),
+        "emb": jnp.asarray(rng.normal(size=(V_IN, H)) / 2, dtype),
+    }
+
+
+def make_batch(rows, dtype=jnp.float32, seed=1):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": jnp.asarray(rng.normal(size=(rows, V_IN)), dtype),
+        "y": jnp.asarray(rng.normal(size=(rows, V_IN)), dtype),
+    }
+
+
+def mesh(axis_type=EXPLICIT):
+    return jax.make_mesh((S, D), ("stage", "data"), axis_types=(axis_type, axis_type))
+
+
+def rel_error(got, want):
+    return max(
+        float(jnp.linalg.norm(jnp.ravel(a - b)) / max(float(jnp.linalg.norm(jnp.ravel(b))), 1e-30))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    )
+
+
+def global_view(grad_fn, params, batch, axis_type=EXPLICIT, *args):
+    with jax.set_mesh(mesh(axis_type)):
+        return jax.jit(grad_fn)(params, batch, *args)
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "v"), SCHEDULES)
+@pytest.mark.parametrize("n", [S - 1, S, 2 * S, 8 * S])
+def test_every_schedule_equals_the_whole_batch_in_float64(schedule, v, n):
+    with x64():
+        params, batch = make_params(v, jnp.float64), make_batch(2 * D * n, jnp.float64)
+        grad_fn = ga.pipeline_value_and_grad(
+            stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n, schedule=schedule,
+            num_chunks=v,
+        )
+        want = jax.value_and_grad(grad_fn.sequential)(params, batch)
+        got = global_view(grad_fn, params, batch)
+        assert rel_error(got, want) < 1e-12
+
+
+@pytest.mark.parametrize(("schedule", "v"), SCHEDULES)
+def test_every_schedule_equals_the_whole_batch_in_float32(schedule, v):
+    n = 2 * S
+    params, batch = make_params(v), make_batch(2 * D * n)
+    grad_fn = ga.pipeline_value_and_grad(
+        stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n, schedule=schedule,
+        num_chunks=v,
+    )
+    want = jax.value_and_grad(grad_fn.sequential)(params, batch)
+    got = global_view(grad_fn, params, batch)
+    assert rel_error(got, want) < 1e-5
+    # The stage gradients come back split over the stage axis, like the params.
+    assert jax.typeof(got[1]["stages"]["w"]).sharding.spec[0] == "stage"
+
+
+# ----------------------------------------------------------------------------- routes
+
+
+def _route(route, grad_fn, params, batch):
+    if route == "auto":
+        return global_view(grad_fn, params, batch, AUTO)
+    if route == "explicit":
+        return global_view(grad_fn, params, batch, EXPLICIT)
+    m = mesh(EXPLICIT)
+    if route == "explicit, no set_mesh":  # the mesh read from the arguments' shardings
+        params = jax.device_put(params, jax.NamedSharding(m, P()))
+        batch = jax.device_put(batch, jax.NamedSharding(m, P("data")))
+        return jax.jit(grad_fn)(params, batch)
+    assert route == "shard_map"
+    specs = {"stages": P("stage"), "emb": P()}
+    inner = ga.pipeline_value_and_grad(
+        stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=grad_fn.schedule(S).num_microbatches,
+        schedule=grad_fn.schedule(S).name, num_chunks=grad_fn.schedule(S).num_chunks,
+        axis_name="data",
+    )
+    mapped = jax.shard_map(
+        inner, mesh=m, in_specs=(specs, P("data")), out_specs=(P(), specs)
+    )
+    params = {k: jax.device_put(x, jax.NamedSharding(m, specs[k])) for k, x in params.items()}
+    batch = jax.device_put(batch, jax.NamedSharding(m, P("data")))
+    return jax.jit(mapped)(params, batch)
+
+
+ROUTES = ["shard_map", "auto", "explicit", "explicit, no set_mesh"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved", 2)])
+def test_every_route_equals_the_whole_batch(route, schedule, v):
+    n = S + 1
+    params, batch = make_params(v), make_batch(2 * D * n)
+    grad_fn = ga.pipeline_value_and_grad(
+        stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n, schedule=schedule,
+        num_chunks=v,
+    )
+    want = jax.value_and_grad(grad_fn.sequential)(params, batch)
+    assert rel_error(_route(route, grad_fn, params, batch), want) < 1e-5
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def masked_sum_loss(outer, y, batch):
+    """A token-weighted loss: (sum over kept rows, rows kept), rows kept unevenly."""
+    err = jnp.sum((y @ outer["emb"].T - batch["y"]) ** 2, axis=-1)
+    return jnp.sum(err * batch["mask"]), jnp.sum(batch["mask"])
+
+
+def test_sum_and_weight_normalises_once_by_the_whole_batch_weight():
+    n = 2 * S
+    params, batch = make_params(), make_batch(2 * D * n)
+    batch["mask"] = jnp.asarray(np.random.default_rng(3).random(2 * D * n) < 0.3, jnp.float32)
+    grad_fn = ga.pipeline_value_and_grad(
+        stage_fn, masked_sum_loss, embed_fn=embed_fn, num_microbatches=n, sum_and_weight=True
+    )
+
+    def whole(params, batch):
+        total, weight = grad_fn.sequential(params, batch)
+        return total / weight
+
+    want = jax.value_and_grad(whole)(params, batch)
+    got = global_view(grad_fn, params, batch)
+    assert rel_error(got, want) < 1e-5
+    # A mean of micro-batch means is a different number here: the check can fail.
+    plain = ga.pipeline_value_and_grad(
+        stage_fn, lambda o, y, b: whole_ratio(masked_sum_loss(o, y, b)), embed_fn=embed_fn,
+        num_microbatches=n,
+    )
+    assert abs(float(global_view(plain, params, batch)[0]) - float(want[0])) > 1e-3
+
+
+def whole_ratio(pair):
+    total, weight = pair
+    return total / jnp.maximum(weight, 1.0)
+
+
+def test_aux_comes_back_as_on_the_whole_batch():
+    n = S
+
+    def loss(outer, y, batch):
+        err = jnp.sum((y @ outer["emb"].T - batch["y"]) ** 2, axis=-1)
+        return jnp.mean(err), {"per_example": err, "max_abs": jnp.max(jnp.abs(y))}
+
+    params, batch = make_params(), make_batch(2 * D * n)
+    grad_fn = ga.pipeline_value_and_grad(
+        stage_fn, loss, embed_fn=embed_fn, num_microbatches=n, has_aux=True
+    )
+    (value, aux), grads = global_view(grad_fn, params, batch)
+    (want_value, want_aux), want_grads = jax.value_and_grad(grad_fn.sequential, has_aux=True)(
+        params, batch
+    )
+    assert rel_error((value, grads), (want_value, want_grads)) < 1e-5
+    # Per example: in batch order; other leaves: the mean over micro-batches.
+    np.testing.assert_allclose(aux["per_example"], want_aux["per_example"], rtol=1e-5)
+    rows = 2 * n  # per data shard; shard r's micro-batch m holds its rows m, m + n, ...
+    shard = lambda r, m: jax.tree.map(lambda x: x[r * rows : (r + 1) * rows][m::n], batch)  # noqa: E731
+    mean_of_maxes = np.mean(
+        [
+            float(grad_fn.sequential(params, shard(r, m))[1]["max_abs"])
+            for r in range(D)
+            for m in range(n)
+        ]
+    )
+    np.testing.assert_allclose(aux["max_abs"], mean_of_maxes, rtol=1e-5)
+
+
+def dropout_stage(w, x, key):
+    keep = jax.random.bernoulli(key, 0.7, x.shape)
+    return stage_fn(w, jnp.where(keep, x / 0.7, 0.0))
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("circular", 2)])
+def test_keys_draw_the_masks_of_the_microbatched_unstaged_model(schedule, v):
+    n = S
+    params, batch = make_params(v), make_batch(2 * D * n)
+    key = jax.random.key(7)
+    grad_fn = ga.pipeline_value_and_grad(
+        dropout_stage, lambda o, y, b, k: tied_loss(o, y, b), embed_fn=lambda o, b, k: embed_fn(o, b),
+        num_microbatches=n, schedule=schedule, num_chunks=v, axis_name="data",
+    )
+    m = mesh()
+    specs = {"stages": P("stage"), "emb": P()}
+    mapped = jax.shard_map(
+        grad_fn, mesh=m, in_specs=(specs, P("data"), P()), out_specs=(P(), specs)
+    )
+    put = {k: jax.device_put(x, jax.NamedSharding(m, specs[k])) for k, x in params.items()}
+    got = jax.jit(mapped)(put, jax.device_put(batch, jax.NamedSharding(m, P("data"))), key)
+    # Data shard r is micro-batched with the key folded with r, as the docs say.
+    reference = ga.microbatch_value_and_grad(grad_fn.sequential, n)
+    rows = 2 * n
+    shards = [
+        reference(params, jax.tree.map(lambda x: x[r * rows : (r + 1) * rows], batch),
+                  jax.random.fold_in(key, r))
+        for r in range(D)
+    ]
+    want = jax.tree.map(lambda *xs: sum(xs) / D, *shards)
+    assert rel_error(got, want) < 1e-5
+    # The masks matter: without the key's fold per shard the result differs.
+    same_key = jax.tree.map(
+        lambda *xs: sum(xs) / D,
+        *[reference(params, jax.tree.map(lambda x: x[r * rows : (r + 1) * rows], batch), key)
+          for r in range(D)],
+    )
+    assert rel_error(got, same_key) > 1e-3
+
+
+def test_remat_of_the_stage_body_keeps_the_result():
+    n = S
+    params, batch = make_params(), make_batch(2 * D * n)
+    plain = ga.pipeline_value_and_grad(stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n)
+    remat = ga.pipeline_value_and_grad(
+        stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n, remat=True
+    )
+    assert rel_error(global_view(remat, params, batch), global_view(plain, params, batch)) < 1e-6
+
+
+@pytest.mark.parametrize(("schedule", "v"), SCHEDULES)
+def test_bubble_slots_never_reach_the_gradients(schedule, v, monkeypatch):
+    # The rings start as NaN: a slot that read a place nothing was written to (an idle
+    # stage, a spare place) would turn the gradients NaN; 0 x NaN is NaN.
+    monkeypatch.setattr(executor, "FILLER", float("nan"))
+    n = S - 1
+    params, batch = make_params(v), make_batch(2 * D * n)
+    grad_fn = ga.pipeline_value_and_grad(
+        stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n, schedule=schedule,
+        num_chunks=v,
+    )
+    got = global_view(grad_fn, params, batch)
+    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(got))
+    assert rel_error(got, jax.value_and_grad(grad_fn.sequential)(params, batch)) < 1e-5
+
+
+def test_embed_fn_none_takes_the_first_element_of_a_tuple_batch():
+    n = S
+
+    def loss(outer, y, batch):
+        return jnp.mean((y @ outer["head"] - batch[1]) ** 2)
+
+    rng = np.random.default_rng(4)
+    params = {
+        "stages": make_params()["stages"],
+        "head": jnp.asarray(rng.normal(size=(H, 1)), jnp.float32),
+    }
+    batch = (jnp.asarray(rng.normal(size=(2 * D * n, H)), jnp.float32), jnp.ones((2 * D * n, 1)))
+    grad_fn = ga.pipeline_value_and_grad(stage_fn, loss, num_microbatches=n)
+    got = global_view(grad_fn, params, batch)
+    assert rel_error(got, jax.value_and_grad(grad_fn.sequential)(params, batch)) < 1e-5
