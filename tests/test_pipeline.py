@@ -312,3 +312,197 @@ def test_embed_fn_none_takes_the_first_element_of_a_tuple_batch():
     grad_fn = ga.pipeline_value_and_grad(stage_fn, loss, num_microbatches=n)
     got = global_view(grad_fn, params, batch)
     assert rel_error(got, jax.value_and_grad(grad_fn.sequential)(params, batch)) < 1e-5
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("name", "names_the_fix"),
+    [
+        ("carry_argnums", "microbatch_value_and_grad(..., carry_argnums"),
+        ("statistics_fn", "microbatch_value_and_grad(..., statistics_fn"),
+        ("coupled", "coupled_value_and_grad"),
+        ("weight_fn", "sum_and_weight=True"),
+    ],
+)
+def test_what_it_cannot_do_yet_is_refused_naming_the_alternative(name, names_the_fix):
+    with pytest.raises(TypeError, match=f"got {name}=") as err:
+        ga.pipeline_value_and_grad(stage_fn, tied_loss, num_microbatches=2, **{name: 0})
+    assert names_the_fix in str(err.value)
+
+
+def test_a_stage_carrying_state_is_refused_naming_the_alternative():
+    def batchnorm_like(w, x):
+        return stage_fn(w, x), {"mean": jnp.mean(x, 0)}
+
+    grad_fn = ga.pipeline_value_and_grad(
+        batchnorm_like, tied_loss, embed_fn=embed_fn, num_microbatches=S
+    )
+    with pytest.raises(ValueError, match="State carried through a stage .* carry_argnums"):
+        global_view(grad_fn, make_params(), make_batch(2 * D * S))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_microbatches": 0}, ValueError, "num_microbatches=0: expected an int >= 1"),
+        ({"num_microbatches": 2.0}, TypeError, "num_microbatches=2.0"),
+        ({"num_microbatches": 2, "schedule": "zb"}, ValueError, "schedule='zb': expected one of"),
+        (
+            {"num_microbatches": 2, "schedule": "1f1b", "num_chunks": 2},
+            ValueError,
+            "num_chunks=2 with schedule='1f1b': chunks need schedule='interleaved'",
+        ),
+        ({"num_microbatches": 2, "remat": "yes"}, TypeError, "remat='yes'"),
+        ({"num_microbatches": 2, "bogus": 1}, TypeError, "unexpected keyword argument 'bogus'"),
+    ],
+)
+def test_bad_options_are_refused_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ga.pipeline_value_and_grad(stage_fn, tied_loss, **kwargs)
+
+
+def test_bad_calls_are_refused_with_the_fix():
+    grad_fn = ga.pipeline_value_and_grad(stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=3)
+    params, batch = make_params(), make_batch(2 * D * 3)
+    with pytest.raises(TypeError, match="expected a mapping with the stacked stage params"):
+        global_view(grad_fn, list(params.values()), batch)
+    with pytest.raises(ValueError, match=r"not a multiple of 3 \(per data shard\)"):
+        global_view(grad_fn, params, make_batch(2 * D * 3 + D))
+    with pytest.raises(ValueError, match=r"expected a leading \(4,\) .* ga.stack_stages"):
+        global_view(grad_fn, {**params, "stages": jax.tree.map(lambda x: x[:2], params["stages"])}, batch)
+    with pytest.raises(ValueError, match="is not bound and no mesh is known"):
+        jax.jit(grad_fn)(params, batch)
+    other = jax.make_mesh((8,), ("data",), axis_types=(EXPLICIT,))
+    with jax.set_mesh(other), pytest.raises(ValueError, match="not an axis of the mesh"):
+        jax.jit(grad_fn)(params, batch)
+    growing = ga.pipeline_value_and_grad(
+        lambda w, x: jnp.concatenate([x, x], -1), tied_loss, embed_fn=embed_fn, num_microbatches=3
+    )
+    with pytest.raises(ValueError, match="every stage must return its input's shape"):
+        global_view(growing, params, batch)
+
+
+def test_stage_params_not_split_over_the_stage_axis_are_refused_in_shard_map():
+    grad_fn = ga.pipeline_value_and_grad(stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=2)
+    mapped = jax.shard_map(
+        grad_fn, mesh=mesh(AUTO), in_specs=(P(), P("data")), out_specs=(P(), P()),
+    )
+    with pytest.raises(ValueError, match=r"in_specs P\('stage'\) for params\['stages'\]"):
+        jax.jit(mapped)(make_params(), make_batch(2 * D * 2))
+
+
+def test_clipped_grad_refuses_a_pipelined_function():
+    grad_fn = ga.pipeline_value_and_grad(stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=2)
+    with pytest.raises(TypeError, match="per-example clipping .* pipeline"):
+        ga.privacy.clipped_grad(grad_fn, 1.0)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def test_stack_stages_round_trips_and_lays_virtual_stages_on_the_ring():
+    layers = {"w": jnp.arange(24.0).reshape(24, 1)}
+    for v in (1, 2, 3):
+        stacked = ga.stack_stages(layers, S, v)
+        per = 24 // (S * v)
+        assert stacked["w"].shape == ((S, per, 1) if v == 1 else (S, v, per, 1))
+        back = ga.unstack_stages(stacked, v)
+        np.testing.assert_array_equal(back["w"], layers["w"])
+        # Virtual stage c = j S + s sits at [s, j] and holds layers c per ... (c + 1) per.
+        for c in range(S * v):
+            index = (c % S,) if v == 1 else (c % S, c // S)
+            np.testing.assert_array_equal(stacked["w"][index][:, 0], np.arange(c * per, (c + 1) * per))
+    with pytest.raises(ValueError, match="does not split into num_stages"):
+        ga.stack_stages(layers, 5)
+
+
+# ----------------------------------------------------------------------------- compiled
+
+
+def _expected_permutes(table):
+    """Permutes the executor runs: one per direction a phase sends in, every slot."""
+    on, back = table.sends()
+    return sum((hi - lo) * (f + b) for lo, hi, f, b in executor._phases(on, back))
+
+
+@pytest.mark.hlo
+@pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "v"), SCHEDULES)
+def test_one_gradient_reduction_per_step_and_the_tables_permutes(schedule, v):
+    n = 2 * S
+    params, batch = make_params(v), make_batch(2 * D * n)
+    grad_fn = ga.pipeline_value_and_grad(
+        stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n, schedule=schedule,
+        num_chunks=v,
+    )
+    with jax.set_mesh(mesh()):
+        hlo = harness.Hlo(jax.jit(grad_fn).lower(params, batch).compile())
+    # Every all-reduce runs once per call: none inside the schedule's loops.
+    assert 1 <= hlo.runs("all-reduce") == len(hlo.ops("all-reduce")) <= 3
+    table = grad_fn.schedule(S)
+    assert hlo.runs("collective-permute") == _expected_permutes(table)
+    if schedule in ("gpipe", "circular"):  # one direction at a time: 2 (vN + S - 1)
+        assert _expected_permutes(table) == 2 * (v * n + S - 1)
+
+
+@pytest.mark.hlo
+@pytest.mark.slow
+def test_1f1b_temp_is_flat_in_n_and_below_gpipe_at_large_n():
+    def temp(schedule, n):
+        # Micro-batches of 32 rows per data shard, so stage inputs outweigh the fixed part.
+        params, batch = make_params(), make_batch(32 * D * n)
+        grad_fn = ga.pipeline_value_and_grad(
+            stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n, schedule=schedule
+        )
+        with jax.set_mesh(mesh()):
+            compiled = jax.jit(grad_fn).lower(params, batch).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    flat = temp("1f1b", 8 * S) / temp("1f1b", 2 * S)
+    assert flat < 1.05
+    assert temp("1f1b", 8 * S) < temp("gpipe", 8 * S)
+
+
+@pytest.mark.hlo
+@pytest.mark.slow
+def test_with_accumulate_across_calls_the_data_reduction_runs_once_per_window():
+    # axis_name=None: each data shard's own gradient; accumulate reduces once per window.
+    n, k = S, 2
+    params = make_params()
+    batches = [make_batch(2 * D * n, seed=s) for s in range(k)]
+    grad_fn = ga.pipeline_value_and_grad(stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n)
+    tx = ga.accumulate(optax.sgd(0.1), k, axis_name="data")
+    specs = {"stages": P("stage"), "emb": P()}
+    m = mesh(AUTO)
+    state_specs = jax.tree.map(lambda _: P(), jax.eval_shape(tx.init, params))
+    state_specs = state_specs._replace(
+        acc_grads=specs, **{f: specs for f in ("inner_params",) if hasattr(state_specs, f)}
+    ) if hasattr(state_specs, "acc_grads") else state_specs
+
+    def step(params, state, batch):
+        _, grads = grad_fn(params, batch)
+        return ga.apply_gradients(tx, grads, state, params)
+
+    mapped = jax.jit(
+        jax.shard_map(
+            step, mesh=m, in_specs=(specs, P(), P("data")), out_specs=(specs, P()),
+            check_vma=True,
+        )
+    )
+    state = tx.init(params)
+    p = params
+    hlo = None
+    for batch in batches:
+        if hlo is None:
+            hlo = harness.Hlo(mapped.lower(p, state, batch).compile())
+        p, state = mapped(p, state, batch)
+    whole = jax.tree.map(lambda *xs: jnp.concatenate(xs), *batches)
+    want = jax.tree.map(
+        lambda a, g: a - 0.1 * g, params, jax.grad(grad_fn.sequential)(params, whole)
+    )
+    assert rel_error(p, want) < 1e-5
+    # The all-reduce over data sits in the window's closing branch only.
+    every = hlo.every_step()
+    assert not [i for i in hlo.ops("all-reduce") if i.computation in every]

@@ -97,7 +97,7 @@ def run(
     """One device's schedule: `(value_sum, weight_sum, aux, stage_grads, outer_grads)`.
 
     `stage_params` are this device's chunks, leaves `(v, ...)`; `micro` the batch
-    split into micro-batches (leading axis `N`); `keys` one key per micro-batch (or
+    split into micro-batches (leaves `(B / N, N, ...)`, micro-batch `m` at `[:, m]`); `keys` one key per micro-batch (or
     `None`); `act_shape` the activation's `jax.ShapeDtypeStruct` pytree. The sums are
     this device's, unreduced.
     """
@@ -110,7 +110,7 @@ def run(
     stage_params, outer, micro, keys = _vary((stage_params, outer, micro, keys), axes)
 
     def mb(m: jax.Array) -> tuple[Any, Any]:
-        one = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, m, keepdims=False), micro)
+        one = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, m, 1, False), micro)
         key = None if keys is None else jax.lax.dynamic_index_in_dim(keys, m, keepdims=False)
         return one, key
 

@@ -270,7 +270,11 @@ def _check_params(params: Any, stages_key: str) -> None:
 
 
 def _split(batch: Any, n: int) -> Any:
-    """Strided micro-batches: leaf `(B, ...)` -> `(N, B / N, ...)`, row `m` = examples `m::N`."""
+    """Strided micro-batches: leaf `(B, ...)` -> `(B / N, N, ...)`, column `m` = rows `m::N`.
+
+    A reshape only (no copy of the batch): the executor takes column `m` when it needs
+    micro-batch `m`, so the program's memory does not grow with `N` by a batch copy.
+    """
 
     def one(x: Any) -> Any:
         x = jnp.asarray(x)
@@ -281,7 +285,7 @@ def _split(batch: Any, n: int) -> Any:
                 "batch size per shard, or pad the batch and weigh the padding 0 "
                 "(sum_and_weight=True)."
             )
-        return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
+        return x.reshape(x.shape[0] // n, n, *x.shape[1:])
 
     return jax.tree.map(one, batch)
 
@@ -409,7 +413,7 @@ def _on_device(
     )
     axes = executor.all_axes(step, (local, outer, micro, keys))
     local, outer, micro, keys = executor.cast((local, outer, micro, keys), axes)
-    one, one_key = jax.tree.map(lambda x: x[0], micro), None if keys is None else keys[0]
+    one, one_key = jax.tree.map(lambda x: x[:, 0], micro), None if keys is None else keys[0]
     act_shape = jax.eval_shape(model.embed, outer, one, one_key)
     chunk0 = jax.tree.map(lambda x: x[0], local)
     out_shape = jax.eval_shape(model.stage, chunk0, act_shape, one_key, 0)
@@ -422,7 +426,7 @@ def _on_device(
             "Put shape changes in embed_fn (first stage) or loss_fn (last stage)."
         )
     aux_shape = jax.eval_shape(model.loss, outer, act_shape, one, one_key)[2]
-    micro_size = jax.tree.leaves(micro)[0].shape[1] if jax.tree.leaves(micro) else None
+    micro_size = jax.tree.leaves(micro)[0].shape[0] if jax.tree.leaves(micro) else None
     concat = jax.tree.map(lambda a: bool(a.ndim) and a.shape[0] == micro_size, aux_shape)
     for path, a in jax.tree_util.tree_leaves_with_path(aux_shape):
         if not concat_at(concat, path) and not jnp.issubdtype(a.dtype, jnp.inexact):
@@ -573,7 +577,7 @@ def _explicit(mesh: Any) -> bool:
 def _concat_flags(options: _Options, params: Any, batch: Any) -> Any:
     """Which aux leaves are per example (leading axis the micro-batch size), per device."""
     n = options.num_microbatches
-    micro = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], _split(b, n)), batch)
+    micro = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[:, 0], _split(b, n)), batch)
     outer = {k: p for k, p in params.items() if k != options.stages_key}
     model = _model(options, False, 0)
     x = jax.eval_shape(model.embed, outer, micro, None)

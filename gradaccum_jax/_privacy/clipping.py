@@ -234,6 +234,13 @@ def clipped_grad(
         Bu et al., 2023, "Differentially Private Optimization on Large Model at Small
         Cost", https://arxiv.org/abs/2210.00038
     """
+    if getattr(loss_fn, "_gradaccum_pipeline", False):
+        raise TypeError(
+            "clipped_grad got a pipeline_value_and_grad function: per-example clipping "
+            "needs each example's norm summed over every stage before any stage's gradient "
+            "is final, which a pipeline schedule does not have yet. Clip the unstaged "
+            "model's loss (grad_fn.sequential, under microbatch_size=) instead."
+        )
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable; got {loss_fn!r}.")
     clip = validation.check_real("l2_clip_norm", l2_clip_norm, minimum=0.0, exclusive=True)
