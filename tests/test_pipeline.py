@@ -76,9 +76,12 @@ def mesh(axis_type=EXPLICIT):
 
 
 def rel_error(got, want):
+    def one(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
     return max(
-        float(jnp.linalg.norm(jnp.ravel(a - b)) / max(float(jnp.linalg.norm(jnp.ravel(b))), 1e-30))
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+        float(one(a, b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
     )
 
 
@@ -506,3 +509,39 @@ def test_with_accumulate_across_calls_the_data_reduction_runs_once_per_window():
     # The all-reduce over data sits in the window's closing branch only.
     every = hlo.every_step()
     assert not [i for i in hlo.ops("all-reduce") if i.computation in every]
+
+
+# ----------------------------------------------------------------------------- FSDP
+
+
+@pytest.mark.hlo
+def test_fsdp_params_gathered_once_and_gradients_reduce_scattered_once():
+    # (stage 2, data 2, fsdp 2): the stage weights and the tied embedding split over
+    # "fsdp" on an Explicit mesh; the batch over data and fsdp.
+    m = jax.make_mesh((2, 2, 2), ("stage", "data", "fsdp"), axis_types=(EXPLICIT,) * 3)
+    n = 4
+    rng = np.random.default_rng(5)
+    layers = {"w": jnp.asarray(rng.normal(size=(4, H, H)) / 3, jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(4, H)) / 3, jnp.float32)}
+    params = {"stages": ga.stack_stages(layers, 2),
+              "emb": jnp.asarray(rng.normal(size=(6, H)) / 2, jnp.float32)}
+    batch = make_batch(2 * 4 * n)
+    batch["x"] = jnp.asarray(rng.normal(size=(2 * 4 * n, 6)), jnp.float32)
+    batch["y"] = jnp.asarray(rng.normal(size=(2 * 4 * n, 6)), jnp.float32)
+    specs = {"stages": {"w": P("stage", None, "fsdp"), "b": P("stage", None, "fsdp")},
+             "emb": P(None, "fsdp")}
+    put = jax.tree.map(lambda x, s: jax.device_put(x, jax.NamedSharding(m, s)), params, specs)
+    shards = jax.device_put(batch, jax.NamedSharding(m, P(("data", "fsdp"))))
+    grad_fn = ga.pipeline_value_and_grad(stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n)
+    with jax.set_mesh(m):
+        compiled = jax.jit(grad_fn).lower(put, shards).compile()
+        got = compiled(put, shards)
+    assert rel_error(got, jax.value_and_grad(grad_fn.sequential)(params, batch)) < 1e-5
+    # Gradients come back sharded like the params.
+    for g, s in zip(jax.tree.leaves(got[1]), jax.tree.leaves(specs), strict=True):
+        entries = tuple(jax.typeof(g).sharding.spec)
+        assert entries[: len(s)] == tuple(s) and not any(entries[len(s) :])
+    hlo = harness.Hlo(compiled)
+    for op in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert hlo.runs(op) == len(hlo.ops(op)), op  # none inside a loop
+    assert len(hlo.ops("reduce-scatter")) >= 1 and len(hlo.ops("all-gather")) >= 1

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradaccum_jax._base import collectives, compat
-from gradaccum_jax._pipeline import executor
+from gradaccum_jax._sharding import global_view
+from gradaccum_jax._pipeline import executor, sharded
 from gradaccum_jax._pipeline.schedules import SCHEDULES, pipeline_schedule
 
 _P = jax.sharding.PartitionSpec
@@ -387,9 +388,21 @@ def _data_index(axes: tuple[Any, ...]) -> jax.Array:
 
 
 def _on_device(
-    options: _Options, params: Any, batch: Any, key: Any, data_axes: tuple[Any, ...]
+    options: _Options,
+    params: Any,
+    batch: Any,
+    key: Any,
+    data_axes: tuple[Any, ...],
+    layout: Any = None,
 ) -> Any:
-    """The per-device call: this device's stages, its data shard's micro-batches."""
+    """The per-device call: this device's stages, its data shard's micro-batches.
+
+    `layout` (global view on Explicit meshes): each param leaf's per-dimension split,
+    for the leaves split over data axes (FSDP), gathered here once and reduce-scattered
+    once in `_finish`; `None` elsewhere.
+    """
+    if layout is not None:
+        params = sharded.gather(params, layout, options.stage_axis)
     s = jax.lax.axis_size(options.stage_axis)
     v, n = options.num_chunks, options.num_microbatches
     collectives.check_axes_bound("axis_name", data_axes)
@@ -439,7 +452,9 @@ def _on_device(
     value, weight, aux, g_stage, g_outer = executor.run(
         model, step, local, outer, micro, keys, act_shape
     )
-    return _finish(options, params, step, value, weight, aux, g_stage, g_outer, stages, outer)
+    return _finish(
+        options, params, step, (value, weight, aux, g_stage, g_outer), layout
+    )
 
 
 def concat_at(concat: Any, path: Any) -> bool:
@@ -448,33 +463,47 @@ def concat_at(concat: Any, path: Any) -> bool:
     return bool(flags.get(path, False))
 
 
-def _finish(options, params, step, value, weight, aux, g_stage, g_outer, stages, outer):
+def _finish(options: _Options, params: Any, step: Any, sums: tuple, layout: Any) -> Any:
     """One normalisation and one reduction per leaf, after the schedule's loop.
 
     The value, weight, aux and outer gradients are summed over the stage axis (only
     the first and last stages hold them) together with the data axes; the stage
-    gradients over the data axes alone.
+    gradients over the data axes alone. Leaves split over data axes (`layout`) are
+    reduce-scattered back to their split instead.
     """
+    value, weight, aux, g_stage, g_outer = sums
     stage_axis, data = options.stage_axis, step.data_axes
     typed = any(executor._typed(a) for a in (stage_axis, *data))
     every = (stage_axis, *data)
-    value, weight, g_outer, mean_aux = collectives.psum(
-        (value, weight, g_outer, _means(aux, step.aux_concat)), every, typed
-    )
-    if data:
-        g_stage = collectives.psum(g_stage, data, typed)
+    stages = params[options.stages_key]
+    outer = {k: p for k, p in params.items() if k != options.stages_key}
+    if options.num_chunks > 1:  # the device's (v, ...) sums back under its stage axis
+        g_stage = jax.tree.map(lambda g: g[None], g_stage)
+    if layout is None:
+        value, weight, g_outer, mean_aux = collectives.psum(
+            (value, weight, g_outer, _means(aux, step.aux_concat)), every, typed
+        )
+        if data:
+            g_stage = collectives.psum(g_stage, data, typed)
+    else:
+        value, weight, mean_aux = collectives.psum(
+            (value, weight, _means(aux, step.aux_concat)), every, typed
+        )
+        outer_layout = {k: e for k, e in layout.items() if k != options.stages_key}
+        g_outer = sharded.reduce(g_outer, outer_layout, every, stage_axis, typed)
+        g_stage = sharded.reduce(g_stage, layout[options.stages_key], data, stage_axis, typed)
     concat_aux = collectives.psum(_concats(aux, step.aux_concat), (stage_axis,), typed)
     if options.sum_and_weight:
         total = weight
     else:  # micro-batch means: N of them per data shard, equal in size
         total = options.num_microbatches * math.prod(jax.lax.axis_size(a) for a in data)
     value = (value / total).astype(value.dtype)
-    grads_stage = jax.tree.map(lambda g, p: (g / total).astype(jnp.result_type(p)), g_stage, stages)
-    if options.num_chunks > 1:  # the device's (v, ...) sums back under its stage axis
-        grads_stage = jax.tree.map(lambda g: g[None], grads_stage)
-    grads_outer = jax.tree.map(lambda g, p: (g / total).astype(jnp.result_type(p)), g_outer, outer)
-    grads = {k: grads_outer[k] for k in outer}
-    grads[options.stages_key] = grads_stage
+
+    def scaled(g: jax.Array, p: Any) -> jax.Array:
+        return (g / total).astype(jnp.result_type(p))
+
+    grads = {k: jax.tree.map(scaled, g_outer[k], outer[k]) for k in outer}
+    grads[options.stages_key] = jax.tree.map(scaled, g_stage, stages)
     grads = {k: grads[k] for k in params}
     if not options.has_aux:
         return value, grads
@@ -535,11 +564,15 @@ def _global_view(options: _Options, params: Any, batch: Any, key: Any) -> Any:
                 f"{dict(mesh.shape)} (the stage axis is {options.stage_axis!r})."
             )
     _stage_leaves(options, params, mesh.shape[options.stage_axis], "global view")
-    stage_spec = _P(options.stage_axis)
-    param_specs = {
-        k: jax.tree.map(lambda _: stage_spec if k == options.stages_key else _P(), p)
-        for k, p in params.items()
-    }
+    layout = _layout(options, params) if _explicit(mesh) else None
+    if layout is None:
+        param_specs = {
+            k: jax.tree.map(lambda _: _P(options.stage_axis) if k == options.stages_key else _P(), p)
+            for k, p in params.items()
+        }
+    else:
+        sharded.check(layout, data, options.stage_axis)
+        param_specs = jax.tree.map(lambda split: _P(*split.entries), layout)
     data_spec = _P(data)
     out_specs: Any = (_P(), param_specs)
     if options.has_aux:
@@ -550,7 +583,7 @@ def _global_view(options: _Options, params: Any, batch: Any, key: Any) -> Any:
         concat = _concat_flags(options, params, local)
         out_specs = ((_P(), jax.tree.map(lambda c: data_spec if c else _P(), concat)), param_specs)
     mapped = jax.shard_map(
-        lambda p, b, k: _on_device(options, p, b, k, data),
+        lambda p, b, k: _on_device(options, p, b, k, data, layout),
         mesh=mesh,
         in_specs=(param_specs, jax.tree.map(lambda _: data_spec, batch), _P()),
         out_specs=out_specs,
@@ -567,6 +600,26 @@ def _global_view(options: _Options, params: Any, batch: Any, key: Any) -> Any:
             for a, sp in zip(args, specs, strict=True)
         )
     return mapped(*args)
+
+
+def _layout(options: _Options, params: Any) -> Any:
+    """Each param leaf's split from its type (the stage leaves' first entry the stage
+    axis), or `None` where no leaf is split over another axis."""
+
+    def one(x: Any, stage: bool) -> sharded.Split:
+        entries = list(global_view.spec_entries(x)) + [None] * jnp.ndim(x)
+        entries = entries[: jnp.ndim(x)]
+        if stage:
+            entries[0] = options.stage_axis
+        return sharded.Split(tuple(entries))
+
+    layout = {
+        k: jax.tree.map(lambda x, k=k: one(x, k == options.stages_key), p)
+        for k, p in params.items()
+    }
+    if not any(s.over(options.stage_axis) for s in jax.tree.leaves(layout)):
+        return None  # nothing split over the data axes: the plain path, one psum
+    return layout
 
 
 def _explicit(mesh: Any) -> bool:
