@@ -100,7 +100,11 @@ def test_every_schedule_equals_the_whole_batch_in_float64(schedule, v, n):
     with x64():
         params, batch = make_params(v, jnp.float64), make_batch(2 * D * n, jnp.float64)
         grad_fn = ga.pipeline_value_and_grad(
-            stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n, schedule=schedule,
+            stage_fn,
+            tied_loss,
+            embed_fn=embed_fn,
+            num_microbatches=n,
+            schedule=schedule,
             num_chunks=v,
         )
         want = jax.value_and_grad(grad_fn.sequential)(params, batch)
@@ -113,7 +117,11 @@ def test_every_schedule_equals_the_whole_batch_in_float32(schedule, v):
     n = 2 * S
     params, batch = make_params(v), make_batch(2 * D * n)
     grad_fn = ga.pipeline_value_and_grad(
-        stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n, schedule=schedule,
+        stage_fn,
+        tied_loss,
+        embed_fn=embed_fn,
+        num_microbatches=n,
+        schedule=schedule,
         num_chunks=v,
     )
     want = jax.value_and_grad(grad_fn.sequential)(params, batch)
@@ -139,13 +147,15 @@ def _route(route, grad_fn, params, batch):
     assert route == "shard_map"
     specs = {"stages": P("stage"), "emb": P()}
     inner = ga.pipeline_value_and_grad(
-        stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=grad_fn.schedule(S).num_microbatches,
-        schedule=grad_fn.schedule(S).name, num_chunks=grad_fn.schedule(S).num_chunks,
+        stage_fn,
+        tied_loss,
+        embed_fn=embed_fn,
+        num_microbatches=grad_fn.schedule(S).num_microbatches,
+        schedule=grad_fn.schedule(S).name,
+        num_chunks=grad_fn.schedule(S).num_chunks,
         axis_name="data",
     )
-    mapped = jax.shard_map(
-        inner, mesh=m, in_specs=(specs, P("data")), out_specs=(P(), specs)
-    )
+    mapped = jax.shard_map(inner, mesh=m, in_specs=(specs, P("data")), out_specs=(P(), specs))
     params = {k: jax.device_put(x, jax.NamedSharding(m, specs[k])) for k, x in params.items()}
     batch = jax.device_put(batch, jax.NamedSharding(m, P("data")))
     return jax.jit(mapped)(params, batch)
@@ -160,7 +170,11 @@ def test_every_route_equals_the_whole_batch(route, schedule, v):
     n = S + 1
     params, batch = make_params(v), make_batch(2 * D * n)
     grad_fn = ga.pipeline_value_and_grad(
-        stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n, schedule=schedule,
+        stage_fn,
+        tied_loss,
+        embed_fn=embed_fn,
+        num_microbatches=n,
+        schedule=schedule,
         num_chunks=v,
     )
     want = jax.value_and_grad(grad_fn.sequential)(params, batch)
@@ -193,7 +207,9 @@ def test_sum_and_weight_normalises_once_by_the_whole_batch_weight():
     assert rel_error(got, want) < 1e-5
     # A mean of micro-batch means is a different number here: the check can fail.
     plain = ga.pipeline_value_and_grad(
-        stage_fn, lambda o, y, b: whole_ratio(masked_sum_loss(o, y, b)), embed_fn=embed_fn,
+        stage_fn,
+        lambda o, y, b: whole_ratio(masked_sum_loss(o, y, b)),
+        embed_fn=embed_fn,
         num_microbatches=n,
     )
     assert abs(float(global_view(plain, params, batch)[0]) - float(want[0])) > 1e-3
@@ -245,8 +261,13 @@ def test_keys_draw_the_masks_of_the_microbatched_unstaged_model(schedule, v):
     params, batch = make_params(v), make_batch(2 * D * n)
     key = jax.random.key(7)
     grad_fn = ga.pipeline_value_and_grad(
-        dropout_stage, lambda o, y, b, k: tied_loss(o, y, b), embed_fn=lambda o, b, k: embed_fn(o, b),
-        num_microbatches=n, schedule=schedule, num_chunks=v, axis_name="data",
+        dropout_stage,
+        lambda o, y, b, k: tied_loss(o, y, b),
+        embed_fn=lambda o, b, k: embed_fn(o, b),
+        num_microbatches=n,
+        schedule=schedule,
+        num_chunks=v,
+        axis_name="data",
     )
     m = mesh()
     specs = {"stages": P("stage"), "emb": P()}
@@ -258,9 +279,16 @@ def test_keys_draw_the_masks_of_the_microbatched_unstaged_model(schedule, v):
     # Data shard r is micro-batched with the key folded with r, as the docs say.
     reference = ga.microbatch_value_and_grad(grad_fn.sequential, n)
     rows = 2 * n
+
+    def shard(r):
+        return jax.tree.map(lambda x: x[r * rows : (r + 1) * rows], batch)
+
     shards = [
-        reference(params, jax.tree.map(lambda x: x[r * rows : (r + 1) * rows], batch),
-                  jax.random.fold_in(key, r))
+        reference(
+            params,
+            shard(r),
+            jax.random.fold_in(key, r),
+        )
         for r in range(D)
     ]
     want = jax.tree.map(lambda *xs: sum(xs) / D, *shards)
@@ -268,8 +296,7 @@ def test_keys_draw_the_masks_of_the_microbatched_unstaged_model(schedule, v):
     # The masks matter: without the key's fold per shard the result differs.
     same_key = jax.tree.map(
         lambda *xs: sum(xs) / D,
-        *[reference(params, jax.tree.map(lambda x: x[r * rows : (r + 1) * rows], batch), key)
-          for r in range(D)],
+        *[reference(params, shard(r), key) for r in range(D)],
     )
     assert rel_error(got, same_key) > 1e-3
 
@@ -292,7 +319,11 @@ def test_bubble_slots_never_reach_the_gradients(schedule, v, monkeypatch):
     n = S - 1
     params, batch = make_params(v), make_batch(2 * D * n)
     grad_fn = ga.pipeline_value_and_grad(
-        stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n, schedule=schedule,
+        stage_fn,
+        tied_loss,
+        embed_fn=embed_fn,
+        num_microbatches=n,
+        schedule=schedule,
         num_chunks=v,
     )
     got = global_view(grad_fn, params, batch)
@@ -342,7 +373,7 @@ def test_a_stage_carrying_state_is_refused_naming_the_alternative():
     grad_fn = ga.pipeline_value_and_grad(
         batchnorm_like, tied_loss, embed_fn=embed_fn, num_microbatches=S
     )
-    with pytest.raises(ValueError, match="State carried through a stage .* carry_argnums"):
+    with pytest.raises(ValueError, match=r"State carried through a stage .* carry_argnums"):
         global_view(grad_fn, make_params(), make_batch(2 * D * S))
 
 
@@ -374,7 +405,9 @@ def test_bad_calls_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"not a multiple of 3 \(per data shard\)"):
         global_view(grad_fn, params, make_batch(2 * D * 3 + D))
     with pytest.raises(ValueError, match=r"expected a leading \(4,\) .* ga.stack_stages"):
-        global_view(grad_fn, {**params, "stages": jax.tree.map(lambda x: x[:2], params["stages"])}, batch)
+        global_view(
+            grad_fn, {**params, "stages": jax.tree.map(lambda x: x[:2], params["stages"])}, batch
+        )
     with pytest.raises(ValueError, match="is not bound and no mesh is known"):
         jax.jit(grad_fn)(params, batch)
     other = jax.make_mesh((8,), ("data",), axis_types=(EXPLICIT,))
@@ -390,7 +423,10 @@ def test_bad_calls_are_refused_with_the_fix():
 def test_stage_params_not_split_over_the_stage_axis_are_refused_in_shard_map():
     grad_fn = ga.pipeline_value_and_grad(stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=2)
     mapped = jax.shard_map(
-        grad_fn, mesh=mesh(AUTO), in_specs=(P(), P("data")), out_specs=(P(), P()),
+        grad_fn,
+        mesh=mesh(AUTO),
+        in_specs=(P(), P("data")),
+        out_specs=(P(), P()),
     )
     with pytest.raises(ValueError, match=r"in_specs P\('stage'\) for params\['stages'\]"):
         jax.jit(mapped)(make_params(), make_batch(2 * D * 2))
@@ -398,7 +434,7 @@ def test_stage_params_not_split_over_the_stage_axis_are_refused_in_shard_map():
 
 def test_clipped_grad_refuses_a_pipelined_function():
     grad_fn = ga.pipeline_value_and_grad(stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=2)
-    with pytest.raises(TypeError, match="per-example clipping .* pipeline"):
+    with pytest.raises(TypeError, match=r"per-example clipping .* pipeline"):
         ga.privacy.clipped_grad(grad_fn, 1.0)
 
 
@@ -416,7 +452,9 @@ def test_stack_stages_round_trips_and_lays_virtual_stages_on_the_ring():
         # Virtual stage c = j S + s sits at [s, j] and holds layers c per ... (c + 1) per.
         for c in range(S * v):
             index = (c % S,) if v == 1 else (c % S, c // S)
-            np.testing.assert_array_equal(stacked["w"][index][:, 0], np.arange(c * per, (c + 1) * per))
+            np.testing.assert_array_equal(
+                stacked["w"][index][:, 0], np.arange(c * per, (c + 1) * per)
+            )
     with pytest.raises(ValueError, match="does not split into num_stages"):
         ga.stack_stages(layers, 5)
 
@@ -437,7 +475,11 @@ def test_one_gradient_reduction_per_step_and_the_tables_permutes(schedule, v):
     n = 2 * S
     params, batch = make_params(v), make_batch(2 * D * n)
     grad_fn = ga.pipeline_value_and_grad(
-        stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n, schedule=schedule,
+        stage_fn,
+        tied_loss,
+        embed_fn=embed_fn,
+        num_microbatches=n,
+        schedule=schedule,
         num_chunks=v,
     )
     with jax.set_mesh(mesh()):
@@ -480,9 +522,13 @@ def test_with_accumulate_across_calls_the_data_reduction_runs_once_per_window():
     specs = {"stages": P("stage"), "emb": P()}
     m = mesh(AUTO)
     state_specs = jax.tree.map(lambda _: P(), jax.eval_shape(tx.init, params))
-    state_specs = state_specs._replace(
-        acc_grads=specs, **{f: specs for f in ("inner_params",) if hasattr(state_specs, f)}
-    ) if hasattr(state_specs, "acc_grads") else state_specs
+    state_specs = (
+        state_specs._replace(
+            acc_grads=specs, **{f: specs for f in ("inner_params",) if hasattr(state_specs, f)}
+        )
+        if hasattr(state_specs, "acc_grads")
+        else state_specs
+    )
 
     def step(params, state, batch):
         _, grads = grad_fn(params, batch)
@@ -490,7 +536,10 @@ def test_with_accumulate_across_calls_the_data_reduction_runs_once_per_window():
 
     mapped = jax.jit(
         jax.shard_map(
-            step, mesh=m, in_specs=(specs, P(), P("data")), out_specs=(specs, P()),
+            step,
+            mesh=m,
+            in_specs=(specs, P(), P("data")),
+            out_specs=(specs, P()),
             check_vma=True,
         )
     )
@@ -521,15 +570,21 @@ def test_fsdp_params_gathered_once_and_gradients_reduce_scattered_once():
     m = jax.make_mesh((2, 2, 2), ("stage", "data", "fsdp"), axis_types=(EXPLICIT,) * 3)
     n = 4
     rng = np.random.default_rng(5)
-    layers = {"w": jnp.asarray(rng.normal(size=(4, H, H)) / 3, jnp.float32),
-              "b": jnp.asarray(rng.normal(size=(4, H)) / 3, jnp.float32)}
-    params = {"stages": ga.stack_stages(layers, 2),
-              "emb": jnp.asarray(rng.normal(size=(6, H)) / 2, jnp.float32)}
+    layers = {
+        "w": jnp.asarray(rng.normal(size=(4, H, H)) / 3, jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(4, H)) / 3, jnp.float32),
+    }
+    params = {
+        "stages": ga.stack_stages(layers, 2),
+        "emb": jnp.asarray(rng.normal(size=(6, H)) / 2, jnp.float32),
+    }
     batch = make_batch(2 * 4 * n)
     batch["x"] = jnp.asarray(rng.normal(size=(2 * 4 * n, 6)), jnp.float32)
     batch["y"] = jnp.asarray(rng.normal(size=(2 * 4 * n, 6)), jnp.float32)
-    specs = {"stages": {"w": P("stage", None, "fsdp"), "b": P("stage", None, "fsdp")},
-             "emb": P(None, "fsdp")}
+    specs = {
+        "stages": {"w": P("stage", None, "fsdp"), "b": P("stage", None, "fsdp")},
+        "emb": P(None, "fsdp"),
+    }
     put = jax.tree.map(lambda x, s: jax.device_put(x, jax.NamedSharding(m, s)), params, specs)
     shards = jax.device_put(batch, jax.NamedSharding(m, P(("data", "fsdp"))))
     grad_fn = ga.pipeline_value_and_grad(stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=n)

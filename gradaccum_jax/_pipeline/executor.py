@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradaccum_jax._base import compat
-from gradaccum_jax._pipeline.schedules import BACKWARD, FORWARD, PipelineSchedule
+from gradaccum_jax._pipeline.schedules import PipelineSchedule
 
 # What the rings hold before anything arrives. Tests set it to NaN: a bubble slot that
 # read a ring place nothing was written to would then show in the gradients.
@@ -97,9 +97,9 @@ def run(
     """One device's schedule: `(value_sum, weight_sum, aux, stage_grads, outer_grads)`.
 
     `stage_params` are this device's chunks, leaves `(v, ...)`; `micro` the batch
-    split into micro-batches (leaves `(B / N, N, ...)`, micro-batch `m` at `[:, m]`); `keys` one key per micro-batch (or
-    `None`); `act_shape` the activation's `jax.ShapeDtypeStruct` pytree. The sums are
-    this device's, unreduced.
+    split into micro-batches (leaves `(B / N, N, ...)`, micro-batch `m` at `[:, m]`);
+    `keys` one key per micro-batch (or `None`); `act_shape` the activation's
+    `jax.ShapeDtypeStruct` pytree. The sums are this device's, unreduced.
     """
     table = step.table
     s, v = table.num_stages, table.num_chunks

@@ -19,12 +19,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gradaccum_jax._base import collectives, compat
-from gradaccum_jax._sharding import global_view
 from gradaccum_jax._pipeline import executor, sharded
 from gradaccum_jax._pipeline.schedules import SCHEDULES, pipeline_schedule
+from gradaccum_jax._sharding import global_view
 
 _P = jax.sharding.PartitionSpec
 
@@ -330,7 +329,7 @@ def _model(options: _Options, with_key: bool, width: int) -> executor.Model:
 
     def stage(chunk: Any, x: Any, key: Any, c: Any) -> Any:
         y = call(options.stage_fn, chunk, x, key=fold(key, c))
-        if jax.tree.structure(y) != jax.tree.structure(x):
+        if str(jax.tree.structure(y)) != str(jax.tree.structure(x)):
             raise ValueError(
                 "stage_fn returned a value of another structure than its input "
                 f"({jax.tree.structure(y)} for {jax.tree.structure(x)}): each stage must "
@@ -407,7 +406,7 @@ def _on_device(
     v, n = options.num_chunks, options.num_microbatches
     collectives.check_axes_bound("axis_name", data_axes)
     _stage_leaves(options, params, 1, "device")
-    table = pipeline_schedule(options.schedule, s, n, v)  # type: ignore[arg-type]
+    table = pipeline_schedule(options.schedule, s, n, v)
     stages = params[options.stages_key]
     outer = {k: p for k, p in params.items() if k != options.stages_key}
     local = jax.tree.map(lambda x: x[0] if v > 1 else x, stages)
@@ -452,9 +451,7 @@ def _on_device(
     value, weight, aux, g_stage, g_outer = executor.run(
         model, step, local, outer, micro, keys, act_shape
     )
-    return _finish(
-        options, params, step, (value, weight, aux, g_stage, g_outer), layout
-    )
+    return _finish(options, params, step, (value, weight, aux, g_stage, g_outer), layout)
 
 
 def concat_at(concat: Any, path: Any) -> bool:
@@ -567,7 +564,9 @@ def _global_view(options: _Options, params: Any, batch: Any, key: Any) -> Any:
     layout = _layout(options, params) if _explicit(mesh) else None
     if layout is None:
         param_specs = {
-            k: jax.tree.map(lambda _: _P(options.stage_axis) if k == options.stages_key else _P(), p)
+            k: jax.tree.map(
+                lambda _, k=k: _P(options.stage_axis) if k == options.stages_key else _P(), p
+            )
             for k, p in params.items()
         }
     else:
@@ -588,13 +587,11 @@ def _global_view(options: _Options, params: Any, batch: Any, key: Any) -> Any:
         in_specs=(param_specs, jax.tree.map(lambda _: data_spec, batch), _P()),
         out_specs=out_specs,
     )
-    args = (params, batch, key)
+    args: tuple[Any, ...] = (params, batch, key)
     if _explicit(mesh):  # shard_map takes explicit arrays only as its in_specs split them
         specs = (param_specs, jax.tree.map(lambda _: data_spec, batch), _P())
         args = tuple(
-            jax.tree.map(
-                lambda x, spec: compat.reshard(x, jax.NamedSharding(mesh, spec)), a, sp
-            )
+            jax.tree.map(lambda x, spec: compat.reshard(x, jax.NamedSharding(mesh, spec)), a, sp)
             if a is not None
             else a
             for a, sp in zip(args, specs, strict=True)
@@ -657,7 +654,7 @@ def _sequential(options: _Options, params: Any, batch: Any, key: Any = None) -> 
     x = model.embed(outer, batch, key)
     for c in range(s * v):
         index = (c % s,) if v == 1 else (c % s, c // s)
-        x = model.stage(jax.tree.map(lambda p: p[index], stages), x, key, c)
+        x = model.stage(jax.tree.map(lambda p, i=index: p[i], stages), x, key, c)
     return options.loss_fn(
         outer, x, batch, *(() if key is None else (jax.random.fold_in(key, s * v + 1),))
     )

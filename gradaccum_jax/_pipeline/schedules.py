@@ -206,7 +206,7 @@ def _places(intervals: dict[tuple, tuple[int, int]]) -> tuple[dict[tuple, int], 
 
 
 def pipeline_schedule(
-    schedule: ScheduleName, num_stages: int, num_microbatches: int, num_chunks: int = 1
+    schedule: ScheduleName | str, num_stages: int, num_microbatches: int, num_chunks: int = 1
 ) -> PipelineSchedule:
     """Returns the lockstep table of one pipeline schedule of `num_microbatches`.
 
@@ -263,8 +263,8 @@ def _table(name: str, rows: list[list[Task | None]], s: int, n: int, v: int) -> 
     for t, row in enumerate(rows):
         for d, task in enumerate(row):
             if task is not None:
-                kind, m, j = task
-                when[(kind, m, j * s + d)] = t
+                what, m, j = task
+                when[(what, m, j * s + d)] = t
     # Stage inputs (virtual stage c > 0): arrive after F(m, c-1), last read by B(m, c).
     acts = {
         (m, c): (when[(FORWARD, m, c - 1)], when[(BACKWARD, m, c)])
@@ -282,7 +282,8 @@ def _table(name: str, rows: list[list[Task | None]], s: int, n: int, v: int) -> 
     for d in range(s):
         here, depth = _places({k: i for k, i in acts.items() if k[1] % s == d})
         act_place.update(here)
-        act_depth, _ = max(act_depth, depth), stash.append(depth)
+        act_depth = max(act_depth, depth)
+        stash.append(depth)
         here, depth = _places({k: i for k, i in cots.items() if k[1] % s == d})
         cot_place.update(here)
         cot_depth = max(cot_depth, depth)
