@@ -149,3 +149,29 @@ def test_benchmark_parser_is_every_benchmarks_command_line():
         if "def main(" in source and script.name not in ("run.py", "privacy_opacus.py"):
             assert "harness.benchmark_parser(__doc__" in source, script.name
             assert "argparse" not in source, script.name
+
+
+def test_runs_multiplies_ops_by_their_loops_trip_counts():
+    # A psum per outer step, three per inner step (a scan inside the scan), one in a
+    # cond's branch (at most once per outer step), and one after the loops.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def reduced(c):
+        return jax.lax.pcast(jax.lax.psum(c, "data"), "data", to="varying")
+
+    def per_device(x):
+        def outer(c, _):
+            c = c + jax.lax.psum(jnp.sin(c), "data")
+            c = jax.lax.scan(lambda c, _: (c * 0.5 + jax.lax.psum(c, "data"), None), c, length=3)[0]
+            c = jax.lax.cond(c.sum() > 0, reduced, lambda c: c, c)
+            return c, None
+
+        c = jax.lax.scan(outer, x, length=5)[0]
+        return c + jax.lax.psum(c, "data")
+
+    step = jax.shard_map(per_device, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P("data"))
+    x = jax.device_put(jnp.ones((8, 4)), jax.NamedSharding(mesh, jax.P("data")))
+    hlo = harness.Hlo(jax.jit(step).lower(x).compile())
+    assert hlo.runs("all-reduce") == 5 * (1 + 3 + 1) + 1
+    assert len(hlo.ops("all-reduce", hlo.in_loops())) == 3
+    assert hlo.runs("collective-permute") == 0
