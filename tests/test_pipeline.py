@@ -161,7 +161,12 @@ def _route(route, grad_fn, params, batch):
     return jax.jit(mapped)(params, batch)
 
 
-ROUTES = ["shard_map", "auto", "explicit", "explicit, no set_mesh"]
+ROUTES = [
+    "shard_map",
+    pytest.param("auto", marks=pytest.mark.slow),
+    pytest.param("explicit", marks=pytest.mark.slow),  # the schedule tests run it too
+    "explicit, no set_mesh",
+]
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -311,7 +316,15 @@ def test_remat_of_the_stage_body_keeps_the_result():
     assert rel_error(global_view(remat, params, batch), global_view(plain, params, batch)) < 1e-6
 
 
-@pytest.mark.parametrize(("schedule", "v"), SCHEDULES)
+@pytest.mark.parametrize(
+    ("schedule", "v"),
+    [
+        ("gpipe", 1),
+        pytest.param("1f1b", 1, marks=pytest.mark.slow),
+        ("interleaved", 2),
+        pytest.param("circular", 2, marks=pytest.mark.slow),
+    ],
+)
 def test_bubble_slots_never_reach_the_gradients(schedule, v, monkeypatch):
     # The rings start as NaN: a slot that read a place nothing was written to (an idle
     # stage, a spare place) would turn the gradients NaN; 0 x NaN is NaN.
