@@ -1,7 +1,6 @@
 """The schedule tables: every task once, in dependency order, ring places never overwritten
 while a value waits in them, and the bubble and stash the docs state."""
 
-import numpy as np
 import pytest
 
 import gradaccum_jax as ga
