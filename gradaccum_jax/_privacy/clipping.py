@@ -56,6 +56,10 @@ class ClippedGradFn:
     def __call__(
         self, *args: Any, is_padding_example: jax.typing.ArrayLike | None = None, **kwargs
     ):
+        with global_view.batch_mesh((args, kwargs)):
+            return self._call(args, kwargs, is_padding_example)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], is_padding_example: Any):
         found = modules.module_positions(args, self._options.diff)
         if not found:
             return _clipped_sums(self._options, args, kwargs, is_padding_example)
@@ -98,7 +102,8 @@ class ClippedGradFn:
             else:
                 plans.append(fast.ClippingPlan(_program(options, args, kwargs).program.leaves))
 
-        jax.eval_shape(trace, args)
+        with global_view.batch_mesh((args, kwargs)):
+            jax.eval_shape(trace, args)
         return plans[0]
 
     def __repr__(self) -> str:
