@@ -56,6 +56,11 @@ ROUTES = {
         "The same on a mesh with `AxisType.Explicit`, which `jax.make_mesh` gives by "
         "default from JAX 0.10: the road most new code takes.",
     ),
+    "jit_explicit_no_mesh": (
+        "global `jit`, Explicit, no `set_mesh`",
+        "The same arrays on the same Explicit mesh, jitted with no mesh set in context "
+        "(no `jax.set_mesh`): the mesh is known from the arrays' types alone.",
+    ),
     "jit_unreduced": (
         "global `jit`, Explicit, unreduced",
         "Global-view `jax.jit` on the Explicit mesh with each device's gradient left "
@@ -248,7 +253,7 @@ DECLARATIONS: list[tuple[tuple[Any, Any, Any], Outcome]] = [
         ),
     ),
     (
-        ("fp8", "jit_explicit", ANY),
+        ("fp8", ("jit_explicit", "jit_explicit_no_mesh"), ANY),
         NotApplicable(
             "Flax's fp8 layers do not run under global-view `jit` on an Explicit mesh with "
             "a sharded batch: the backward pass's `dot_general` contracts the sharded batch "

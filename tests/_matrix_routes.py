@@ -8,6 +8,7 @@ returns the variables it ends with in one layout for every style.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -150,6 +151,7 @@ ROUTE_CTX = {
     "pmap": Ctx(axis=AXIS),
     "jit_auto": Ctx(),
     "jit_explicit": Ctx(),
+    "jit_explicit_no_mesh": Ctx(),
     "jit_unreduced": Ctx(unreduced=True),
 }
 
@@ -352,10 +354,10 @@ def run_one_device(step, state, batches, read):
     return read(state)
 
 
-def run_global_view(kind, route):
+def run_global_view(kind, route, *, set_mesh=True):
     def run(step, state, batches, read):
         mesh = jax.make_mesh((R,), (AXIS,), axis_types=(kind,))
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
             state = jax.device_put(state, NamedSharding(mesh, P()))
             step = jax.jit(functools.partial(step, ctx=ROUTE_CTX[route]))
             for batch in batches:
@@ -409,5 +411,8 @@ ROUTE_RUNNERS = {
     "pmap": run_pmap,
     "jit_auto": run_global_view(jax.sharding.AxisType.Auto, "jit_auto"),
     "jit_explicit": run_global_view(jax.sharding.AxisType.Explicit, "jit_explicit"),
+    "jit_explicit_no_mesh": run_global_view(
+        jax.sharding.AxisType.Explicit, "jit_explicit_no_mesh", set_mesh=False
+    ),
     "jit_unreduced": run_global_view(jax.sharding.AxisType.Explicit, "jit_unreduced"),
 }

@@ -1,8 +1,10 @@
 """Global-view jit on an explicit 8-device mesh: unreduced per-device gradients."""
 
 import collections
+import contextlib
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -1224,3 +1226,85 @@ def test_hsdp_leaves_sharded_over_both_axes_and_a_batch_split_over_data_only(mes
     assert str(jax.typeof(grads[0]["w"])) == "float32[6,32@fsdp]{U:data}"
     assert str(jax.typeof(grads[1]["w"])) == "float32[32@fsdp,64]{U:data}"
     assert_trees_close(jax.jit(lambda g: _compat.reshard(g, specs))(grads), want)
+
+
+# --- Explicit meshes known from the arrays' types alone (issue 44 item 7) ----------------
+
+
+def _x64():
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64  # older jax releases of the supported range
+
+    return enable_x64()
+
+
+def _typed_mesh_doors():
+    """Every door that splits a batch, on float64 `(params, x)`: name -> function."""
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+
+    def embed(p, x):
+        return jnp.tanh(x @ p["w"])
+
+    def coupled_loss(p, e):
+        # A loss written for the Explicit mesh: the candidates replicated, whatever says
+        # where the mesh is (the context, or here only e's type).
+        mesh = jax.typeof(e).sharding.mesh
+        if jax.sharding.AxisType.Explicit in mesh.axis_types:
+            e_all = jax.reshard(e, jax.sharding.NamedSharding(mesh, P()))
+        else:
+            e_all = e
+        return jnp.mean(jax.nn.logsumexp(e @ e_all.T, axis=1))
+
+    def counts(p, x):
+        return {"s": jnp.sum(x, 0)}
+
+    def balanced(p, x, statistics):
+        return loss(p, x) * jnp.sum(statistics["s"])
+
+    return {
+        "clipped_grad": ga.privacy.clipped_grad(loss, 0.1),
+        "clipped_grad_chunks": ga.privacy.clipped_grad(
+            loss, 0.1, microbatch_size=4, method="per_example"
+        ),
+        "microbatch": ga.microbatch_value_and_grad(loss, 4),
+        "microbatch_auto": ga.microbatch_value_and_grad(loss, "auto", memory_budget=2**30),
+        "statistics_fn": ga.microbatch_value_and_grad(balanced, 4, statistics_fn=counts),
+        "coupled": ga.coupled_value_and_grad(coupled_loss, embed, 4),
+    }
+
+
+@pytest.mark.parametrize("door", list(_typed_mesh_doors()))
+@pytest.mark.parametrize("context", ["set_mesh", "types only", "types only, not jitted"])
+def test_a_batch_on_an_explicit_mesh_needs_no_context_mesh(door, context):
+    # Without jax.set_mesh, clipped_grad failed inside the library (slicing an example out
+    # of f32[64@data,16]) and coupled_value_and_grad left its per-device route (one
+    # reduction per step) for XLA's partitioner; the other doors guard the same promise.
+    with _x64():
+        fn = _typed_mesh_doors()[door]
+        params = {"w": jax.random.normal(jax.random.key(1), (16, 4)) * 0.3}
+        x = jax.random.normal(jax.random.key(0), (64, 16))
+        want = jax.jit(fn)(params, x)
+        mesh = jax.make_mesh((8,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+        on = contextlib.nullcontext() if context.startswith("types") else jax.set_mesh(mesh)
+        with on:
+            xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P(AXIS)))
+            ps = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
+            step = fn if context.endswith("not jitted") else jax.jit(fn)
+            got = step(ps, xs)
+            if door == "coupled" and context == "types only":
+                inside = harness.Hlo(jax.jit(fn).lower(ps, xs).compile())
+                loops = {
+                    n
+                    for inst in inside.instructions()
+                    if inst.opcode == "while"
+                    for n in re.findall(r"body=%?([\w.\-]+)", inst.attributes)
+                }
+                in_loops = inside.collective_counts(inside.reachable(loops))
+                assert in_loops["all-reduce"] == in_loops["reduce-scatter"] == 0, in_loops
+    for (path, w), g in zip(
+        jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got), strict=True
+    ):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14, err_msg=jax.tree_util.keystr(path))

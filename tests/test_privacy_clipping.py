@@ -385,3 +385,79 @@ def test_inside_shard_map_each_device_clips_its_own_examples(method):
     want_loss, want = reference(params, batch, ~padding)
     np.testing.assert_allclose(loss_sum, want_loss, rtol=1e-5)
     assert_tree_close(grad_sum, want, rtol=1e-5, atol=1e-6)
+
+
+def _masked_loss(params, key, batch):
+    """`dropout_loss` returning its mask as aux (one row per example)."""
+    x, y = batch
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    keep = jax.random.bernoulli(key, 0.5, h.shape)
+    return jnp.mean((jnp.where(keep, 2.0 * h, 0.0) @ params["w2"] - y) ** 2), keep
+
+
+@pytest.mark.parametrize("route", ["shard_map", "shard_map, check_vma=False", "pmap"])
+@pytest.mark.parametrize("raw", [False, True], ids=["typed key", "raw key"])
+@METHOD
+def test_keys_under_a_users_map_are_the_whole_batchs(route, raw, method):
+    # Issue 44 item 8: each device split its replicated key over its own examples, so
+    # example i of every device drew the same dropout mask; each device now takes its
+    # slice of the whole batch's keys, as one device does.
+    n, devices = 32, 8
+    params, batch = init(), data(n=n)
+    key = jax.random.PRNGKey(7) if raw else jax.random.key(7)
+    fn = privacy.clipped_grad(
+        _masked_loss, C, batch_argnums=2, prng_argnum=1, has_aux=True, method=method
+    )
+    with x64():
+        params64, batch64 = jax.tree.map(lambda a: a.astype(jnp.float64), (params, batch))
+        (want_loss, want_masks), want = jax.jit(fn)(params64, key, batch64)
+
+        def body(params, key, batch):
+            (loss_sum, masks), grad_sum = fn(params, key, batch)
+            return jax.lax.psum((loss_sum, grad_sum), "data"), masks
+
+        if route == "pmap":
+            local = jax.tree.map(lambda a: a.reshape(devices, n // devices, *a.shape[1:]), batch64)
+            mapped = jax.pmap(body, axis_name="data", in_axes=(None, None, 0))
+            (loss_sum, grad_sum), masks = mapped(params64, key, local)
+            loss_sum, grad_sum = loss_sum[0], jax.tree.map(lambda g: g[0], grad_sum)
+            masks = masks.reshape(n, -1)
+        else:
+            mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+            sharded = jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P(), P(), P("data")),
+                out_specs=(P(), P("data")),
+                check_vma=route == "shard_map",
+            )
+            (loss_sum, grad_sum), masks = jax.jit(sharded)(params64, key, batch64)
+    masks = np.asarray(masks).reshape(devices, n // devices, -1)
+    # Example 0 of each device: eight masks of D_HID bits, not all one.
+    assert len({m.tobytes() for m in masks[:, 0]}) > 1
+    np.testing.assert_array_equal(masks.reshape(n, -1), np.asarray(want_masks).reshape(n, -1))
+    np.testing.assert_allclose(loss_sum, want_loss, rtol=1e-12)
+    assert_tree_close(grad_sum, jax.tree.map(np.asarray, want), rtol=1e-12, atol=1e-14)
+
+
+def test_a_key_already_folded_per_device_is_split_as_it_is():
+    # The caller's own fold (the key varying over the batch's axis) is not folded again:
+    # each device's examples take jax.random.split(its key, n), as on one device.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params, batch = init(), data(n=16)
+    key = jax.random.key(3)
+    fn = privacy.clipped_grad(_masked_loss, C, batch_argnums=2, prng_argnum=1, has_aux=True)
+
+    def body(params, key, batch):
+        own = jax.random.fold_in(key, jax.lax.axis_index("data"))
+        return fn(params, own, batch)[0][1]
+
+    specs = (P(), P(), P("data"))
+    masks = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("data")))(
+        params, key, batch
+    )
+    for device in (0, 5):
+        own = jax.random.fold_in(key, device)
+        local = jax.tree.map(lambda a, d=device: a[2 * d : 2 * d + 2], batch)
+        want = jax.jit(fn)(params, own, local)[0][1]
+        np.testing.assert_array_equal(masks[2 * device : 2 * device + 2], want)

@@ -7,6 +7,7 @@ leaf took which way. The promises both paths keep (padding, non-finite examples,
 keys, aux, chunks, dtypes, shard_map) are tested on both in test_privacy_clipping.py.
 """
 
+import contextlib
 import re
 
 import flax.linen as nn
@@ -353,11 +354,14 @@ def mlp32_params():
     }
 
 
-@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize(
+    ("axis_type", "set_mesh"), [("Auto", True), ("Explicit", True), ("Explicit", False)]
+)
 @pytest.mark.parametrize("chunks", [{}, {"microbatch_size": 2}])
-def test_global_view_jit_equals_one_device(axis_type, chunks):
+def test_global_view_jit_equals_one_device(axis_type, set_mesh, chunks):
     # Issue 40 item 1: on jax.make_mesh's default (Explicit) mesh both paths failed inside
     # the library; the batch split in the type now runs on each device, sums added once.
+    # Issue 44 item 7: with no mesh set in context the arrays' types name the mesh.
     loss, params = mlp32, mlp32_params()
     x = jax.random.normal(jax.random.key(2), (16, 5))
     key = jax.random.key(3)
@@ -379,7 +383,7 @@ def test_global_view_jit_equals_one_device(axis_type, chunks):
             **chunks,
         )
         want = jax.jit(fn)(params, key, x, is_padding_example=padding)
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
             xs = jax.device_put(x, NamedSharding(mesh, P("data")))
             got = jax.jit(fn)(params, key, xs, is_padding_example=padding)
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5)

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import privacy
 
@@ -119,3 +120,28 @@ def test_plan_names_the_module_params():
         "['out']['bias']": "layer",
         "['out']['kernel']": "ghost",
     }
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_device_of_a_map_folds_its_examples_indices_in_the_whole_batch(check_vma):
+    # Inside shard_map with check_vma=False (and under pmap) the types do not say which
+    # axes split the batch, and each device folded its examples' indices from 0: example
+    # i of every device drew one mask. Now every mapped axis is taken as splitting it.
+    model = Net(nnx.Rngs(0, dropout=1))
+    batch = data()
+    _, want_norms = folded_reference(model, batch)
+    graphdef, state = nnx.split(model)
+    fn = privacy.clipped_grad(loss, C, return_grad_norms=True)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def body(state, batch):
+        return fn(nnx.merge(graphdef, state), batch)[2]
+
+    sharded = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"), check_vma=check_vma
+    )
+    norms = jax.jit(sharded)(state, batch)
+    np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+    mapped = jax.pmap(body, axis_name="data", in_axes=(None, 0))
+    local = jax.tree.map(lambda a: a.reshape(8, N // 8, *a.shape[1:]), batch)
+    np.testing.assert_allclose(mapped(state, local).reshape(N), want_norms, rtol=1e-5)

@@ -13,6 +13,7 @@ version-specific API, so one module knows which release spells what:
   function.
 - Unreduced arrays in `jax.shard_map` (`UNREDUCED_IN_SHARD_MAP`).
 - `jax.lax.all_gather(..., to="invarying")` (`GATHERS_INVARIANT`).
+- `Lowered.compile(device_assignment=)` (`COMPILES_ON_DEVICES`).
 - flax's `nnx.as_pure` is `nnx.pure` in older flax releases (`plain_values`).
 """
 
@@ -65,6 +66,13 @@ def pcast_to_varying(x: Any, axes: Any) -> Any:
 # over the axis (it is the same on every device); releases without `to=` type it
 # varying.
 GATHERS_INVARIANT = "to" in inspect.signature(jax.lax.all_gather).parameters
+
+
+# `jax.stages.Lowered.compile(device_assignment=)` compiles a program whose shardings
+# name an abstract mesh only (traced arrays typed on an Explicit mesh, no context mesh).
+COMPILES_ON_DEVICES = (
+    "device_assignment" in inspect.signature(jax.stages.Lowered.compile).parameters
+)
 
 
 def all_gather_invariant(x: Any, axes: Any) -> Any:

@@ -641,6 +641,10 @@ class CoupledValueAndGrad:
         return pure_spec, pure.args, pure.finish
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with global_view.batch_mesh((args, kwargs)):
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         spec, args, finish = self._pure(args)
         _refuse_fp8_on_old_meshes(spec, args[0])
         axes = None if spec.axis_name else devices.batch_axes(args, spec.options, self._counts)
@@ -663,9 +667,10 @@ class CoupledValueAndGrad:
                 f"plan() reports the K that num_microbatches='auto' chooses; this function "
                 f"was built with num_microbatches={self._counts!r}."
             )
-        spec, args, _ = self._pure(args)
-        axes = None if spec.axis_name else devices.batch_axes(args, spec.options, "auto")
-        return self._plan(spec, axes, args, kwargs)
+        with global_view.batch_mesh((args, kwargs)):
+            spec, args, _ = self._pure(args)
+            axes = None if spec.axis_name else devices.batch_axes(args, spec.options, "auto")
+            return self._plan(spec, axes, args, kwargs)
 
     def _plan(
         self, spec: _Spec, axes: Any, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -36,6 +36,7 @@ from gradaccum_jax._batching.splitting import (
     _split_output,
     _with_carry,
 )
+from gradaccum_jax._sharding import global_view
 
 # --- the micro-batched function -------------------------------------------------
 
@@ -380,6 +381,10 @@ def microbatch_value_and_grad(
     plain = _built(fun, k, memory_budget, options)
 
     def value_and_grad(*args: Any, **kwargs: Any) -> Any:
+        with global_view.batch_mesh((args, kwargs)):
+            return on_plain_trees(args, kwargs)
+
+    def on_plain_trees(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         modules = nnx_modules.module_positions(args, options)
         if not modules:
             return plain(*args, **kwargs)

@@ -113,6 +113,17 @@ def _abstract(x: Any) -> Any:
     return None
 
 
+def _compiled(lowered: Any, shapes: Sequence[Any]) -> Any:
+    """`lowered.compile()`; where the arguments' shardings name a mesh but no devices (a
+    trace over arrays typed on an Explicit mesh, no `jax.set_mesh`), on as many devices as
+    that mesh has: the peak bytes of one device do not depend on which."""
+    meshes = [getattr(s.sharding, "mesh", None) for s in shapes if s.sharding is not None]
+    abstract = [m for m in meshes if isinstance(m, jax.sharding.AbstractMesh)]
+    if not abstract or len(abstract) < len(meshes) or not compat.COMPILES_ON_DEVICES:
+        return lowered.compile()
+    return lowered.compile(device_assignment=tuple(jax.devices()[: abstract[0].size]))
+
+
 def each_device(
     build: Callable[[int], Callable[..., Any]],
     axis_name: tuple[Any, ...],
@@ -264,7 +275,7 @@ def plan(
             return function(*call_args, **call_kwargs)
 
         shapes = [a for a in abstract if a is not None]
-        return peak_bytes(jax.jit(flat).lower(*shapes).compile())
+        return peak_bytes(_compiled(jax.jit(flat).lower(*shapes), shapes))
 
     def peak_of(k: int) -> int:
         key = _hashable((cache_key, treedef, signature, k))

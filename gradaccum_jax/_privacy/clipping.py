@@ -56,6 +56,10 @@ class ClippedGradFn:
     def __call__(
         self, *args: Any, is_padding_example: jax.typing.ArrayLike | None = None, **kwargs
     ):
+        with global_view.batch_mesh((args, kwargs)):
+            return self._call(args, kwargs, is_padding_example)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], is_padding_example: Any):
         found = modules.module_positions(args, self._options.diff)
         if not found:
             return _clipped_sums(self._options, args, kwargs, is_padding_example)
@@ -98,7 +102,8 @@ class ClippedGradFn:
             else:
                 plans.append(fast.ClippingPlan(_program(options, args, kwargs).program.leaves))
 
-        jax.eval_shape(trace, args)
+        with global_view.batch_mesh((args, kwargs)):
+            jax.eval_shape(trace, args)
         return plans[0]
 
     def __repr__(self) -> str:
@@ -329,7 +334,7 @@ def _clipped_sums(
     padding = _padding_mask(is_padding_example, n)
     keys = None
     if options.prng_argnum is not None:
-        keys = jax.random.split(args[options.prng_argnum], n)
+        keys = _example_keys(args[options.prng_argnum], n, [args[i] for i in options.batched])
     axes = _explicit_batch_axes(args, options.batched)
     if axes is None:
         loss_sum, grad_sum, aux, norms = _local_sums(options, args, kwargs, padding, keys)
@@ -343,6 +348,23 @@ def _clipped_sums(
     if options.has_aux:
         out = ((loss_sum, aux), grad_sum)
     return (*out, norms) if options.return_grad_norms else out
+
+
+def _example_keys(key: jax.Array, n: int, batch: Any) -> jax.Array:
+    """The keys of this device's `n` examples: `jax.random.split(key, N)[i]` for example `i`
+    of the whole batch of `N`.
+
+    Inside `jax.shard_map` or `jax.pmap` a device's examples are a slice of a larger
+    batch, found as the NNX path finds its examples' indices (`modules.split_axes`):
+    the slice of the whole batch's keys at the device's position, so that a device's
+    example `i` does not draw device 0's example `i`'s mask. A key that already varies
+    along those axes (folded per device by the caller) is split as it is.
+    """
+    axes = tuple(a for a in modules.split_axes(batch) if a not in compat.varying_axes(key))
+    offset, devices = modules.device_position(axes)
+    if devices == 1:
+        return jax.random.split(key, n)
+    return jax.lax.dynamic_slice_in_dim(jax.random.split(key, n * devices), offset * n, n)
 
 
 def _local_sums(

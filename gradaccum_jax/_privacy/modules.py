@@ -122,19 +122,46 @@ def split(
 def _example_indices(args: tuple[Any, ...], n: int, batch_leaf: Any) -> jax.Array:
     """Each example's index, a batch argument like the others.
 
-    Inside `jax.shard_map`, unique across the devices that the arguments vary over
-    (the module's keys are the same on every device). Under global-view `jax.jit`,
-    split over the mesh axes the batch is split over in its type.
+    Inside `jax.shard_map` or `jax.pmap`, unique across the devices the arguments are
+    split over (`split_axes`; the module's keys are the same on every device). Under
+    global-view `jax.jit`, split over the mesh axes the batch is split over in its type.
     """
-    axes = sorted(frozenset().union(*map(compat.varying_axes, jax.tree.leaves(args))), key=str)
-    offset = jnp.uint32(0)
-    for name in axes:
-        offset = offset * jax.lax.psum(1, name) + jax.lax.axis_index(name).astype(jnp.uint32)
+    offset, _ = device_position(split_axes(args))
     index = offset * n + jnp.arange(n, dtype=jnp.uint32)
     entry = (global_view.spec_entries(batch_leaf) or (None,))[0]
-    if entry is not None and not axes:
+    if entry is not None and not jax.sharding.get_abstract_mesh().manual_axes:
         index = compat.reshard(index, jax.sharding.PartitionSpec(entry))
     return index
+
+
+def split_axes(tree: Any) -> tuple[Any, ...]:
+    """Inside `jax.shard_map` or `jax.pmap`: the mesh axes `tree` is split over, in mesh order.
+
+    Those its arrays vary along, where the types say (`jax.shard_map`'s default
+    `check_vma=True`). Where they do not (`jax.pmap`, `check_vma=False`), every mapped
+    axis: a batch passed to each device is taken as split over all of them. Empty
+    outside both.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = tuple(mesh.manual_axes) if not mesh.empty else ()
+    if not manual:
+        return ()
+    # axis_index is typed varying exactly where the types track what varies.
+    if not any(compat.varying_axes(jax.lax.axis_index(name)) for name in manual):
+        return manual
+    varying = frozenset().union(*map(compat.varying_axes, jax.tree.leaves(tree)))
+    return tuple(name for name in mesh.axis_names if name in varying)
+
+
+def device_position(axes: tuple[Any, ...]) -> tuple[jax.Array, int]:
+    """This device's position among the devices of the mapped `axes`, row-major
+    (`uint32`), and their number."""
+    offset, count = jnp.uint32(0), 1
+    for name in axes:
+        size = int(jax.lax.psum(1, name))
+        offset = offset * size + jax.lax.axis_index(name).astype(jnp.uint32)
+        count *= size
+    return offset, count
 
 
 def _check_unchanged(position: int, before: Any, after: Any) -> None:

@@ -5,11 +5,16 @@ its type (`jax.typeof(x).sharding.spec`). A step that is exact only per device
 (its reduction placed once, or per-example work that must not mix devices) runs as
 its per-device form under `jax.shard_map` over the context mesh instead
 (`on_each_device`), its batch split over the mesh axes the batch is split over.
+
+Arrays put on a mesh of Explicit axes carry it in their types, so a step over
+them needs no `jax.set_mesh`: a door that splits a batch enters `batch_mesh`, and
+everything inside it reads the arguments' mesh as the context's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -23,6 +28,40 @@ def spec_entries(leaf: Any) -> tuple[Any, ...]:
     """The per-dimension entries of the sharding in `leaf`'s type (empty where none)."""
     spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
     return compat.partitions(spec) if spec is not None else ()
+
+
+@contextlib.contextmanager
+def batch_mesh(tree: Any) -> Iterator[None]:
+    """The context mesh, or where none is set, the mesh in the types of `tree`'s arrays.
+
+    Under global-view `jax.jit` without `jax.set_mesh`, arrays on a mesh with Explicit
+    axes still carry that mesh in their types (`jax.typeof(x).sharding.mesh`); a
+    batch split over it would otherwise meet per-example slicing and reshapes that
+    the type system refuses. Inside the block that mesh is the context mesh, as
+    `jax.set_mesh` would make it: the abstract mesh under a trace, the arrays' own
+    mesh for a call outside `jax.jit`. A no-op where a mesh is set (inside
+    `jax.shard_map` too) or no array carries a mesh with Explicit axes (Auto axes
+    are left to XLA's partitioner, as without a context mesh).
+    """
+    if not jax.sharding.get_abstract_mesh().empty:
+        yield
+        return
+    arrays = (leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array))
+    for leaf in arrays:
+        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        if mesh is None or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+            continue
+        concrete = None if isinstance(leaf, jax.core.Tracer) else leaf.sharding
+        if isinstance(concrete, jax.sharding.NamedSharding) and isinstance(
+            concrete.mesh, jax.sharding.Mesh
+        ):
+            with jax.set_mesh(concrete.mesh):
+                yield
+        else:
+            with jax.sharding.use_abstract_mesh(mesh):
+                yield
+        return
+    yield
 
 
 def on_each_device(
