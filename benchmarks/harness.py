@@ -9,7 +9,8 @@ One place answers the questions both ask of a compiled step:
 * `Hlo`: the compiled program's text parsed into computations and
   instructions, to count parameter-sized copies (`Hlo.copies`) and collectives
   (`Hlo.ops`), split into what runs on every step (`Hlo.every_step`) and what
-  runs only inside a conditional's branches, once per window;
+  runs only inside a conditional's branches, once per window; `Hlo.runs`: how many ops of a
+  kind one call runs, with the loops' trip counts (`Hlo.in_loops`: what runs inside loops);
 * `benchmark_parser`: the command line every benchmark takes (`--quick`, `--reps`).
 
 Tests import it as `benchmarks.harness` (the repository root is on `sys.path`
@@ -110,6 +111,9 @@ _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
 _ARRAY_TYPE = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition)=\{?([^,}\s]+(?:, *%[\w.\-]+)*)\}?")
+_CALLS = re.compile(r"\bcalls=\{?([^,}\s]+(?:, *%[\w.\-]+)*)\}?")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_LOOP_PART = re.compile(r"\b(body|condition)=%?([\w.\-]+)")
 _BRANCHES = re.compile(
     r"\b(?:branch_computations=\{([^}]*)\}|true_computation=(%?[\w.\-]+)"
     r"|false_computation=(%?[\w.\-]+))"
@@ -327,6 +331,71 @@ class Hlo:
             count += runs
             nbytes += runs * inst.nbytes
         return count, nbytes
+
+    def trip_count(self, inst: Instruction) -> int:
+        """The `known_trip_count` XLA proved for a `while` instruction.
+
+        Raises `ValueError` when the loop has none (a `while_loop` whose bound
+        is data): a count of what such a loop runs would be a guess.
+        """
+        found = _TRIP_COUNT.search(inst.attributes)
+        if found is None:
+            raise ValueError(f"while loop {inst.name!r} has no known_trip_count: {inst.line[:200]}")
+        return int(found.group(1))
+
+    def runs(self, opcode: str) -> int:
+        """Ops of `opcode` (or its `-start` form) run by one call of the program.
+
+        Each op counts once per run of its computation: an op in a `while` body
+        counts its loop's `known_trip_count` times, nested loops multiply, and a
+        loop's condition runs once more than its body. A `conditional` runs one
+        branch, so it counts the branch with the most such ops, at most once per
+        run of the conditional: an upper bound where branches differ, exact where
+        the op sits outside every branch. A `call` or fusion counts its callee
+        once; a reduction's `to_apply` is not a run of anything.
+        """
+        memo: dict[str, int] = {}
+
+        def count(name: str) -> int:
+            if name in memo:
+                return memo[name]
+            memo[name] = 0  # HLO has no recursion; this only guards malformed text
+            total = 0
+            for inst in self.computations.get(name, []):
+                if inst.opcode in (opcode, f"{opcode}-start"):
+                    total += 1
+                if inst.opcode == "while":
+                    trips = self.trip_count(inst)
+                    parts = {m.group(1): m.group(2) for m in _LOOP_PART.finditer(inst.attributes)}
+                    total += trips * count(parts["body"]) + (trips + 1) * count(parts["condition"])
+                elif inst.opcode == "conditional":
+                    total += max((count(b) for b in self.branches(inst)), default=0)
+                else:
+                    total += sum(count(c) for c in self._runs_once(inst))
+            memo[name] = total
+            return total
+
+        return count(self.entry)
+
+    @staticmethod
+    def _runs_once(inst: Instruction) -> list[str]:
+        """What an instruction runs once per run of its own: a `call`'s callee, a fusion's
+        or an async op's `calls=`; not the `to_apply` of a reduction, sort or scatter,
+        which is applied per element."""
+        if inst.opcode == "call":
+            return Hlo._callees(inst)
+        found = _CALLS.search(inst.attributes)
+        return _names(found.group(1)) if found else []
+
+    def in_loops(self) -> set[str]:
+        """Computations run inside some `while` loop: its bodies, conditions and their callees."""
+        roots = [
+            m.group(2)
+            for inst in self.instructions()
+            if inst.opcode == "while"
+            for m in _LOOP_PART.finditer(inst.attributes)
+        ]
+        return self.reachable(roots)
 
     def bytes_moved(self, branch: int | None = None) -> int:
         """Bytes a run of the program reads and writes, estimated from its top-level ops.

@@ -40,6 +40,7 @@ BENCHMARKS = [
     "contrastive_precision",
     "compile_time",
     "global_statistics",
+    "pipeline",
 ]
 MARKER = "@@ROWS@@"
 CHILD = (

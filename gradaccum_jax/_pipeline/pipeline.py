@@ -636,6 +636,13 @@ def _concat_flags(options: _Options, params: Any, batch: Any) -> Any:
     return jax.tree.map(lambda a: bool(a.ndim) and a.shape[0] == size, aux)
 
 
+def _whole(x: Any) -> Any:
+    """`x` replicated where its type splits it over Explicit mesh axes, else as it is."""
+    if not any(global_view.spec_entries(x)):
+        return x
+    return compat.reshard(x, jax.NamedSharding(jax.typeof(x).sharding.mesh, _P()))
+
+
 def _sequential(options: _Options, params: Any, batch: Any, key: Any = None) -> Any:
     """The unstaged model's loss on one batch: what the pipeline's result equals.
 
@@ -645,7 +652,9 @@ def _sequential(options: _Options, params: Any, batch: Any, key: Any = None) -> 
     reference. Keys as in the pipeline, with `key` standing for `k_m`.
     """
     _check_params(params, options.stages_key)
-    stages = params[options.stages_key]
+    # Stage params split over the stage axis (as the pipeline takes them, Explicit mesh):
+    # whole here, for the unstaged model indexes them by stage.
+    stages = jax.tree.map(_whole, params[options.stages_key])
     lead = jax.tree.leaves(stages)[0].shape
     s = lead[0]
     v = options.num_chunks
