@@ -1,8 +1,8 @@
 """The package's layout: no import circles, modules and functions a reader can take in.
 
 The subpackages stack bottom to top (`_base` <- `_sharding` <- `_window` <-
-{`_batching`, `_clipping`, `_privacy`, `flax`}, and `_pipeline` on `_sharding`); a module imports only from its own
-floor or below. Sizes: no module over 800 lines, no function over 100 code
+{`_batching`, `_clipping`, `_privacy`, `flax`}, and `_pipeline` on `_sharding`); a
+module imports only from its own floor or below. Sizes: no module over 800 lines, no function over 100 code
 lines (docstrings, comments and blank lines excluded; nested functions count
 in their parent).
 """
