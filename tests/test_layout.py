@@ -2,8 +2,8 @@
 
 The subpackages stack bottom to top (`_base` <- `_sharding` <- `_window` <-
 {`_batching`, `_clipping`, `_privacy`, `flax`}, and `_pipeline` on `_sharding`); a
-module imports only from its own floor or below. Sizes: no module over 800 lines, no function over 100 code
-lines (docstrings, comments and blank lines excluded; nested functions count
+module imports only from its own floor or below. Sizes: no module over 800 lines, no
+function over 100 code lines (docstrings, comments and blank lines excluded; nested functions count
 in their parent).
 """
 
