@@ -477,3 +477,50 @@ def test_chunks_still_bound_the_fast_paths_memory():
     chunked = jax.jit(privacy.clipped_grad(mlp32, C, microbatch_size=16)).lower(params, x).compile()
     temp = lambda c: c.memory_analysis().temp_size_in_bytes  # noqa: E731
     assert temp(chunked) * 4 < temp(whole)
+
+
+def _lora_forms():
+    """Pure-JAX LoRA, four ways; each `(loss(ab, *rest, x), rest)`: only `ab` is trained."""
+    k = jax.random.split(jax.random.key(11), 4)
+    base = jax.random.normal(k[0], (5, 4), F64)
+    ab = {"a": jax.random.normal(k[1], (5, 2), F64), "b": jax.random.normal(k[2], (2, 4), F64)}
+
+    def head(h):
+        return jnp.mean(jnp.tanh(h) ** 2)
+
+    return ab, {
+        "closed-over base": (lambda ab, x: head(x @ base + x @ ab["a"] @ ab["b"]), ()),
+        "base as an argument": (lambda ab, w, x: head(x @ w + x @ ab["a"] @ ab["b"]), (base,)),
+        "stop_gradient": (
+            lambda ab, x: head(x @ jax.lax.stop_gradient(base) + x @ ab["a"] @ ab["b"]),
+            (),
+        ),
+        "merged W + sAB": (lambda ab, x: head(x @ (base + 0.5 * ab["a"] @ ab["b"])), ()),
+    }
+
+
+@pytest.mark.parametrize(
+    "form", ["closed-over base", "base as an argument", "stop_gradient", "merged W + sAB"]
+)
+def test_pure_jax_lora_forms_clip_only_the_adapters(form):
+    # Issue 44 item 4's guard: the frozen base is not differentiated in any of these, so
+    # each example's norm is its adapters' alone, the same on both paths.
+    with x64():
+        ab, forms = _lora_forms()
+        loss, rest = forms[form]
+        x = jax.random.normal(jax.random.key(12), (N, 3, 5), F64)
+        batch_at = 1 + len(rest)
+        got, want = (
+            jax.jit(
+                privacy.clipped_grad(
+                    loss, C, method=m, batch_argnums=batch_at, return_grad_norms=True
+                )
+            )(ab, *rest, x)
+            for m in ("fast", "per_example")
+        )
+        one = jax.vmap(lambda xi: jax.grad(loss)(ab, *rest, xi[None]))(x)
+        norms = jnp.sqrt(sum(jnp.sum(g.reshape(N, -1) ** 2, 1) for g in jax.tree.leaves(one)))
+    assert set(got[1]) == {"a", "b"}
+    assert _max_error(got[1], want[1]) <= 1e-12
+    np.testing.assert_allclose(got[2], norms, rtol=1e-12)
+    np.testing.assert_allclose(want[2], norms, rtol=1e-12)

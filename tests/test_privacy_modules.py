@@ -4,9 +4,11 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import gradaccum_jax as ga
 from gradaccum_jax import privacy
 
 N, C = 16, 0.5
@@ -145,3 +147,108 @@ def test_a_device_of_a_map_folds_its_examples_indices_in_the_whole_batch(check_v
     mapped = jax.pmap(body, axis_name="data", in_axes=(None, 0))
     local = jax.tree.map(lambda a: a.reshape(8, N // 8, *a.shape[1:]), batch)
     np.testing.assert_allclose(mapped(state, local).reshape(N), want_norms, rtol=1e-5)
+
+
+class LoraNet(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.LoRALinear(3, 6, lora_rank=2, rngs=rngs)
+        self.b = nnx.LoRALinear(6, 2, lora_rank=2, rngs=rngs)
+        for layer in (self.a, self.b):  # nnx starts lora_b at zero: no gradient of lora_a
+            shape = layer.lora.lora_b.shape
+            layer.lora.lora_b[...] = 0.3 * jax.random.normal(jax.random.key(3), shape)
+
+    def __call__(self, x):
+        return self.b(jnp.tanh(self.a(x)))
+
+
+def _lora_reference(model, batch):
+    """Each example's gradient of the LoRA params alone (nnx.grad's DiffState), clipped."""
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+    def one(lora, x, y):
+        return loss(nnx.merge(graphdef, lora, rest, copy=True), (x[None], y[None]))
+
+    grads = jax.vmap(jax.grad(one), in_axes=(None, 0, 0))(lora, *batch)
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(N, -1) ** 2, 1) for g in jax.tree.leaves(grads)))
+    factor = jnp.minimum(1.0, C / norms)
+    return jax.tree.map(lambda g: jnp.tensordot(factor, g, 1), grads), norms
+
+
+@pytest.mark.parametrize("method", ["fast", "per_example"])
+@pytest.mark.parametrize("wrt", ["filter", "DiffState"])
+def test_wrt_lora_params_clips_only_the_adapters(method, wrt):
+    # Issue 44 item 4: every nnx.Param was differentiated, so each example's norm counted
+    # the frozen base weights' gradients too.
+    model, batch = LoraNet(nnx.Rngs(0)), data()
+    want, want_norms = _lora_reference(model, batch)
+    chosen = nnx.LoRAParam if wrt == "filter" else nnx.DiffState(0, nnx.LoRAParam)
+    fn = privacy.clipped_grad(loss, C, wrt=chosen, method=method, return_grad_norms=True)
+    _, got, norms = jax.jit(lambda m, b: fn(m, b))(model, batch)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+    _, _, all_norms = privacy.clipped_grad(loss, C, return_grad_norms=True)(model, batch)
+    assert np.all(np.asarray(all_norms) > np.asarray(norms) * 1.01)
+
+
+def _lora_step(clip_wrt, optimizer):
+    model, batch = LoraNet(nnx.Rngs(0)), data()
+    fn = privacy.clipped_grad(loss, C, wrt=clip_wrt)
+    opt = optimizer(model)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        opt.update(model, fn(model, batch)[1])
+
+    step(model, opt, batch)
+
+
+def _dp(wrt):
+    tx = privacy.dp_accumulate(
+        optax.sgd(0.1),
+        1,
+        l2_clip_norm=C,
+        expected_batch_size=N,
+        noise_multiplier=0.0,
+        key=jax.random.key(0),
+    )
+    return lambda model: nnx.Optimizer(model, tx, wrt=wrt)
+
+
+@pytest.mark.parametrize(
+    ("clip_wrt", "optimizer", "match"),
+    [
+        (None, _dp(nnx.LoRAParam), r"dp_accumulate updates 4 of the 8 leaves.*wrt=nnx\.LoRAParam"),
+        (
+            None,
+            lambda m: ga.flax.Optimizer(m, optax.sgd(0.1), wrt=nnx.LoRAParam),
+            r"Optimizer\(wrt=.*LoRAParam.*\) updates 4 of the 8 leaves.*clipped_grad\(loss, C,",
+        ),
+        (
+            nnx.LoRAParam,
+            lambda m: ga.flax.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param),
+            r"clipped gradients \(clipped_grad\) do not hold.*clipped_grad\(loss, C, wrt=",
+        ),
+    ],
+)
+def test_an_optimizer_updating_other_leaves_than_were_clipped_is_refused(
+    clip_wrt, optimizer, match
+):
+    with pytest.raises(ValueError, match=match):
+        _lora_step(clip_wrt, optimizer)
+
+
+def test_matching_filters_train():
+    _lora_step(nnx.LoRAParam, _dp(nnx.LoRAParam))
+    _lora_step(nnx.LoRAParam, lambda m: ga.flax.Optimizer(m, optax.sgd(0.1), wrt=nnx.LoRAParam))
+
+
+def test_wrt_errors_name_the_fix():
+    model, batch = LoraNet(nnx.Rngs(0)), data()
+    with pytest.raises(TypeError, match=r"wrt=.*holds none.*frozen ones as another argument"):
+        privacy.clipped_grad(lambda p, b: jnp.sum(p * b[0]), C, wrt=nnx.LoRAParam)(1.0, batch)
+    with pytest.raises(ValueError, match=r"DiffState names argument 1.*positions \(0,\)"):
+        privacy.clipped_grad(loss, C, wrt=nnx.DiffState(1, nnx.LoRAParam))(model, batch)
+    with pytest.raises(ValueError, match=r"selects no variable.*nnx\.LoRAParam"):
+        privacy.clipped_grad(loss, C, wrt=nnx.BatchStat)(model, batch)

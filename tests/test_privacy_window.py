@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 import gradaccum_jax as ga
 from benchmarks import harness
 from gradaccum_jax import privacy
+from gradaccum_jax._base.clip_marks import mark as mark_clip_norm
 from gradaccum_jax._base.compat import pcast_to_varying
-from gradaccum_jax._privacy.window import mark_clip_norm
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = jax.random.key(42)

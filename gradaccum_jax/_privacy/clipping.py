@@ -23,9 +23,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._base import compat, trees, validation
+from gradaccum_jax._base import clip_marks, compat, trees, validation
 from gradaccum_jax._privacy import fast, modules
-from gradaccum_jax._privacy.window import mark_clip_norm
 from gradaccum_jax._sharding import global_view
 
 
@@ -61,6 +60,7 @@ class ClippedGradFn:
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], is_padding_example: Any):
         found = modules.module_positions(args, self._options.diff)
+        _check_wrt(self._options, args, found)
         if not found:
             return _clipped_sums(self._options, args, kwargs, is_padding_example)
         options, split = _split_modules(self._options, args, found)
@@ -91,6 +91,7 @@ class ClippedGradFn:
         def trace(args: tuple[Any, ...]) -> None:
             options = self._options
             positions = modules.module_positions(args, options.diff)
+            _check_wrt(options, args, positions)
             if positions:
                 options, split = _split_modules(options, args, positions)
                 args = split.args
@@ -124,6 +125,7 @@ def clipped_grad(
     accumulator_dtype: Any = None,
     method: str = "fast",
     return_grad_norms: bool = False,
+    wrt: Any = None,
 ) -> ClippedGradFn:
     r"""The sum of per-example gradients, each clipped to L2 norm `l2_clip_norm`.
 
@@ -206,6 +208,13 @@ def clipped_grad(
         method: `"fast"` (the default) or `"per_example"`, see above.
         return_grad_norms: Also return each example's gradient norm before clipping
             (jax_privacy's name), for adaptive clipping or diagnostics.
+        wrt: For `flax.nnx` modules at `argnums`: which of their state is differentiated
+            and clipped, as `nnx.grad`'s filters. `None` is `nnx.Param`; an nnx filter
+            (`nnx.LoRAParam`: only the adapters of LoRA layers) applies to every
+            module; an `nnx.DiffState(argnum, filter)` (or a tuple of them) to the module
+            at `argnum`. Give it the optimizer's `wrt`: each example's norm counts only
+            what is selected, and an optimizer (`gradaccum_jax.flax.Optimizer`, or any
+            inside `dp_accumulate`) that updates fewer leaves than were clipped refuses them.
 
     Returns:
         A `ClippedGradFn`: called like `loss_fn` plus the keyword
@@ -301,11 +310,23 @@ def clipped_grad(
             chunking=chunking,
             method=method,
             return_grad_norms=return_grad_norms,
+            wrt=wrt,
         )
     )
 
 
 _METHODS = ("fast", "per_example")
+
+
+def _check_wrt(options: _Options, args: tuple[Any, ...], found: tuple[int, ...]) -> None:
+    if options.wrt is not None and not found:
+        kinds = [type(args[i]).__name__ for i in options.diff if i < len(args)]
+        raise TypeError(
+            f"clipped_grad got wrt={options.wrt!r}, which selects the state of flax.nnx "
+            f"modules, but argnums={options.argnums!r} holds none (got {kinds}). For a "
+            "pytree of params, pass the trained leaves as the differentiated argument and "
+            "the frozen ones as another argument (or close over them)."
+        )
 
 
 def _split_modules(
@@ -315,7 +336,7 @@ def _split_modules(
     (`modules.py`): their params differentiated, the examples' indices a batch argument."""
     batch_leaf = jax.tree.leaves([args[i] for i in options.batched])[0]
     n = _batch_size(args, options.batched)
-    split = modules.split(options.loss_fn, args, found, n, batch_leaf)
+    split = modules.split(options.loss_fn, args, found, n, batch_leaf, options.wrt)
     value_and_grad = jax.value_and_grad(
         split.loss_fn, argnums=options.argnums, has_aux=options.has_aux
     )
@@ -343,7 +364,7 @@ def _clipped_sums(
             options, args, kwargs, padding, keys, axes
         )
     # dp_accumulate, given these leaves in the same trace, checks its noise uses this C.
-    mark_clip_norm(grad_sum, options.clip)
+    clip_marks.mark(grad_sum, options.clip)
     out: tuple[Any, ...] = (loss_sum, grad_sum)
     if options.has_aux:
         out = ((loss_sum, aux), grad_sum)
@@ -520,6 +541,7 @@ class _Options(NamedTuple):
     chunking: tuple[str, int] | None
     method: str
     return_grad_norms: bool
+    wrt: Any
 
 
 def _per_example_chunk(options: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]):

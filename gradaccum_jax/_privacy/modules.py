@@ -1,11 +1,12 @@
 """`flax.nnx` modules passed straight to `clipped_grad`.
 
-A module at a differentiated position is split into its `nnx.Param` state, which
-is differentiated (the clipped sum comes back as an `nnx.State` of the params, as
-`nnx.grad` gives it), its random streams' state (`nnx.Rngs`, the streams of
-`nnx.Dropout`), and the rest. Each example gets the module as it is, with the keys
-of its streams folded with the example's index: each example draws its own dropout
-mask, from the module's keys and its own index alone, never from another example.
+A module at a differentiated position is split into its `nnx.Param` state (or
+what `wrt=` selects, `nnx.LoRAParam` for LoRA), which is differentiated (the
+clipped sum comes back as an `nnx.State` of the params, as `nnx.grad` gives it),
+its random streams' state (`nnx.Rngs`, the streams of `nnx.Dropout`), and the rest.
+Each example gets the module as it is, with the keys of its streams folded with the
+example's index: each example draws its own dropout mask, from the module's keys and
+its own index alone, never from another example.
 After the call the streams' counts move on as after one call of the module, so the
 next call draws new masks.
 
@@ -54,6 +55,35 @@ def module_positions(args: tuple[Any, ...], diff: tuple[int, ...]) -> tuple[int,
     return tuple(i for i in diff if i < len(args) and isinstance(args[i], nnx.Module))
 
 
+def filters(wrt: Any, modules: tuple[int, ...]) -> dict[int, Any]:
+    """The filter of the state differentiated at each module position, from `wrt`.
+
+    `None` is `nnx.Param` (as `nnx.grad`); an `nnx.DiffState(argnum, filter)`, or a
+    tuple of them, filters the module at `argnum` (the others take `nnx.Param`); any
+    other value is an nnx filter for every module.
+    """
+    nnx = sys.modules["flax.nnx"]
+    if wrt is None:
+        return dict.fromkeys(modules, nnx.Param)
+    if isinstance(wrt, nnx.DiffState):
+        states: tuple[Any, ...] = (wrt,)
+    elif isinstance(wrt, tuple | list) and wrt and all(isinstance(w, nnx.DiffState) for w in wrt):
+        states = tuple(wrt)
+    else:
+        return dict.fromkeys(modules, wrt)
+    chosen = dict.fromkeys(modules, nnx.Param)
+    for state in states:
+        if state.argnum not in modules:
+            raise ValueError(
+                f"clipped_grad got wrt={wrt!r}, whose nnx.DiffState names argument "
+                f"{state.argnum}; the flax.nnx modules among argnums are at positions "
+                f"{modules}. Name one of those, or pass the filter alone (wrt=nnx.LoRAParam) "
+                "for every module."
+            )
+        chosen[state.argnum] = state.filter
+    return chosen
+
+
 def _is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -64,11 +94,21 @@ def split(
     modules: tuple[int, ...],
     n: int,
     batch_leaf: Any,
+    wrt: Any = None,
 ) -> Split:
     """Splits the modules at `modules` (see the module docstring) for a batch of `n`;
-    `batch_leaf`, a leaf of the batch, says how the examples' indices are sharded."""
+    `batch_leaf`, a leaf of the batch, says how the examples' indices are sharded, and
+    `wrt` (see `filters`) what of each module is differentiated."""
     nnx = sys.modules["flax.nnx"]
-    parts = {i: nnx.split(args[i], nnx.Param, nnx.RngState, ...) for i in modules}
+    chosen = filters(wrt, modules)
+    parts = {i: nnx.split(args[i], chosen[i], nnx.RngState, ...) for i in modules}
+    for i, (_, params, _, _) in parts.items():
+        if not jax.tree.leaves(params):
+            raise ValueError(
+                f"clipped_grad got wrt={chosen[i]!r}, which selects no variable of the "
+                f"flax.nnx module at argnums position {i}: nothing to differentiate. Pass "
+                "the filter of the variables the optimizer trains (nnx.Param, nnx.LoRAParam)."
+            )
     state_at = len(args)
 
     def fold(key: Any, index: jax.Array) -> Any:
@@ -94,7 +134,7 @@ def split(
             call_args[i] = model
         out = loss_fn(*call_args, **kwargs)
         for i, model in models.items():
-            after = nnx.state(model, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
+            after = nnx.state(model, nnx.Not(nnx.Any(chosen[i], nnx.RngState)))
             _check_unchanged(i, states[i][1], after)
         return out
 

@@ -8,14 +8,13 @@ by default), the division by the public expected batch size, then the user's
 optimizer. The random bits are drawn there and nowhere else.
 
 What the library can see of the clip norm: `clipped_grad` marks the sums it
-returns with its `l2_clip_norm` (`mark_clip_norm`, by identity, as
-`_window/placement.py` marks a window's output), and `dp_accumulate`'s update
-refuses sums marked with another norm than the one its noise is calibrated to.
+returns with its `l2_clip_norm` (`_base/clip_marks.py`), and `dp_accumulate`'s update
+refuses sums marked with another norm than the one its noise is calibrated to, and
+some but not all of the leaves clipped together.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax._base import compat, trees, validation
+from gradaccum_jax._base import clip_marks, compat, trees, validation
 from gradaccum_jax._window import placement, stages
 from gradaccum_jax._window.state import AccumulateState, CallerClosedAccumulateState
 
@@ -116,42 +115,11 @@ placement.register_window(DPAccumulateState, _WINDOW)
 
 # --- the clip norm the sums were clipped to --------------------------------------------
 
+
 # id of a leaf -> (weak reference confirming it is the leaf marked, the clip norm)
-_clip_marks: dict[int, tuple[weakref.ref, float]] = {}
-
-
-def mark_clip_norm(tree: Any, l2_clip_norm: float) -> None:
-    """Records that the leaves of `tree` are sums of examples clipped to `l2_clip_norm`.
-
-    Weakly, by identity (arrays or tracers): `dp_accumulate` reads the mark when the
-    same leaves reach its update in the same trace. `clipped_grad` calls it on the
-    sum it returns.
-    """
-    for leaf in jax.tree.leaves(tree):
-        key = id(leaf)
-
-        def forget(ref: weakref.ref, key: int = key) -> None:
-            if _clip_marks.get(key, (None,))[0] is ref:
-                del _clip_marks[key]
-
-        try:
-            _clip_marks[key] = (weakref.ref(leaf, forget), float(l2_clip_norm))
-        except TypeError:  # not weakly referenceable: not marked
-            continue
-
-
-def marked_clip_norms(tree: Any) -> set[float]:
-    """The clip norms `mark_clip_norm` recorded for the leaves of `tree` (empty: none)."""
-    found = set()
-    for leaf in jax.tree.leaves(tree):
-        mark = _clip_marks.get(id(leaf))
-        if mark is not None and mark[0]() is leaf:
-            found.add(mark[1])
-    return found
-
-
 def _check_clip_norm(updates: Any, l2_clip_norm: float) -> None:
-    other = sorted(norm for norm in marked_clip_norms(updates) if norm != l2_clip_norm)
+    norms = {group.l2_clip_norm for group, _ in clip_marks.marks(updates)}
+    other = sorted(norm for norm in norms if norm != l2_clip_norm)
     if other:
         raise ValueError(
             f"dp_accumulate calibrates its noise to l2_clip_norm={l2_clip_norm!r}, but the "
@@ -159,6 +127,13 @@ def _check_clip_norm(updates: Any, l2_clip_norm: float) -> None:
             "The noise's scale is noise_multiplier * l2_clip_norm of the clipping: give both "
             "the same l2_clip_norm."
         )
+    clip_marks.check_whole(
+        updates,
+        "dp_accumulate",
+        "An optimizer with wrt= narrower than the clipping, such as nnx.Optimizer(model, "
+        "tx, wrt=nnx.LoRAParam), passes on only its own leaves: clip the same ones, "
+        "clipped_grad(loss, C, wrt=nnx.LoRAParam).",
+    )
 
 
 # --- what runs once per window ----------------------------------------------------------

@@ -18,7 +18,7 @@ from flax import nnx, serialization, struct
 from flax.nnx.training.optimizer import to_opt_state
 from flax.training import train_state
 
-from gradaccum_jax._base import compat
+from gradaccum_jax._base import clip_marks, compat
 from gradaccum_jax._window import accumulate as _accumulation
 from gradaccum_jax._window.fused import apply_gradients
 from gradaccum_jax.flax._fp8 import (
@@ -292,7 +292,9 @@ class Optimizer(nnx.Optimizer):
         pure, graph = compat.plain_values, self._graph()
         params = pure(nnx.state(model, self.wrt, **graph))
         opt_state = pure(self.opt_state)
-        args = (self.tx, pure(nnx.state(grads, self.wrt, **graph)), opt_state, params)
+        chosen = pure(nnx.state(grads, self.wrt, **graph))
+        _check_clipped(self.wrt, grads, chosen, params)
+        args = (self.tx, chosen, opt_state, params)
         if not hasattr(self, "fp8_window_max"):
             new_params, new_opt_state = apply_gradients(*args, **pure(kwargs))
         else:
@@ -316,6 +318,24 @@ class Optimizer(nnx.Optimizer):
         `gradaccum_jax.optimizer_step(self.opt_state)`: an `int32` scalar.
         """
         return _accumulation.optimizer_step(self.opt_state)
+
+
+def _check_clipped(wrt: Any, grads: Any, chosen: Any, params: Any) -> None:
+    """Raises where `clipped_grad`'s sums and `wrt` select different variables."""
+    if not clip_marks.marks(grads):
+        return
+    fix = (
+        f"Clip what the optimizer updates: clipped_grad(loss, C, wrt={wrt!r}), the "
+        "optimizer's own filter."
+    )
+    clip_marks.check_whole(chosen, f"Optimizer(wrt={wrt!r})", fix)
+    missing = sorted(set(_paths(params)) - set(_paths(chosen)))
+    if missing:
+        raise ValueError(
+            f"Optimizer(wrt={wrt!r}) updates {_shown(missing)}, which the clipped "
+            "gradients (clipped_grad) do not hold: they would be stepped without a "
+            f"gradient. {fix}"
+        )
 
 
 def _check_fp8_grads(held: Any, new: Any) -> None:
