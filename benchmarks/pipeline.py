@@ -239,9 +239,8 @@ def summary(rows: list[dict], sizes: tuple[int, ...]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = harness.benchmark_parser(
-        __doc__, quick="N = S only", reps="timed rounds with --time (default 5)"
-    )
+    reps = "timed rounds with --time (default 5)"
+    parser = harness.benchmark_parser(__doc__, quick="N = S only", reps=reps)
     parser.add_argument("--time", action="store_true", help="time the schedules at N = 2S")
     args = parser.parse_args(argv)
     sizes = (S,) if args.quick else (S - 1, S, 2 * S, 8 * S)

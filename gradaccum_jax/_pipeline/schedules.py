@@ -236,7 +236,7 @@ def pipeline_schedule(
       >>> import gradaccum_jax as ga
       >>> table = ga.pipeline_schedule("1f1b", num_stages=4, num_microbatches=32)
       >>> table.num_slots, round(table.bubble, 3), table.stash
-      (70, 0.086, (4, 3, 2, 1))
+      (70, 0.086, (0, 4, 3, 2))
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"{schedule=}: expected one of {', '.join(map(repr, SCHEDULES))}.")
