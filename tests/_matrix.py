@@ -147,6 +147,15 @@ CAPABILITIES = {
         "normalised with its own global batch's statistics, or with each device's "
         "slice's where the windows are kept per device (what the layer documents).",
     ),
+    "pipeline": (
+        "`pipeline_value_and_grad`",
+        "`ga.pipeline_value_and_grad(stage_fn, loss_fn, embed_fn=..., num_microbatches=4)` "
+        "(1F1B) on a mesh of its own, (stage = 4, data = 2), with a model of its own (an "
+        "embedding, one residual layer per stage stacked as `nn.scan` / `nnx.vmap` stack "
+        "them, a head; `ga.stack_stages` lays them out), then SGD on the stacked params "
+        '(`axis_name="data"` under `shard_map`; tests/_matrix_pipeline.py). Reference: '
+        "`jax.grad` of the unstaged linen model on the step's whole batch.",
+    ),
 }
 
 # The sizes of every cell (tests/_matrix_run.py builds them from these).
@@ -227,6 +236,14 @@ _PRIVACY_UNREDUCED = Refused(
 )
 _MODULES = ("nnx_module", "nnx_optimizer")  # the styles that differentiate a module
 
+_PIPELINE_MODULE = Refused(
+    TypeError,
+    r"pipeline_value_and_grad got a flax\.nnx module.*nnx\.split\(model, nnx\.Param",
+    "the pipeline takes its params as a mapping with the stacked stage params under "
+    '`"stages"`; a module holds its layers unstacked and its RNG streams beside them. The '
+    "error says to split the model and stack the layers' state (the split-state column).",
+)
+
 # The declarations, most specific first: (capability, route, style), each entry a name, a
 # tuple of names or ANY. A triple not listed is Exact.
 DECLARATIONS: list[tuple[tuple[Any, Any, Any], Outcome]] = [
@@ -268,6 +285,34 @@ DECLARATIONS: list[tuple[tuple[Any, Any, Any], Outcome]] = [
     ),
     (("statistics", ANY, _MODULES), _STATISTICS_MODULE),
     (("privacy", "jit_unreduced", ANY), _PRIVACY_UNREDUCED),
+    (
+        ("pipeline", "pmap", ANY),
+        NotApplicable(
+            "`jax.pmap` maps one axis of devices and has no mesh: a pipeline over a stage "
+            "axis beside a data axis runs under `jax.shard_map` (the column before) or "
+            "global-view `jit`."
+        ),
+    ),
+    (
+        ("pipeline", "jit_unreduced", ANY),
+        NotApplicable(
+            "`pipeline_value_and_grad` leaves nothing unreduced: it reduces the gradients over "
+            "the data axes itself, once per step, after the schedule's loop (counted in "
+            "tests/test_pipeline.py); for one reduction per window across calls, "
+            "`accumulate(..., axis_name=)` under `shard_map` (docs/pipeline.md)."
+        ),
+    ),
+    (("pipeline", ANY, _MODULES), _PIPELINE_MODULE),
+    (
+        ("pipeline", "one_device", ANY),
+        Refused(
+            ValueError,
+            r"stage_axis='stage' is not bound and no mesh is known.*jax\.shard_map",
+            "a pipeline needs devices along a stage axis: with neither a mesh in context nor "
+            "one in the arguments' shardings, the error names `jax.shard_map`, "
+            "`jax.set_mesh` and `jax.device_put` onto a mesh with a stage axis.",
+        ),
+    ),
 ]
 
 

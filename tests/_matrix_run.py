@@ -626,3 +626,10 @@ def flax_fp8_fails_on_an_explicit_mesh() -> bool:
         except Exception as err:  # JAX's ShardingTypeError has no public name
             return type(err).__name__ == "ShardingTypeError" and "out_sharding" in str(err)
     return False
+
+
+# --- pipeline stages: their own mesh and model (tests/_matrix_pipeline.py) ------------------
+
+import _matrix_pipeline  # noqa: E402  (it imports nothing from this module)
+
+CAPABILITY_PROGRAMS["pipeline"] = _matrix_pipeline.Pipeline()

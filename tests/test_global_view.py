@@ -1253,7 +1253,7 @@ def _typed_mesh_doors():
         # where the mesh is (the context, or here only e's type).
         mesh = jax.typeof(e).sharding.mesh
         if jax.sharding.AxisType.Explicit in mesh.axis_types:
-            e_all = jax.reshard(e, jax.sharding.NamedSharding(mesh, P()))
+            e_all = _compat.reshard(e, jax.sharding.NamedSharding(mesh, P()))
         else:
             e_all = e
         return jnp.mean(jax.nn.logsumexp(e @ e_all.T, axis=1))

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from gradaccum_jax._base import collectives, compat
 from gradaccum_jax._pipeline import executor, sharded
@@ -259,6 +260,15 @@ def _bound(axis: Any) -> bool:
 
 
 def _check_params(params: Any, stages_key: str) -> None:
+    if isinstance(params, nnx.Module):
+        raise TypeError(
+            f"pipeline_value_and_grad got a flax.nnx module ({type(params).__name__}) as "
+            "params: it takes a mapping of arrays with the stage params stacked. Split the "
+            "model: graphdef, state, rest = nnx.split(model, nnx.Param, ...), then pass "
+            f"{{{stages_key!r}: ga.stack_stages(state['layers'], S), 'embed': state['embed'], "
+            "...} and merge each layer's state inside stage_fn (docs/pipeline.md, the "
+            "stacked layout)."
+        )
     if not isinstance(params, Mapping) or stages_key not in params:
         kind = type(params).__name__
         raise TypeError(
