@@ -116,15 +116,112 @@ def test_convolution_patches_and_norms(config):
 
 
 def test_dense_norms_switch_between_ghost_and_layer_with_the_sequence_length():
-    # T (d_in + d_out) <= d_in d_out: Gram matrices; beyond it the layer's gradient.
+    # The layer's gradient where T (d_in + d_out) > d_in d_out (fewer flops) and
+    # d_in d_out <= 2 T^2 (no more floats than the Gram matrices); else Gram matrices.
+    # At T = 5 the layer would cost fewer flops (80 > 64) but hold 64 floats against 50.
     rng = np.random.default_rng(2)
-    for t, want_method in [(1, "ghost"), (4, "ghost"), (5, "layer"), (12, "layer")]:
+    cases = [(1, "ghost"), (4, "ghost"), (5, "ghost"), (6, "layer"), (12, "layer")]
+    for t, want_method in cases:
         with x64():
             w = jnp.asarray(rng.normal(size=(8, 8)))
             x = jnp.asarray(rng.normal(size=(6, t, 8)))
             got, want, plan = both_paths(lambda w, x: jnp.sum(jnp.tanh(x @ w)), w, x)
         assert plan.methods == {"<the argument itself>": want_method}, t
         assert_same(got, want)
+
+
+def test_a_head_far_wider_than_the_sequence_keeps_the_ghost_norm():
+    # T = d_in = 16, d_out = 4096: the layer's gradient would cost 0.996x the flops but
+    # hold 16 x 4096 floats per example against two 16 x 16 Gram matrices.
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.normal(size=(16, 4096)) * 0.1, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(8, 16, 16)), jnp.float32)
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w))
+
+    fast = privacy.clipped_grad(loss, 0.01, return_grad_norms=True)
+    (leaf,) = fast.plan(w, x)
+    assert (leaf.method, leaf.why) == (
+        "ghost",
+        "ghost: T=16, d_in=16, d_out=4096: layer would hold 128x the bytes",
+    )
+
+    def clipped(x):  # the reference: each example's gradient, clipped, summed
+        g = jax.grad(loss)(w, x[None])
+        return g * jnp.minimum(1.0, 0.01 / jnp.linalg.norm(g)), jnp.linalg.norm(g)
+
+    want, want_norms = jax.jit(jax.vmap(clipped))(x)
+    _, got, norms = jax.jit(fast)(w, x)
+    np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+    np.testing.assert_allclose(got, jnp.sum(want, 0), rtol=1e-5, atol=1e-9)
+
+
+def test_ghost_where_the_layer_would_hold_more_compiles_to_less_temporary_memory(monkeypatch):
+    # T = 40, d_in = d_out = 64: the layer's gradient would cost 0.8x the flops, and hold
+    # 64 x 64 floats per example against 2 x 40 x 40 (the flops-only rule took it).
+    rng = np.random.default_rng(6)
+    w = jnp.asarray(rng.normal(size=(64, 64)) * 0.1, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(8, 40, 64)), jnp.float32)
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w))
+
+    def temp_bytes():
+        fn = privacy.clipped_grad(loss, 0.01)
+        compiled = jax.jit(fn).lower(w, x).compile()
+        return fn.plan(w, x).leaves[0].method, compiled.memory_analysis().temp_size_in_bytes
+
+    ghost_method, ghost_temp = temp_bytes()
+    monkeypatch.setattr(norm_rules.DotGeneralRule, "choice", lambda *_: ("layer", ""))
+    layer_method, layer_temp = temp_bytes()
+    assert (ghost_method, layer_method) == ("ghost", "layer")
+    # 327,688 against 409,664 bytes on a CPU (jax 0.10).
+    assert ghost_temp < 0.9 * layer_temp, (ghost_temp, layer_temp)
+
+
+def test_an_embedding_lookup_forms_the_table_gradient_only_where_it_is_smaller():
+    # T = 8: T^2 = 64 > V, so the table's gradient costs fewer flops; it is formed for a
+    # 10 x 2 table (20 floats <= 64) and not for a 30 x 4 one (120 floats > 64).
+    rng = np.random.default_rng(7)
+    for (vocab, d), want in [
+        ((30, 4), ("ghost", "layer would hold 1.88x the bytes")),
+        ((10, 2), ("layer", "0.16x ghost's flops, 0.31x its bytes")),
+    ]:
+        with x64():
+            table = jnp.asarray(rng.normal(size=(vocab, d)))
+            tokens = jnp.asarray(rng.integers(0, vocab, size=(6, 8)))
+
+            def loss(table, tokens):
+                return jnp.sum(jnp.sin(jnp.take(table, tokens, axis=0)))
+
+            got, want_sums, plan = both_paths(loss, table, tokens)
+        (leaf,) = plan
+        assert (leaf.method, leaf.why) == (want[0], f"{want[0]}: T=8, V={vocab}, D={d}: {want[1]}")
+        assert_same(got, want_sums)
+
+
+def test_the_plan_says_why_a_dense_layer_took_its_method():
+    w = jnp.ones((8, 8))
+    whys = {}
+    for t in (3, 5, 12):
+        plan = privacy.clipped_grad(lambda w, x: jnp.sum(x @ w), 1.0).plan(w, jnp.ones((2, t, 8)))
+        (leaf,) = plan
+        whys[t] = leaf.why
+        assert f"({leaf.why})" in str(plan)
+    assert whys == {
+        3: "ghost: T=3, d_in=8, d_out=8: layer would take 1.33x the flops",
+        5: "ghost: T=5, d_in=8, d_out=8: layer would hold 1.28x the bytes",
+        12: "layer: T=12, d_in=8, d_out=8: 0.33x ghost's flops, 0.22x its bytes",
+    }
+    # docs/privacy.md's LM head: about the same flops either way, 128 times the bytes.
+    assert norm_rules.dense_choice(128, 128, 32768) == (
+        "ghost",
+        "ghost: T=128, d_in=128, d_out=32768: layer would hold 128x the bytes",
+    )
+    # A leaf with no choice to make (an elementwise product) says nothing.
+    (leaf,) = privacy.clipped_grad(lambda w, x: jnp.sum(x * w), 1.0).plan(w, jnp.ones((2, 8)))
+    assert (leaf.method, leaf.why) == ("layer", "")
 
 
 def test_a_rule_added_to_the_table_is_used():

@@ -7,8 +7,9 @@ the batch (`graph.py`), and for each leaf the way its per-example norms are foun
 * `"ghost"`: from the layer's inputs `A` and output gradients `G`, never forming an
   example's gradient (a dense layer, an embedding lookup);
 * `"layer"`: the leaf's one layer forms its per-example gradient (convolutions,
-  normalisation scales and biases, dense layers on long sequences where that is
-  cheaper);
+  normalisation scales and biases, dense layers on sequences long enough that this
+  costs fewer flops and holds no more per example than the ghost norm; the leaf's
+  `why` gives the numbers);
 * `"materialized"`: the leaf's per-example gradient is formed from all its uses
   (a tied embedding, a block applied twice, a weight made from several leaves);
 * `"per_example"`: the leaf meets something the analysis does not follow; its
@@ -44,7 +45,9 @@ class LeafPlan:
         path: The leaf's path in the differentiated arguments (as `jax.tree_util.keystr`).
         method: One of `"ghost"`, `"layer"`, `"materialized"`, `"per_example"`, `"unused"`.
         uses: The primitives where the leaf meets the batch, one per use.
-        why: For `"per_example"`, what the fast path could not follow.
+        why: For `"per_example"`, what the fast path could not follow; for `"ghost"`
+            and `"layer"` where the rule chose between the two, the sizes and the
+            ratios of flops or bytes that decided (`""` otherwise).
     """
 
     path: str
@@ -148,10 +151,14 @@ class Program:
         if leaf in self.fast:
             site_index, k = self.fast[leaf]
             site = self.analysis.sites[site_index]
-            return LeafPlan(path, self._method(site, site.derived[k]), names)
+            method, why = self._method(site, site.derived[k])
+            return LeafPlan(path, method, names, why)
         return LeafPlan(path, "materialized", names)
 
-    def _method(self, site: graph.Site, position: int) -> str:
+    def _method(self, site: graph.Site, position: int) -> tuple[str, str]:
+        """`(method, why)` of a fast leaf's site. The method is what the rule's
+        `norm_sq` says, found without computing; the reason is its `choice`'s where the
+        two agree (a rule that overrides `norm_sq` alone may take another way)."""
         rule = norm_rules.rule_for(site, position)
         n = 2
         inputs = _placeholders(site, n)
@@ -167,7 +174,8 @@ class Program:
             return sq
 
         jax.eval_shape(probe, inputs, grads)
-        return method[0]
+        chosen, why = rule.choice(site, position)
+        return method[0], why if chosen == method[0] else ""
 
     def clean(self) -> frozenset[int]:
         """The sites whose clipped sum contracts their batched inputs as they are: the

@@ -6,8 +6,9 @@ questions for one parameter input of the site:
 
 * `norm_sq`: each example's squared gradient norm with respect to `W`, and how it
   was found: `"ghost"` (from `A` and `G` alone, never forming the example's
-  gradient) or `"layer"` (forming this one layer's per-example gradient, when that
-  is cheaper or no ghost form is known);
+  gradient) or `"layer"` (forming this one layer's per-example gradient, where that
+  costs fewer flops and holds no more per example, or no ghost form is known);
+  `choice` says which, and why, from the site's shapes alone;
 * `weighted_sum`: `sum_i w_i dW_i`, the clipped sum at that input, where `w_i` is
   example `i`'s clip factor (zero for examples dropped): "book-keeping" (Bu et al.
   2023) computes it from `A` and `w * G` in one contraction, as the non-private
@@ -77,6 +78,12 @@ class Rule:
     def applies(self, site: graph.Site, position: int) -> bool:
         del site, position
         return True
+
+    def choice(self, site: graph.Site, position: int) -> tuple[str, str]:
+        """`(method, why)`: the method `norm_sq` takes at `position`, and the costs that
+        decided it (`""` where there was nothing to decide)."""
+        del site, position
+        return "layer", ""
 
     def norm_sq(
         self, site: graph.Site, position: int, inputs: list[Any], grads: list[Any]
@@ -189,6 +196,33 @@ def _column(weights: jax.Array, like: jax.Array) -> jax.Array:
     return weights.astype(wide(like.dtype)).reshape(-1, *([1] * (like.ndim - 1)))
 
 
+def cheaper(shapes: str, ghost: tuple[int, int], layer: tuple[int, int]) -> tuple[str, str]:
+    """`(method, why)` between a ghost norm and the layer's gradient, each given as
+    `(flops, floats held per example)`.
+
+    The layer's gradient is taken only where it costs fewer flops and holds no more
+    per example: a head far wider than the sequence is long costs about as many flops
+    either way, but its per-example gradient can hold a hundred times the Gram
+    matrices. `shapes` names the sizes in `why`.
+    """
+    (ghost_flops, ghost_floats), (layer_flops, layer_floats) = ghost, layer
+    # (An empty layer costs nothing either way: `max` keeps the ratios finite.)
+    flops, floats = layer_flops / max(ghost_flops, 1), layer_floats / max(ghost_floats, 1)
+    if layer_flops < ghost_flops and layer_floats <= ghost_floats:
+        return "layer", f"layer: {shapes}: {flops:.2g}x ghost's flops, {floats:.2g}x its bytes"
+    if layer_flops < ghost_flops:
+        return "ghost", f"ghost: {shapes}: layer would hold {floats:.3g}x the bytes"
+    return "ghost", f"ghost: {shapes}: layer would take {flops:.3g}x the flops"
+
+
+def dense_choice(t: int, d_in: int, d_out: int) -> tuple[str, str]:
+    """`(method, why)` for a dense layer's norms, per example `T` rows `d_in` wide in
+    and `d_out` wide out: two `T x T` Gram matrices for `T^2 (d_in + d_out)` flops, or
+    the `d_in x d_out` gradient for `T d_in d_out` (see `cheaper`)."""
+    ghost = (t * t * (d_in + d_out), 2 * t * t)
+    return cheaper(f"T={t}, d_in={d_in}, d_out={d_out}", ghost, (t * d_in * d_out, d_in * d_out))
+
+
 class DotGeneralRule(BookKeepingRule):
     """`dot_general` with a parameter operand (dense, einsum, attention projections).
 
@@ -198,19 +232,25 @@ class DotGeneralRule(BookKeepingRule):
 
         ||A^T G||_F^2 = sum_{t,s} (A A^T)_{ts} (G G^T)_{ts},
 
-    which costs `T^2 (d_in + d_out)` against `T d_in d_out` for forming `A^T G`.
-    The cheaper one is taken (Bu et al. 2022's mixed ghost norm); with `T = 1` it
-    is `||a||^2 ||g||^2`.
+    which costs `T^2 (d_in + d_out)` flops and holds two `T x T` matrices, against
+    `T d_in d_out` flops and `d_in d_out` floats for forming `A^T G`. `A^T G` is
+    formed only where it costs fewer flops and holds no more (Bu et al. 2022's mixed
+    ghost norm, with memory counted too: an LM head of `128 x 32768` on 128 tokens
+    costs about the same either way, but `A^T G` would hold 128 times the Gram
+    matrices); with `T = 1` the ghost norm is `||a||^2 ||g||^2`.
     """
 
     def applies(self, site, position):
         return site.kinds[1 - position] == graph.BATCHED
 
+    def choice(self, site, position):
+        _, t, d_in, d_out = self._sizes(site, position)
+        return dense_choice(t, d_in, d_out)
+
     def norm_sq(self, site, position, inputs, grads):
         a, g = self._canonical(site, position, inputs[1 - position], grads[0])
-        _, _, t, d_in = a.shape
-        d_out = g.shape[-1]
-        if t * (d_in + d_out) <= d_in * d_out:
+        t = a.shape[2]
+        if self.choice(site, position)[0] == "ghost":
             if t == 1:
                 sq = jnp.sum(jnp.square(a), (2, 3)) * jnp.sum(jnp.square(g), (2, 3))
             else:
@@ -243,20 +283,35 @@ class DotGeneralRule(BookKeepingRule):
         return jnp.transpose(total, [int(d) for d in np.argsort(order)])
 
     @staticmethod
+    def _other_dims(site: graph.Site, position: int) -> tuple[list[int], list[int], list[int]]:
+        """The other operand's batch, free and contracted dimensions."""
+        (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
+        contract, batch = (rc, rb) if position == 0 else (lc, lb)
+        ndim = len(site.eqn.invars[1 - position].aval.shape)
+        free = [d for d in range(ndim) if d not in (*contract, *batch)]
+        return [int(d) for d in batch], free, [int(d) for d in contract]
+
+    @classmethod
+    def _sizes(cls, site: graph.Site, position: int) -> tuple[int, int, int, int]:
+        """`(batch, T, d_in, d_out)` of one example."""
+        shape = site.eqn.invars[1 - position].aval.shape
+        size = lambda dims: int(np.prod([shape[d] for d in dims], dtype=int))  # noqa: E731
+        batch, free, contract = cls._other_dims(site, position)
+        nb, t = size(batch), size(free)
+        return nb, t, size(contract), int(np.prod(site.eqn.outvars[0].aval.shape)) // max(nb * t, 1)
+
+    @classmethod
     def _canonical(
-        site: graph.Site, position: int, other: jax.Array, g: jax.Array
+        cls, site: graph.Site, position: int, other: jax.Array, g: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
         """`A` as `(n, batch, T, d_in)` and `G` as `(n, batch, T, d_out)`, in float32.
 
         The output's dimensions are the contraction's batch dimensions, then the left
         operand's free ones, then the right's.
         """
-        (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
-        contract, batch = (rc, rb) if position == 0 else (lc, lb)
-        shape = site.eqn.invars[1 - position].aval.shape
-        free = [d for d in range(len(shape)) if d not in (*contract, *batch)]
-        size = lambda dims: int(np.prod([shape[d] for d in dims], dtype=int))  # noqa: E731
-        n, nb, t, d_in = other.shape[0], size(batch), size(free), size(contract)
+        batch, free, contract = cls._other_dims(site, position)
+        nb, t, d_in, _ = cls._sizes(site, position)
+        n = other.shape[0]
         a = jnp.transpose(other, [0, *[1 + d for d in (*batch, *free, *contract)]])
         a = a.reshape(n, nb, t, d_in)
         if position == 0:  # the parameter is the left operand: its free dims come first
@@ -274,9 +329,12 @@ class GatherRule(BookKeepingRule):
 
         ||dE||^2 = sum_{t,s} [k_t = k_s] g_t . g_s
 
-    (`T^2 D` per example, against `V D` for the table). Ids outside the table
-    contribute nothing where the lookup fills (the default `mode`), and are clamped
-    where it clamps, as the lookup does.
+    (`T^2 D` flops and a `T x T` matrix per example, against `V D` flops and floats
+    for the table's gradient). The table's gradient is formed only where it costs
+    fewer flops and holds no more (`T^2 > V` and `V D <= T^2`): a long sequence on a
+    wide table still takes the ghost norm. Ids outside the table contribute nothing
+    where the lookup fills (the default `mode`), and are clamped where it clamps, as
+    the lookup does.
     """
 
     def applies(self, site, position):
@@ -294,15 +352,19 @@ class GatherRule(BookKeepingRule):
             and tuple(dims.offset_dims) == (site.eqn.outvars[0].aval.ndim - 1,)
         )
 
+    def choice(self, site, position):
+        vocab, d = site.eqn.invars[0].aval.shape
+        t = int(np.prod(site.eqn.invars[1].aval.shape))
+        return cheaper(f"T={t}, V={vocab}, D={d}", (t * t * d, t * t), (vocab * d, vocab * d))
+
     def norm_sq(self, site, position, inputs, grads):
+        if self.choice(site, position)[0] == "layer":
+            return super().norm_sq(site, position, inputs, grads)
         vocab = site.eqn.invars[0].aval.shape[0]
         ids = inputs[1]
         n = ids.shape[0]
         ids = ids.reshape(n, -1)
         g = grads[0].reshape(n, ids.shape[1], -1)
-        t = ids.shape[1]
-        if t * t > vocab:
-            return super().norm_sq(site, position, inputs, grads)
         mode = str(site.eqn.params.get("mode", ""))
         if "CLIP" in mode or "PROMISE" in mode:
             valid = jnp.ones(ids.shape, bool)
@@ -329,6 +391,15 @@ class ConvRule(BookKeepingRule):
         p = site.eqn.params
         return position == 1 and site.kinds[0] == graph.BATCHED and p["batch_group_count"] == 1
 
+    def choice(self, site, position):
+        # Per feature group, `T` output positions, `d_in` the input values of a patch.
+        dn = site.eqn.params["dimension_numbers"]
+        kernel, out = site.eqn.invars[1].aval.shape, site.eqn.outvars[0].aval.shape
+        t = int(np.prod([out[d] for d in dn.out_spec[2:]], dtype=int))
+        d_in = int(np.prod([kernel[d] for d in dn.rhs_spec[1:]], dtype=int))
+        d_out = kernel[dn.rhs_spec[0]] // site.eqn.params["feature_group_count"]
+        return dense_choice(t, d_in, d_out)
+
     def norm_sq(self, site, position, inputs, grads):
         dn = site.eqn.params["dimension_numbers"]
         groups = site.eqn.params["feature_group_count"]
@@ -342,8 +413,7 @@ class ConvRule(BookKeepingRule):
         ]
         g = jnp.moveaxis(grads[0], 1 + dn.out_spec[1], -1)
         g = g.reshape(n, shifted[0].shape[1], groups, -1).astype(wide(g.dtype))
-        t, d_in, d_out = g.shape[1], shifted[0].shape[-1] * len(shifted), g.shape[-1]
-        if t * (d_in + d_out) <= d_in * d_out:
+        if self.choice(site, position)[0] == "ghost":
             gram = sum(jnp.einsum("ntgc,nsgc->ngts", x, x) for x in shifted)
             sq = jnp.sum(gram * jnp.einsum("ntgo,nsgo->ngts", g, g), (1, 2, 3))
             return "ghost", sq, None
