@@ -1239,6 +1239,10 @@ def _x64():
     return enable_x64()
 
 
+# Releases before 0.9 fail to compile the plan's candidates on a traced Explicit mesh.
+_OLD_PLANNER = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 9)
+
+
 def _typed_mesh_doors():
     """Every door that splits a batch, on float64 `(params, x)`: name -> function."""
 
@@ -1293,6 +1297,11 @@ def test_a_batch_on_an_explicit_mesh_needs_no_context_mesh(door, context):
             xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P(AXIS)))
             ps = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
             step = fn if context.endswith("not jitted") else jax.jit(fn)
+            if door == "microbatch_auto" and step is not fn and _OLD_PLANNER:
+                # JAX 0.8 cannot compile the plan's candidates on a traced Explicit mesh.
+                with pytest.raises(ValueError, match=r"auto' inside jax\.jit.*plan_microbatches"):
+                    step(ps, xs)
+                return
             got = step(ps, xs)
             if door == "coupled" and context == "types only":
                 inside = harness.Hlo(jax.jit(fn).lower(ps, xs).compile())

@@ -212,15 +212,40 @@ def plan_batch(
     ]
     if axis_name is not None:
         build, args, kwargs = each_device(build, axis_name, args, kwargs)
-    return plan(
-        build,
-        args,
-        kwargs,
-        candidates=candidates,
-        batch_size=batch_size,
-        memory_budget=memory_budget,
-        cache_key=cache_key,
-    )
+    mesh = _traced_explicit_mesh(args, kwargs)
+    try:
+        return plan(
+            build,
+            args,
+            kwargs,
+            candidates=candidates,
+            batch_size=batch_size,
+            memory_budget=memory_budget,
+            cache_key=cache_key,
+        )
+    except Exception as err:  # JAX's ShardingTypeError has no public name
+        if mesh is None or type(err).__name__ != "ShardingTypeError":
+            raise
+        raise ValueError(
+            "num_microbatches='auto' inside jax.jit, over arrays typed on a mesh with "
+            f"Explicit axes ({dict(mesh.shape)}): JAX {jax.__version__} could not compile "
+            "the plan's candidate programs on that traced mesh (JAX 0.8.1 cannot; 0.10.2 "
+            "can). Pass num_microbatches as an int, chosen outside jax.jit with "
+            "ga.plan_microbatches(...) on the concrete arrays, or use a newer JAX."
+        ) from err
+
+
+def _traced_explicit_mesh(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The mesh of the first traced array typed on a mesh with Explicit axes, or None."""
+    for leaf in jax.tree.leaves((args, kwargs)):
+        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        if (
+            isinstance(leaf, jax.core.Tracer)
+            and mesh is not None
+            and jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
+        ):
+            return mesh
+    return None
 
 
 def _hashable(key: Any) -> Any:
