@@ -31,9 +31,6 @@ from gradaccum_jax._batching.microbatch import (
     microbatch_value_and_grad,
     plan_microbatches,
 )
-from gradaccum_jax._batching.planning import (
-    MicrobatchPlan,
-)
 from gradaccum_jax._batching.replicas import (
     reduce_replicas,
 )
@@ -77,6 +74,9 @@ from gradaccum_jax._pipeline.schedules import (
 from gradaccum_jax._sharding.checkpoint import (
     checkpointable,
     restore_unreduced,
+)
+from gradaccum_jax._sharding.compiled_memory import (
+    MicrobatchPlan,
 )
 from gradaccum_jax._window.accumulate import (
     AccumulateState,

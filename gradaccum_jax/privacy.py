@@ -4,7 +4,8 @@ A public namespace, reached as `gradaccum_jax.privacy.<name>`; the code lives in
 `gradaccum_jax._privacy`:
 
 * `clipped_grad`: the sum over a micro-batch of per-example gradients, each clipped to `C`
-  (its `plan` says how each leaf's per-example norms are found: `ClippingPlan`, `LeafPlan`);
+  (its `plan` says how each leaf's per-example norms are found: `ClippingPlan`, `LeafPlan`;
+  its `plan_memory`, which chunk size fits a memory budget: `gradaccum_jax.MicrobatchPlan`);
 * `dp_accumulate`: the noisy window, noise once per logical batch, divided by a public `B`;
 * `epsilon`: the privacy spent after a number of logical batches (windows).
 

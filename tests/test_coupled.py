@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from benchmarks import harness
-from gradaccum_jax._batching import planning as _planning
+from gradaccum_jax._sharding import compiled_memory
 
 # Float32, exact up to summation order: the relative error of each leaf, as a norm.
 REL = 1e-5
@@ -312,7 +312,7 @@ def test_auto_plans_from_this_function():
     budget_of = {}
     for k in (1, 8):
         compiled = jax.jit(ga.coupled_value_and_grad(clip_loss, embed, k)).lower(PARAMS, BATCH)
-        budget_of[k] = _planning.peak_bytes(compiled.compile())
+        budget_of[k] = compiled_memory.peak_bytes(compiled.compile())
     assert budget_of[8] < budget_of[1]
     f = ga.coupled_value_and_grad(clip_loss, embed, "auto", memory_budget=budget_of[1] - 1)
     value, grads = jax.jit(f)(PARAMS, BATCH)
@@ -779,7 +779,7 @@ def test_global_view_route_folds_keys_and_plans_its_program():
         plan = f.plan(*_on_mesh(mesh))
         fixed = jax.jit(ga.coupled_value_and_grad(sharded_clip, embed, plan.num_microbatches))
         compiled = fixed.lower(*_on_mesh(mesh)).compile()
-        assert plan.peak_bytes == _planning.peak_bytes(compiled)
+        assert plan.peak_bytes == compiled_memory.peak_bytes(compiled)
         assert_close(jax.jit(f)(*_on_mesh(mesh)), reference(clip_loss)(PARAMS, BATCH))
 
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from benchmarks import harness
-from gradaccum_jax._batching import planning as _planning
+from gradaccum_jax._sharding import compiled_memory
 
 B, WIDTH, HIDDEN = 64, 16, 256
 
@@ -72,13 +72,13 @@ def test_chosen_k_fits_and_the_next_smaller_divisor_does_not():
 
 def test_batch_of_1024_takes_at_most_four_compilations_and_a_second_plan_none(monkeypatch):
     compiled = []
-    peak_bytes = _planning.peak_bytes
+    peak_bytes = compiled_memory.peak_bytes
 
     def counting_peak_bytes(program):
         compiled.append(program)
         return peak_bytes(program)
 
-    monkeypatch.setattr(_planning, "peak_bytes", counting_peak_bytes)
+    monkeypatch.setattr(compiled_memory, "peak_bytes", counting_peak_bytes)
     params = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32)}
     batch = jax.ShapeDtypeStruct((1024, 4), jnp.float32)
 
@@ -192,7 +192,7 @@ def test_fsdp_params_are_planned_with_their_sharding():
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=explicit)
     params0, batch0 = _arrays(batch_size=1024)
     specs = {"w1": P(None, "fsdp"), "w2": P("fsdp", None)}
-    peaks, peak_bytes = [], _planning.peak_bytes
+    peaks, peak_bytes = [], compiled_memory.peak_bytes
 
     def spy(compiled):
         peaks.append(compiled.memory_analysis().argument_size_in_bytes)
@@ -207,9 +207,9 @@ def test_fsdp_params_are_planned_with_their_sharding():
         replicated = jax.device_put(params0, P())
         assert full < ga.plan_microbatches(loss_fn, replicated, batch, memory_budget=2**62).table[1]
         # Planned inside jit (tracers), the params keep their sharding: the same plan.
-        _planning._PEAKS.clear()
+        compiled_memory._PEAKS.clear()
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(_planning, "peak_bytes", spy)
+            patch.setattr(compiled_memory, "peak_bytes", spy)
             auto = ga.microbatch_value_and_grad(fsdp_loss, "auto", memory_budget=full // 2)
             value, grads = jax.jit(auto)(params, batch)
         shard_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))

@@ -17,6 +17,7 @@ Two ways to clip a chunk (`method=`):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -24,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._base import clip_marks, compat, trees, validation
-from gradaccum_jax._privacy import fast, modules
-from gradaccum_jax._sharding import global_view
+from gradaccum_jax._privacy import chunks, fast, modules
+from gradaccum_jax._sharding import compiled_memory, global_view
 
 
 class ClippedGradFn:
@@ -36,6 +37,8 @@ class ClippedGradFn:
     grad_sum)` with `has_aux=True`, where `aux` keeps one entry per example
     (zeros for padding and dropped examples); with `return_grad_norms=True`, each
     example's gradient norm before clipping comes last (`(batch,)`, zero for padding).
+    `plan` says how each leaf's norms are found, `plan_memory` which chunk size fits a
+    memory budget (the one `microbatch_size="auto"` takes).
 
     Attributes:
         l2_clip_norm: The bound `C` on each example's gradient norm, a Python
@@ -95,7 +98,7 @@ class ClippedGradFn:
             if positions:
                 options, split = _split_modules(options, args, positions)
                 args = split.args
-            _batch_size(args, options.batched)
+            chunks.batch_size(args, options.batched)
             if options.method == "per_example":
                 leaves = jax.tree_util.tree_leaves_with_path([args[i] for i in options.diff])
                 per_leaf = [fast.LeafPlan(_path(options, p), "per_example") for p, _ in leaves]
@@ -107,6 +110,52 @@ class ClippedGradFn:
             jax.eval_shape(trace, args)
         return plans[0]
 
+    def plan_memory(
+        self,
+        *args: Any,
+        memory_budget: float | None = None,
+        is_padding_example: Any = None,
+        **kwargs: Any,
+    ) -> compiled_memory.MicrobatchPlan:
+        """The largest chunk size whose compiled program fits `memory_budget`, for these arguments.
+
+        What `microbatch_size="auto"` chooses when a call with these arguments is traced:
+        the program of the call is compiled for candidate chunk sizes (divisors of the
+        batch size each device clips) on the arguments' shapes, dtypes and shardings, and
+        nothing runs. Takes the arguments of a call, as arrays or `jax.ShapeDtypeStruct`s.
+        Called inside `jax.shard_map` or `jax.pmap`, it plans one device's program, as a
+        call there does.
+
+        Args:
+            *args: The positional arguments of a call.
+            memory_budget: Bytes the call may use; `None` takes the budget the function was
+                built with, and where it has none, 90 % of the free memory the device
+                reports (a `ValueError` on a device that reports none, such as a CPU).
+            is_padding_example: As in a call (its shape is part of the program).
+            **kwargs: The keyword arguments of a call.
+
+        Returns:
+            A `gradaccum_jax.MicrobatchPlan`: `microbatch_size` is the chunk size,
+            `num_microbatches` the chunks of each device's batch, `peak_bytes` the chosen
+            program's peak (`temp + argument + output - alias` bytes), and `table` the
+            peak bytes of every number of chunks compiled.
+
+        Raises:
+            ValueError: If `memory_budget` is not finite and positive, or no chunk size
+                fits it (the message names the smallest peak found).
+        """
+        options = self._options
+        if memory_budget is not None:
+            validation.check_real("memory_budget", memory_budget, minimum=0, exclusive=True)
+            options = options._replace(memory_budget=memory_budget)
+        with global_view.batch_mesh((args, kwargs)):
+            found = modules.module_positions(args, options.diff)
+            _check_wrt(options, args, found)
+            if found:
+                options, split = _split_modules(options, args, found)
+                args = split.args
+            return _chunk_plan(options, args, kwargs, is_padding_example)
+
     def __repr__(self) -> str:
         name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))
         return f"clipped_grad({name}, l2_clip_norm={self.l2_clip_norm!r}, method={self.method!r})"
@@ -117,7 +166,8 @@ def clipped_grad(
     l2_clip_norm: float,
     *,
     num_microbatches: int | None = None,
-    microbatch_size: int | None = None,
+    microbatch_size: int | str | None = None,
+    memory_budget: float | None = None,
     argnums: int | Sequence[int] = 0,
     batch_argnums: int | Sequence[int] = 1,
     has_aux: bool = False,
@@ -192,7 +242,18 @@ def clipped_grad(
             size). At most one of `num_microbatches` and `microbatch_size`;
             neither computes the whole batch in one `vmap`.
         microbatch_size: Examples per chunk (it must divide the batch size), as
-            jax_privacy's `microbatch_size`.
+            jax_privacy's `microbatch_size`; or `"auto"`: when a call is traced, the
+            largest divisor of the batch size whose compiled program fits
+            `memory_budget` (its candidates compiled on the call's shapes, nothing
+            run; `plan_memory` returns the plan), and the call is then exactly the
+            call with that size. Under global-view `jax.jit` the sizes divide each
+            device's shard; inside `jax.shard_map` or `jax.pmap` one device's program
+            is planned, compiled over the mapped axes' devices.
+        memory_budget: Bytes, only with `microbatch_size="auto"`: the budget of the
+            whole call's program (parameters, batch, temporaries and sums, one device's
+            under a mesh); leave room for the rest of the train step. `None` takes 90 %
+            of the free memory the device reports, as `gradaccum_jax.plan_microbatches`
+            does (a `ValueError` on a device that reports none, such as a CPU).
         argnums: Positions of the arguments to differentiate, as in
             `jax.value_and_grad`.
         batch_argnums: Positions of the arguments with a batch axis (default 1:
@@ -225,8 +286,11 @@ def clipped_grad(
     Raises:
         TypeError: If `loss_fn` is not callable or an argument has the wrong type.
         ValueError: If `l2_clip_norm` is not finite and positive, both chunk
-            sizes are given, the positions overlap, or (at trace time) the batch
-            arguments disagree in size or the chunks do not divide the batch.
+            sizes are given, `memory_budget` is given without `microbatch_size="auto"`
+            or is not finite and positive, the positions overlap, or (at trace time)
+            the batch arguments disagree in size, the chunks do not divide the batch,
+            or no chunk size fits `memory_budget` (the message names the smallest
+            peak found).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -239,6 +303,17 @@ def clipped_grad(
         -0.5
         >>> grad_sum.l2_clip_norm
         1.0
+
+        The largest chunk whose program fits a budget of bytes (here 256 KiB, where
+        the whole batch at once needs about 1.6 MiB):
+
+        >>> dense = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
+        >>> w, x = jnp.zeros((16, 512)), jnp.ones((256, 16))
+        >>> planned = privacy.clipped_grad(
+        ...     dense, 1.0, microbatch_size="auto", memory_budget=2**18)
+        >>> plan = planned.plan_memory(w, x)
+        >>> plan.microbatch_size < 256, plan.peak_bytes <= 2**18
+        (True, True)
 
     References:
         Abadi et al., 2016, "Deep Learning with Differential Privacy",
@@ -258,16 +333,7 @@ def clipped_grad(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable; got {loss_fn!r}.")
     clip = validation.check_real("l2_clip_norm", l2_clip_norm, minimum=0.0, exclusive=True)
-    if num_microbatches is not None and microbatch_size is not None:
-        raise ValueError(
-            "Give at most one of num_microbatches and microbatch_size; got "
-            f"{num_microbatches=} and {microbatch_size=}."
-        )
-    chunking = None
-    if num_microbatches is not None:
-        chunking = ("num_microbatches", validation.check_int("num_microbatches", num_microbatches))
-    elif microbatch_size is not None:
-        chunking = ("microbatch_size", validation.check_int("microbatch_size", microbatch_size))
+    chunking = chunks.check_chunking(num_microbatches, microbatch_size, memory_budget)
     diff = validation.check_index_tuple("argnums", argnums, allow_empty=False)
     batched = validation.check_index_tuple("batch_argnums", batch_argnums, allow_empty=False)
     if set(diff) & set(batched):
@@ -308,6 +374,7 @@ def clipped_grad(
             clip=clip,
             dtype=dtype,
             chunking=chunking,
+            memory_budget=memory_budget,
             method=method,
             return_grad_norms=return_grad_norms,
             wrt=wrt,
@@ -335,7 +402,7 @@ def _split_modules(
     """The options and arguments of a call whose `flax.nnx` modules are split
     (`modules.py`): their params differentiated, the examples' indices a batch argument."""
     batch_leaf = jax.tree.leaves([args[i] for i in options.batched])[0]
-    n = _batch_size(args, options.batched)
+    n = chunks.batch_size(args, options.batched)
     split = modules.split(options.loss_fn, args, found, n, batch_leaf, options.wrt)
     value_and_grad = jax.value_and_grad(
         split.loss_fn, argnums=options.argnums, has_aux=options.has_aux
@@ -351,8 +418,11 @@ def _clipped_sums(
 ) -> Any:
     """A call of a `ClippedGradFn`: the chunks' sums, added over the chunks (and over the
     devices, where a global-view batch is split over Explicit mesh axes)."""
-    n = _batch_size(args, options.batched)
-    padding = _padding_mask(is_padding_example, n)
+    if options.chunking == chunks.AUTO:
+        plan = _chunk_plan(options, args, kwargs, is_padding_example)
+        options = options._replace(chunking=("num_microbatches", plan.num_microbatches))
+    n = chunks.batch_size(args, options.batched)
+    padding = chunks.padding_mask(is_padding_example, n)
     keys = None
     if options.prng_argnum is not None:
         keys = _example_keys(args[options.prng_argnum], n, [args[i] for i in options.batched])
@@ -369,6 +439,31 @@ def _clipped_sums(
     if options.has_aux:
         out = ((loss_sum, aux), grad_sum)
     return (*out, norms) if options.return_grad_norms else out
+
+
+def _chunk_plan(
+    options: _Options, args: tuple[Any, ...], kwargs: dict[str, Any], is_padding_example: Any
+) -> compiled_memory.MicrobatchPlan:
+    """The plan of `microbatch_size="auto"` for a call on plain pytrees: the fewest chunks
+    of the batch each device clips (its shard under global view) whose sums fit."""
+    n = chunks.batch_size(args, options.batched)
+    axes = _explicit_batch_axes(args, options.batched)
+    if axes is not None:
+        n //= math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+
+    def build(k: int) -> Callable[..., Any]:
+        fixed = options._replace(chunking=("num_microbatches", k))
+        return lambda *call: _clipped_sums(fixed, *call)
+
+    # The peaks do not depend on the budget: another budget reuses them.
+    key = ("clipped_grad", options._replace(chunking=None, memory_budget=None))
+    return chunks.plan_chunks(
+        build,
+        (args, kwargs, is_padding_example),
+        batch_size=n,
+        memory_budget=options.memory_budget,
+        cache_key=key,
+    )
 
 
 def _example_keys(key: jax.Array, n: int, batch: Any) -> jax.Array:
@@ -408,7 +503,7 @@ def _local_sums(
     # shard_map's transpose rule: each "example" would mix one example of every device,
     # before clipping. Differentiated at a varying copy, each gradient stays local.
     args = tuple(vary(arg) if i in options.diff else arg for i, arg in enumerate(args))
-    chunks = _num_chunks(options.chunking, n)
+    count = chunks.num_chunks(options.chunking, n)
     mapped = {i: args[i] for i in options.batched}
     if keys is not None and options.prng_argnum is not None:
         mapped[options.prng_argnum] = keys
@@ -416,7 +511,7 @@ def _local_sums(
         per_chunk = _per_example_chunk(options, args, kwargs)
     else:
         per_chunk = _fast_chunk(options, args, kwargs, vary)
-    xs = (_chunked(mapped, chunks), padding.reshape(chunks, n // chunks))
+    xs = (chunks.chunked(mapped, count), padding.reshape(count, n // count))
     loss_sum, grad_sum, aux, norms = _over_chunks(per_chunk, xs, vary)
     aux = jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), aux)
     return loss_sum, grad_sum, aux, norms.reshape(n)
@@ -538,7 +633,8 @@ class _Options(NamedTuple):
     has_aux: bool
     clip: float
     dtype: Any
-    chunking: tuple[str, int] | None
+    chunking: chunks.Chunking
+    memory_budget: float | None
     method: str
     return_grad_norms: bool
     wrt: Any
@@ -662,59 +758,3 @@ def _clip_example(loss: jax.Array, aux: Any, grads: Any, pad: jax.Array, clip: f
 
     grads = jax.tree.map(lambda g: kept(g * scale.astype(g.dtype)), grads)
     return kept(loss), jax.tree.map(kept, aux), grads, jnp.where(pad, 0.0, norm)
-
-
-def _batch_size(args: tuple[Any, ...], batched: tuple[int, ...]) -> int:
-    if max(batched) >= len(args):
-        raise ValueError(
-            f"batch_argnums={batched} names argument {max(batched)}, but the function was "
-            f"called with {len(args)} positional arguments."
-        )
-    # A scalar leaf has no batch axis: size 0, refused with the empty batch.
-    # Keyed by argument and path: two plain arrays both have the empty path.
-    sizes = {
-        f"argument {i}{jax.tree_util.keystr(path)}": jnp.shape(leaf)[0] if jnp.ndim(leaf) else 0
-        for i in batched
-        for path, leaf in jax.tree_util.tree_leaves_with_path(args[i])
-    }
-    distinct = set(sizes.values())
-    if len(distinct) != 1 or 0 in distinct:
-        raise ValueError(
-            "Every leaf of the batch arguments (batch_argnums) must carry the batch on its "
-            "leading axis, all of one size > 0 (pad an empty micro-batch and mark it with "
-            f"is_padding_example=); got leading sizes {sizes}."
-        )
-    (size,) = distinct
-    return int(size)
-
-
-def _padding_mask(is_padding_example: Any, n: int) -> jax.Array:
-    if is_padding_example is None:
-        return jnp.zeros(n, bool)
-    mask = jnp.asarray(is_padding_example)
-    if mask.shape != (n,) or mask.dtype != jnp.bool_:
-        raise ValueError(
-            f"is_padding_example must be a bool array of shape ({n},), one flag per example "
-            f"of the batch; got dtype {mask.dtype} and shape {mask.shape}."
-        )
-    return mask
-
-
-def _num_chunks(chunking: tuple[str, int] | None, n: int) -> int:
-    if chunking is None:
-        return 1
-    name, value = chunking
-    chunks = value if name == "num_microbatches" else n // value
-    if n % value:
-        other = "microbatch_size" if name == "num_microbatches" else "num_microbatches"
-        raise ValueError(
-            f"{name}={value} must divide the batch size {n}. Pad the batch to a multiple "
-            f"(mark the padding with is_padding_example=; all-padding chunks are skipped), "
-            f"or pick another {name} or {other}."
-        )
-    return chunks
-
-
-def _chunked(mapped: dict[int, Any], chunks: int) -> dict[int, Any]:
-    """The mapped arguments cut into `chunks` contiguous chunks along their leading axis."""
-    return jax.tree.map(lambda x: x.reshape(chunks, x.shape[0] // chunks, *x.shape[1:]), mapped)

@@ -1,1 +1,2 @@
-"""Partial sums over mesh axes (typed unreduced values) and checkpointing of sharded state."""
+"""Partial sums over mesh axes (typed unreduced values), checkpointing of sharded state, and
+the memory of compiled programs (one device's) that the planners search."""
