@@ -17,11 +17,13 @@ Two ways to clip a chunk (`method=`):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import shard_alike
 
 from gradaccum_jax._base import clip_marks, compat, trees, validation
 from gradaccum_jax._privacy import fast, modules
@@ -220,7 +222,9 @@ def clipped_grad(
         A `ClippedGradFn`: called like `loss_fn` plus the keyword
         `is_padding_example` (bool, shape `(n,)`, default all False), it returns
         `(loss_sum, grad_sum)` or, with `has_aux`, `((loss_sum, aux), grad_sum)`,
-        followed by the norms with `return_grad_norms`.
+        followed by the norms with `return_grad_norms`. Under global-view `jax.jit`
+        each sum is sharded like its param, as `jax.value_and_grad` returns a gradient
+        (FSDP: reduce-scattered into the param's shards on an Explicit mesh).
 
     Raises:
         TypeError: If `loss_fn` is not callable or an argument has the wrong type.
@@ -359,6 +363,7 @@ def _clipped_sums(
     axes = _explicit_batch_axes(args, options.batched)
     if axes is None:
         loss_sum, grad_sum, aux, norms = _local_sums(options, args, kwargs, padding, keys)
+        grad_sum = _sharded_like_params(options, args, grad_sum)
     else:
         loss_sum, grad_sum, aux, norms = _sums_on_each_device(
             options, args, kwargs, padding, keys, axes
@@ -369,6 +374,24 @@ def _clipped_sums(
     if options.has_aux:
         out = ((loss_sum, aux), grad_sum)
     return (*out, norms) if options.return_grad_norms else out
+
+
+def _sharded_like_params(options: _Options, args: tuple[Any, ...], grad_sum: Any) -> Any:
+    """`grad_sum`, each sum tied to its param's sharding where XLA's partitioner places it.
+
+    On a mesh of Auto axes (or none in context) nothing in the program ties a sum to its
+    param, as `jax.value_and_grad`'s transposed dot does: across the per-example work and
+    the chunks' conditional the partitioner may replicate the sums, a whole gradient on
+    every device of an FSDP mesh. `shard_alike` gives each sum its param's sharding.
+    Explicit axes type the sums already, and inside `jax.shard_map` each device holds
+    its own.
+    """
+    types = set(jax.sharding.get_abstract_mesh().axis_types)
+    if types & {jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Manual}:
+        return grad_sum
+    diff = tuple(args[i] for i in options.diff)
+    params = diff[0] if isinstance(options.argnums, int) else diff
+    return shard_alike.shard_alike(params, grad_sum)[1]
 
 
 def _example_keys(key: jax.Array, n: int, batch: Any) -> jax.Array:
@@ -457,30 +480,67 @@ def _sums_on_each_device(
     axes: tuple[Any, ...],
 ) -> tuple[Any, Any, Any, jax.Array]:
     """`_local_sums` on each device of the batch's mesh axes, under `jax.shard_map`: the
-    sums added over the devices (replicated), aux and norms split like the batch. The
-    other arrays (the parameters) are replicated first."""
+    loss summed over the devices (replicated), each gradient summed into its param's
+    sharding (a reduce-scatter for FSDP), aux and norms split like the batch.
+
+    The params are gathered whole first (each device differentiates its own examples
+    at the whole params). Where they are sharded over mesh axes the batch is not (FSDP
+    with the batch on `"data"` only), the batch is split over those axes too if they
+    divide it, so that no two devices compute the same examples' gradients.
+    """
     split = compat.reshard
+    diff = [args[i] for i in options.diff]
+    split_axes = _split_axes(axes, diff, padding.shape[0], options.chunking)
+    grad_specs = jax.tree.map(lambda p: _P(*global_view.spec_entries(p)), diff)
+    grad_specs = grad_specs[0] if isinstance(options.argnums, int) else tuple(grad_specs)
     args = tuple(
-        split(a, _P(axes))
+        split(a, _P(split_axes))
         if i in options.batched
         else jax.tree.map(lambda x: split(x, _P()), a)
         if i in options.diff
         else a
         for i, a in enumerate(args)
     )
-    padding = split(padding, _P(axes))
-    keys = None if keys is None else split(keys, _P(axes))
+    padding = split(padding, _P(split_axes))
+    keys = None if keys is None else split(keys, _P(split_axes))
 
     def run(*call: Any) -> Any:
         *local, pad, local_keys = call
         loss_sum, grad_sum, aux, norms = _local_sums(options, tuple(local), kwargs, pad, local_keys)
-        return jax.lax.psum((loss_sum, grad_sum), axes), (aux, norms)
+        grad_sum = jax.tree.map(
+            lambda g, spec: global_view.sum_into(g, compat.partitions(spec), split_axes),
+            grad_sum,
+            grad_specs,
+            is_leaf=lambda x: isinstance(x, _P),
+        )
+        return (jax.lax.psum(loss_sum, split_axes), grad_sum), (aux, norms)
 
     splits = {*options.batched, len(args), len(args) + 1}
-    sums, (aux, norms) = global_view.on_each_device(
-        run, axes, (*args, padding, keys), splits, split_out=(False, True)
+    (loss_sum, grad_sum), (aux, norms) = global_view.on_each_device(
+        run, split_axes, (*args, padding, keys), splits, split_out=((False, grad_specs), True)
     )
-    return sums[0], sums[1], aux, norms
+    if split_axes != axes:
+        aux, norms = split((aux, norms), _P(axes))
+    return loss_sum, grad_sum, aux, norms
+
+
+def _split_axes(
+    axes: tuple[Any, ...], diff: list[Any], n: int, chunking: tuple[str, int] | None
+) -> tuple[Any, ...]:
+    """The batch's mesh `axes`, then the other mesh axes the params are sharded over where
+    the batch (and each device's chunks) still divides over them all."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sharded = {
+        a
+        for leaf in jax.tree.leaves(diff)
+        for entry in global_view.spec_entries(leaf)
+        for a in global_view.entry_axes(entry)
+    }
+    more = tuple(a for a in mesh.axis_names if a in sharded and a not in axes)
+    devices = math.prod(mesh.shape[a] for a in (*axes, *more))
+    if not more or n % devices or (chunking is not None and (n // devices) % chunking[1]):
+        return axes
+    return (*axes, *more)
 
 
 _P = jax.sharding.PartitionSpec
