@@ -27,6 +27,7 @@ from gradaccum_jax._base.compat import (
 )
 from gradaccum_jax._batching import nnx_modules
 from gradaccum_jax._batching.microbatch import microbatch_value_and_grad
+from gradaccum_jax._sharding import global_view
 from gradaccum_jax._sharding.partials import _PER_DEVICE, _mesh_axes_of, _spec, mesh_axes_size
 
 _FP8 = (
@@ -133,19 +134,9 @@ def _grad_spec(spec: Any, axes: tuple[Any, ...]) -> Any:
 
 
 def _reduce_grad(grad: jax.Array, spec: Any, others: tuple[Any, ...]) -> jax.Array:
-    """Inside `jax.shard_map`: sums `grad` over the batch axes `others` into its `spec`.
-
-    Along a dimension `spec` shards over some of them, a reduce-scatter leaves
-    each device its shard (FSDP); over the rest, an all-reduce (a leaf
-    replicated over them, such as a bias).
-    """
-    scattered: set = set()
-    for dim, part in enumerate(_dim_axes(spec)):
-        if part:
-            grad = jax.lax.psum_scatter(grad, part, scatter_dimension=dim, tiled=True)
-            scattered |= set(part)
-    rest = tuple(a for a in others if a not in scattered)
-    return jax.lax.psum(grad, rest) if rest else grad
+    """Inside `jax.shard_map`: sums `grad` over the batch axes `others` into its `spec`
+    (a reduce-scatter along the dimensions it splits, FSDP; an all-reduce over the rest)."""
+    return global_view.sum_into(grad, compat.partitions(spec), others)
 
 
 def _check_params(args: tuple[Any, ...], grad_nums: tuple[int, ...]) -> None:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from gradaccum_jax._base import collectives, compat
 from gradaccum_jax._pipeline import executor, sharded
@@ -260,7 +260,9 @@ def _bound(axis: Any) -> bool:
 
 
 def _check_params(params: Any, stages_key: str) -> None:
-    if isinstance(params, nnx.Module):
+    # flax.nnx only where the caller imported it: `import gradaccum_jax` does not import flax.
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(params, nnx.Module):
         raise TypeError(
             f"pipeline_value_and_grad got a flax.nnx module ({type(params).__name__}) as "
             "params: it takes a mapping of arrays with the stage params stacked. Split the "

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax._base import clip_marks, compat, trees, validation
-from gradaccum_jax._privacy import chunks, fast, modules
+from gradaccum_jax._privacy import chunks, fast, fsdp, modules
 from gradaccum_jax._sharding import compiled_memory, global_view
 
 
@@ -281,7 +281,9 @@ def clipped_grad(
         A `ClippedGradFn`: called like `loss_fn` plus the keyword
         `is_padding_example` (bool, shape `(n,)`, default all False), it returns
         `(loss_sum, grad_sum)` or, with `has_aux`, `((loss_sum, aux), grad_sum)`,
-        followed by the norms with `return_grad_norms`.
+        followed by the norms with `return_grad_norms`. Under global-view `jax.jit`
+        each sum is sharded like its param, as `jax.value_and_grad` returns a gradient
+        (FSDP: reduce-scattered into the param's shards on an Explicit mesh).
 
     Raises:
         TypeError: If `loss_fn` is not callable or an argument has the wrong type.
@@ -429,6 +431,10 @@ def _clipped_sums(
     axes = _explicit_batch_axes(args, options.batched)
     if axes is None:
         loss_sum, grad_sum, aux, norms = _local_sums(options, args, kwargs, padding, keys)
+        diff = tuple(args[i] for i in options.diff)
+        grad_sum = fsdp.sharded_like_params(
+            diff[0] if isinstance(options.argnums, int) else diff, grad_sum
+        )
     else:
         loss_sum, grad_sum, aux, norms = _sums_on_each_device(
             options, args, kwargs, padding, keys, axes
@@ -552,30 +558,48 @@ def _sums_on_each_device(
     axes: tuple[Any, ...],
 ) -> tuple[Any, Any, Any, jax.Array]:
     """`_local_sums` on each device of the batch's mesh axes, under `jax.shard_map`: the
-    sums added over the devices (replicated), aux and norms split like the batch. The
-    other arrays (the parameters) are replicated first."""
+    loss summed over the devices (replicated), each gradient summed into its param's
+    sharding (a reduce-scatter for FSDP), aux and norms split like the batch.
+
+    The params are gathered whole first (each device differentiates its own examples
+    at the whole params). Where they are sharded over mesh axes the batch is not (FSDP
+    with the batch on `"data"` only), the batch is split over those axes too if they
+    divide it, so that no two devices compute the same examples' gradients.
+    """
     split = compat.reshard
+    diff = [args[i] for i in options.diff]
+    split_axes = fsdp.split_axes(axes, diff, padding.shape[0], options.chunking)
+    grad_specs = jax.tree.map(lambda p: _P(*global_view.spec_entries(p)), diff)
+    grad_specs = grad_specs[0] if isinstance(options.argnums, int) else tuple(grad_specs)
     args = tuple(
-        split(a, _P(axes))
+        split(a, _P(split_axes))
         if i in options.batched
         else jax.tree.map(lambda x: split(x, _P()), a)
         if i in options.diff
         else a
         for i, a in enumerate(args)
     )
-    padding = split(padding, _P(axes))
-    keys = None if keys is None else split(keys, _P(axes))
+    padding = split(padding, _P(split_axes))
+    keys = None if keys is None else split(keys, _P(split_axes))
 
     def run(*call: Any) -> Any:
         *local, pad, local_keys = call
         loss_sum, grad_sum, aux, norms = _local_sums(options, tuple(local), kwargs, pad, local_keys)
-        return jax.lax.psum((loss_sum, grad_sum), axes), (aux, norms)
+        grad_sum = jax.tree.map(
+            lambda g, spec: global_view.sum_into(g, compat.partitions(spec), split_axes),
+            grad_sum,
+            grad_specs,
+            is_leaf=lambda x: isinstance(x, _P),
+        )
+        return (jax.lax.psum(loss_sum, split_axes), grad_sum), (aux, norms)
 
     splits = {*options.batched, len(args), len(args) + 1}
-    sums, (aux, norms) = global_view.on_each_device(
-        run, axes, (*args, padding, keys), splits, split_out=(False, True)
+    (loss_sum, grad_sum), (aux, norms) = global_view.on_each_device(
+        run, split_axes, (*args, padding, keys), splits, split_out=((False, grad_specs), True)
     )
-    return sums[0], sums[1], aux, norms
+    if split_axes != axes:
+        aux, norms = split((aux, norms), _P(axes))
+    return loss_sum, grad_sum, aux, norms
 
 
 _P = jax.sharding.PartitionSpec

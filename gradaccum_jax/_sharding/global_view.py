@@ -78,7 +78,8 @@ def on_each_device(
     leading axis), other arrays are passed whole, and what is not an array is
     passed as it is. With `split_out` the outputs are joined along their leading
     axis; else they must be typed invariant over `axes`, and are replicated.
-    `split_out` may also be a pytree prefix of the outputs, of booleans.
+    `split_out` may also be a pytree prefix of the outputs, of booleans and
+    `PartitionSpec`s (an output sharded like a parameter, see `sum_into`).
     """
     leaves, treedef = jax.tree_util.tree_flatten(args)
     positions = [j for j, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
@@ -91,6 +92,49 @@ def on_each_device(
             local_leaves[i] = x
         return run(*jax.tree_util.tree_unflatten(treedef, local_leaves))
 
-    out_specs = jax.tree.map(lambda split: _P(axes) if split else _P(), split_out)
+    def out_spec(split: Any) -> Any:
+        if isinstance(split, _P):
+            return split
+        return _P(axes) if split else _P()
+
+    out_specs = jax.tree.map(out_spec, split_out, is_leaf=lambda x: isinstance(x, _P))
     mapped = jax.shard_map(one_device, in_specs=in_specs, out_specs=out_specs)
     return mapped(*(leaves[i] for i in arrays))
+
+
+def sum_into(x: jax.Array, entries: tuple[Any, ...], axes: tuple[Any, ...]) -> jax.Array:
+    """Inside `jax.shard_map`: `x`, each device's partial sum over `axes`, summed into
+    the block of a leaf sharded as `entries` (its spec's entries) that this device holds.
+
+    A dimension split over some of `axes` (FSDP: a kernel `P(None, "fsdp")`, the batch
+    over `("data", "fsdp")`) is reduce-scattered, so no device holds the whole sum;
+    the remaining `axes` are all-reduced (a leaf replicated over them, such as a bias).
+    A dimension split over axes the sum does not run over (the batch on `"data"` only)
+    keeps this device's block of the sum, sliced out after the all-reduce.
+    """
+    scattered: list[Any] = []
+    for dim, entry in enumerate(entries):
+        names = entry_axes(entry)
+        if names and set(names) <= set(axes) - set(scattered):
+            x = jax.lax.psum_scatter(x, names, scatter_dimension=dim, tiled=True)
+            scattered += names
+    rest = tuple(a for a in axes if a not in scattered)
+    if rest:
+        x = jax.lax.psum(x, rest)
+    for dim, entry in enumerate(entries):
+        names = entry_axes(entry)
+        if names and not set(names) <= set(scattered):
+            # The block at this device's row-major position along `names`, as the spec splits.
+            position: Any = 0
+            count = 1
+            for name in names:
+                position = position * jax.lax.axis_size(name) + jax.lax.axis_index(name)
+                count *= jax.lax.axis_size(name)
+            size = x.shape[dim] // count
+            x = jax.lax.dynamic_slice_in_dim(x, position * size, size, dim)
+    return x
+
+
+def entry_axes(entry: Any) -> tuple[Any, ...]:
+    """The mesh axes one entry of a spec names (`None`, a name, or a tuple of names)."""
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax._base import collectives
+from gradaccum_jax._base import collectives, compat
 
 # --- counters and acceptance ------------------------------------------------
 
@@ -330,7 +330,33 @@ def distinct_zero(seed: jax.Array, index: int) -> jax.Array:
 
 
 def _shape_dtype(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+    sharding = jax.typeof(x).sharding
+    return jax.ShapeDtypeStruct(
+        jnp.shape(x), jnp.result_type(x), sharding=sharding if _typed(sharding) else None
+    )
+
+
+def _typed(sharding: Any) -> bool:
+    """Whether `sharding` is part of its array's type: a mesh of Explicit axes, outside
+    `jax.shard_map`."""
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    return jax.sharding.AxisType.Explicit in types and jax.sharding.AxisType.Manual not in types
+
+
+def _typed_like(x: jax.Array, spec: jax.ShapeDtypeStruct) -> jax.Array:
+    """`x` resharded as `spec` where the sharding is part of the type.
+
+    The skip branch's zeros take the sharding of the leaves they stand for (the
+    gradients), the apply branch's updates that of the inner optimizer's arithmetic:
+    Adam's moments, initialized from params sharded for FSDP, shard the updates of a
+    replicated gradient like the params. Both branches of the conditional must have
+    one type.
+    """
+    sharding: Any = getattr(spec, "sharding", None)
+    want = sharding.spec if _typed(sharding) else None
+    if want is None or jax.typeof(x).sharding.spec == want:
+        return x
+    return compat.reshard(x, want)
 
 
 def close(
@@ -398,7 +424,7 @@ def close(
         spec = specs[0] if specs else spec_of()
         leaves, treedef = jax.tree.flatten(like)
         zeros = [
-            gate.zeros_like(g, s.dtype, distinct_zero(seed, i))
+            _typed_like(gate.zeros_like(g, s.dtype, distinct_zero(seed, i)), s)
             for i, (g, s) in enumerate(zip(leaves, treedef.flatten_up_to(spec), strict=True))
         ]
         return treedef.unflatten(zeros)
