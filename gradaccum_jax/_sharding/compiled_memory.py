@@ -205,25 +205,14 @@ def plan(
     build: Callable[[int], Callable[..., Any]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    *,
-    candidates: Sequence[int],
-    batch_size: int,
-    memory_budget: float | None,
-    cache_key: Any,
+    **search_options: Any,
 ) -> MicrobatchPlan:
-    """`search`, with a clear error where this JAX cannot compile the candidates: traced
-    arrays typed on a mesh with Explicit axes (JAX 0.8.1 fails there, 0.10.2 does not)."""
+    """`search(build, args, kwargs, **search_options)`, with a clear error where this JAX
+    cannot compile the candidates: traced arrays typed on a mesh with Explicit axes (JAX
+    0.8.1 fails there, 0.10.2 does not)."""
     mesh = _traced_explicit_mesh(args, kwargs)
     try:
-        return search(
-            build,
-            args,
-            kwargs,
-            candidates=candidates,
-            batch_size=batch_size,
-            memory_budget=memory_budget,
-            cache_key=cache_key,
-        )
+        return search(build, args, kwargs, **search_options)
     except Exception as err:  # JAX's ShardingTypeError has no public name
         if mesh is None or type(err).__name__ != "ShardingTypeError":
             raise
