@@ -322,7 +322,7 @@ class DotGeneralRule(BookKeepingRule):
 
     def reused_norm_sq(self, site, position, inputs, grads, depth):
         a, g = self._stacked(site, position, inputs[1 - position], grads[0], depth)
-        return self._norm_sq(site, position, a, g)
+        return self._norm_sq(site, position, _as_rows(a), _as_rows(g))
 
     def _norm_sq(
         self, site: graph.Site, position: int, a: jax.Array, g: jax.Array
@@ -349,7 +349,11 @@ class DotGeneralRule(BookKeepingRule):
     def reused_weighted_sum(self, site, position, inputs, grads, weights, keep, per_example, depth):
         del per_example
         a, g = self._stacked(site, position, inputs[1 - position], grads[0], depth)
-        return self._book_keeping(site, position, a, g, weights, keep)
+        cot = jax.vmap(lambda g: select_rows(g * _column(weights, g), keep))(g)
+        # Contracted in the scan's layout, iterations then examples: one product over
+        # all the rows, with neither operand copied (the norms' layout would copy both).
+        total = jnp.swapaxes(jnp.einsum("lnbto,lnbti->boi", cot, a), 1, 2)
+        return self._to_param_layout(site, position, total)
 
     def _book_keeping(
         self,
@@ -400,18 +404,14 @@ class DotGeneralRule(BookKeepingRule):
     def _stacked(
         cls, site: graph.Site, position: int, other: jax.Array, g: jax.Array, depth: int
     ) -> tuple[jax.Array, jax.Array]:
-        """`A` and `G` as in `_canonical`, from `depth` leading axes of iterations, with
-        the iterations' rows stacked: `(n, batch, L T, d)`."""
+        """`A` and `G` as in `_canonical`, from `depth` leading axes of iterations, the
+        iterations on one leading axis: `(L, n, batch, T, d)`."""
 
         def one(o: jax.Array, gi: jax.Array) -> tuple[jax.Array, jax.Array]:
             return cls._canonical(site, position, o, gi)
 
-        def rows(x: jax.Array) -> jax.Array:  # (*L, n, batch, T, d) -> (n, batch, L T, d)
-            x = jnp.transpose(x, [depth, depth + 1, *range(depth), depth + 2, depth + 3])
-            return x.reshape(*x.shape[:2], -1, x.shape[-1])
-
         a, g = over_iterations(one, depth)(other, g)
-        return rows(a), rows(g)
+        return a.reshape(-1, *a.shape[depth:]), g.reshape(-1, *g.shape[depth:])
 
     @classmethod
     def _canonical(
@@ -432,6 +432,12 @@ class DotGeneralRule(BookKeepingRule):
         else:
             g = g.reshape(n, nb, t, -1)
         return a.astype(wide(a.dtype)), g.astype(wide(g.dtype))
+
+
+def _as_rows(x: jax.Array) -> jax.Array:
+    """`(L, n, batch, T, d)` as `(n, batch, L T, d)`: the iterations' rows stacked."""
+    x = jnp.moveaxis(x, 0, 2)
+    return x.reshape(*x.shape[:2], -1, x.shape[-1])
 
 
 class GatherRule(BookKeepingRule):
