@@ -5,7 +5,8 @@ loss traced for one example, the analysis of where each differentiated leaf meet
 the batch (`graph.py`), and for each leaf the way its per-example norms are found:
 
 * `"ghost"`: from the layer's inputs `A` and output gradients `G`, never forming an
-  example's gradient (a dense layer, an embedding lookup);
+  example's gradient (a dense layer, an embedding lookup, a recurrent weight with
+  its iterations' rows stacked);
 * `"layer"`: the leaf's one layer forms its per-example gradient (convolutions,
   normalisation scales and biases, dense layers on sequences long enough that this
   costs fewer flops and holds no more per example than the ghost norm; the leaf's
