@@ -6,7 +6,10 @@ timed interleaved (median of repetitions, the order reversed every other round):
 - MLP: 4 Dense layers of width 512, input 256, 10 classes, B = 256;
 - CNN: Conv 16 (3x3) + Conv 32 (3x3, stride 2) + Dense, 28x28x1, B = 128;
 - transformer LM: Embed 256 x 128, 2 blocks (LayerNorm, 4-head causal attention,
-  MLP 512), T = 64, B = 64.
+  MLP 512), T = 64, B = 64;
+
+and the recurrent one of issue 44: an LSTM LM, Embed 256 x 64, `nn.RNN(nn.LSTMCell(128))`,
+a Dense head, T = 64, B = 32 (its cell's weights are reused by every step of the scan).
 
 Candidates, each against `jax.value_and_grad` of the mean loss on the same batch (the
 fast path interleaved with it alone; the per-example ones, whose calls write a gradient
@@ -15,8 +18,8 @@ per example and slow whatever runs next, in a group of their own):
 `privacy.clipped_grad(loss, C, method="per_example", microbatch_size=m)` (vmap), and
 `jax_privacy.clipping.clipped_grad(loss, l2_clip_norm=C, microbatch_size=m)`.
 Compiled temp bytes (`memory_analysis()`) beside the times. Targets (issue 39):
-fast / non-private <= 1.3x (MLP), <= 1.4x (transformer), <= 2.0x (CNN); temp <= 2x
-(CNN <= 3x).
+fast / non-private <= 1.3x (MLP), <= 1.4x (transformer), <= 2.0x (CNN, LSTM); temp <= 2x
+(CNN <= 3x; none set for the LSTM).
 
 Also, on the 85k-parameter MLP of the earlier rounds: the padded-batch saving (half
 the batch marked as padding, chunks skipped) and a whole DP step (clipped sum,
@@ -28,7 +31,10 @@ its non-private step), reported beside ours; without it those rows say so.
 
 The machine is shared and noisy: read the ratios, measured side by side.
 
-    python benchmarks/privacy.py [--quick] [--reps N]
+    python benchmarks/privacy.py [--quick] [--reps N] [--models lstm,...]
+
+`--models` measures those models alone (no padded-batch, DP-step, example or Opacus
+rows).
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ import optax
 from gradaccum_jax import privacy
 
 C, SIGMA = 1.0, 1.1
-TARGETS = {"mlp": (1.3, 2.0), "cnn": (2.0, 3.0), "transformer": (1.4, 2.0)}
+MODELS = ("mlp", "cnn", "transformer", "lstm")
+TARGETS = {"mlp": (1.3, 2.0), "cnn": (2.0, 3.0), "transformer": (1.4, 2.0), "lstm": (2.0, None)}
 
 
 class MLP(nn.Module):
@@ -95,8 +102,19 @@ class LM(nn.Module):
         return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
+class LSTMLM(nn.Module):
+    vocab: int = 256
+    width: int = 64
+    hidden: int = 128
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.width)(tokens)
+        return nn.Dense(self.vocab)(nn.RNN(nn.LSTMCell(self.hidden))(x))
+
+
 def setup(name: str, quick: bool):
-    """`(loss, params, batch, description)` of one of the three shapes."""
+    """`(loss, params, batch, description)` of one of the shapes."""
     rng = np.random.default_rng(0)
     if name == "mlp":
         model, batch_size = (MLP(32), 16) if quick else (MLP(), 256)
@@ -109,7 +127,10 @@ def setup(name: str, quick: bool):
         batch = (x, jnp.asarray(rng.integers(0, 10, batch_size)))
         first = x[:1]
     else:
-        model, batch_size, length = (LM(32, 16), 4, 8) if quick else (LM(), 64, 64)
+        if name == "lstm":
+            model, batch_size, length = (LSTMLM(32, 16, 24), 4, 8) if quick else (LSTMLM(), 32, 64)
+        else:
+            model, batch_size, length = (LM(32, 16), 4, 8) if quick else (LM(), 64, 64)
         tokens = jnp.asarray(rng.integers(0, model.vocab, (batch_size, length + 1)), jnp.int32)
         batch = (tokens[:, :-1], tokens[:, 1:])
         first = tokens[:1, :-1]
@@ -320,17 +341,27 @@ def opacus_rows(quick: bool, reps: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = harness.benchmark_parser(__doc__, reps="interleaved rounds per model")
+    parser.add_argument(
+        "--models",
+        default=None,
+        help=f"comma-separated, among {', '.join(MODELS)}: those models alone",
+    )
     args = parser.parse_args(argv)
     reps = args.reps or (2 if args.quick else 21)
+    names = MODELS if args.models is None else tuple(args.models.split(","))
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; known: {', '.join(MODELS)}")
     rows = []
-    for name in ("mlp", "cnn", "transformer"):
+    for name in names:
         rows += measure_model(name, args.quick, reps, micro=8 if args.quick else 32)
-    if args.quick:
-        rows += measure_steps((64, 32, 10), 32, 8, reps)
-    else:
-        rows += measure_steps((64, 256, 256, 10), 256, 32, 21)
-    rows += measure_example(args.quick)
-    rows += opacus_rows(args.quick, reps)
+    if args.models is None:
+        if args.quick:
+            rows += measure_steps((64, 32, 10), 32, 8, reps)
+        else:
+            rows += measure_steps((64, 256, 256, 10), 256, 32, 21)
+        rows += measure_example(args.quick)
+        rows += opacus_rows(args.quick, reps)
     print(f"privacy: C={C}, jax {jax.__version__} (shared, noisy machine: ratios side by side)")
     print(f"{'model':<12} {'candidate':<12} {'ms':>9} {'ref ms':>9} {'ratio':>6} {'temp':>7}")
     for r in rows:

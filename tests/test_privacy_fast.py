@@ -132,9 +132,15 @@ class WeightNorm(nn.Module):
 
 
 def carried(params, x):
-    """A parameter in a scan's carry, another reused by every iteration: per-example path."""
+    """A parameter scanned over with no example (materialized), another in a carry each
+    iteration changes (per-example path)."""
     scale = jax.lax.scan(lambda c, _: (c * params["a"], None), jnp.ones(4), None, length=2)[0]
-    h, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ params["w"]), None), x * scale, None, length=3)
+
+    def step(carry, _):
+        h, w = carry
+        return (jnp.tanh(h @ w), 0.9 * w), None
+
+    (h, _), _ = jax.lax.scan(step, (x * scale, params["w"]), None, length=3)
     return jnp.sum(h) + jnp.sum(params["w"] ** 2)
 
 
@@ -237,7 +243,7 @@ def test_plan_prints_a_table_and_says_why_a_leaf_takes_the_per_example_path():
         per_example = privacy.clipped_grad(loss, C, method="per_example").plan(params, x)
     assert plan.methods == {"['a']": "materialized", "['w']": "per_example"}
     (w,) = [leaf for leaf in plan if leaf.path == "['w']"]
-    assert "every iteration of a scan" in w.why
+    assert "carried through a scan that changes it" in w.why
     text = str(plan)
     assert text.splitlines()[0].split() == [
         "leaf",

@@ -5,7 +5,8 @@ loss traced for one example, the analysis of where each differentiated leaf meet
 the batch (`graph.py`), and for each leaf the way its per-example norms are found:
 
 * `"ghost"`: from the layer's inputs `A` and output gradients `G`, never forming an
-  example's gradient (a dense layer, an embedding lookup);
+  example's gradient (a dense layer, an embedding lookup, a recurrent weight with
+  its iterations' rows stacked);
 * `"layer"`: the leaf's one layer forms its per-example gradient (convolutions,
   normalisation scales and biases, dense layers on sequences long enough that this
   costs fewer flops and holds no more per example than the ghost norm; the leaf's
@@ -161,15 +162,16 @@ class Program:
         two agree (a rule that overrides `norm_sq` alone may take another way)."""
         rule = norm_rules.rule_for(site, position)
         n = 2
-        inputs = _placeholders(site, n)
+        own = _own_iterations(site, position)
+        inputs = _placeholders(site, n, site.lengths[own:])
         grads = [
-            None if t is None else jax.ShapeDtypeStruct(t.shape[len(site.lengths) :], t.dtype)
+            None if t is None else jax.ShapeDtypeStruct(t.shape[own:], t.dtype)
             for t in replay.tap_shapes(self.analysis, n)[site.index]
         ]
         method: list[str] = []
 
         def probe(inputs: list[Any], grads: list[Any]) -> jax.Array:
-            found, sq, _ = rule.norm_sq(site, position, inputs, grads)
+            found, sq, _ = _leaf_norm_sq(rule, site, position, inputs, grads)
             method.append(found)
             return sq
 
@@ -197,16 +199,17 @@ class Program:
         return frozenset(wanted)
 
 
-def _placeholders(site: graph.Site, n: int) -> list[Any]:
-    """Shape-only stand-ins for a site's inputs, `n` examples."""
+def _placeholders(site: graph.Site, n: int, lead: tuple[int, ...] = ()) -> list[Any]:
+    """Shape-only stand-ins for a site's inputs, `n` examples, stacked over `lead`
+    iterations (literals excepted)."""
     out = []
     for kind, var in zip(site.kinds, site.eqn.invars, strict=True):
         if norm_rules.is_literal(var):
             out.append(var.val)
         elif kind == BATCHED:
-            out.append(jax.ShapeDtypeStruct((n, *var.aval.shape), var.aval.dtype))
+            out.append(jax.ShapeDtypeStruct((*lead, n, *var.aval.shape), var.aval.dtype))
         else:
-            out.append(jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype))
+            out.append(jax.ShapeDtypeStruct((*lead, *var.aval.shape), var.aval.dtype))
     return out
 
 
@@ -233,20 +236,40 @@ def _site_inputs(
     return out
 
 
-def _over_iterations(fn: Any, depth: int) -> Any:
-    """`fn` mapped over the `depth` leading (scan iteration) axes of its array inputs
-    (a literal, a Python or NumPy scalar, is the same in every iteration)."""
-    if not depth:
-        return fn
+def _leaf_norm_sq(
+    rule: norm_rules.Rule, site: graph.Site, position: int, inputs: list[Any], grads: list[Any]
+) -> tuple[str, jax.Array, jax.Array | None]:
+    """The rule's norms at one site's parameter input, given the inputs and gradients of
+    the iterations that reuse it (none, or the innermost scans' on leading axes)."""
+    depth = site.reused_depth(position)
+    if depth:
+        return rule.reused_norm_sq(site, position, inputs, grads, depth)
+    return rule.norm_sq(site, position, inputs, grads)
 
-    def mapped(*args: Any) -> Any:
-        in_axes = jax.tree.map(lambda x: 0 if isinstance(x, jax.Array) else None, args)
-        inner = fn
-        for _ in range(depth):
-            inner = jax.vmap(inner, in_axes=in_axes)
-        return inner(*args)
 
-    return mapped
+def _leaf_weighted_sum(
+    rule: norm_rules.Rule,
+    site: graph.Site,
+    position: int,
+    inputs: list[Any],
+    grads: list[Any],
+    weights: jax.Array,
+    keep: jax.Array,
+    per_example: jax.Array | None,
+) -> jax.Array:
+    """The rule's clipped sum at one site's parameter input (see `_leaf_norm_sq`)."""
+    depth = site.reused_depth(position)
+    if depth:
+        return rule.reused_weighted_sum(
+            site, position, inputs, grads, weights, keep, per_example, depth
+        )
+    return rule.weighted_sum(site, position, inputs, grads, weights, keep, per_example)
+
+
+def _own_iterations(site: graph.Site, position: int) -> int:
+    """How many scans around the site give each iteration its own parameter input: the
+    fast path maps the rules over those, and hands them the reused ones."""
+    return len(site.lengths) - site.reused_depth(position)
 
 
 class ChunkResult(NamedTuple):
@@ -385,13 +408,14 @@ class _Chunk:
             rule = norm_rules.rule_for(site, position)
 
             def norm(inp: list[Any], grads: list[Any], rule=rule, site=site, position=position):
-                _, sq, per_ex = rule.norm_sq(site, position, inp, grads)
+                _, sq, per_ex = _leaf_norm_sq(rule, site, position, inp, grads)
                 return sq, per_ex
 
-            sq, self.per_leaf[leaf] = _over_iterations(norm, len(site.lengths))(
+            own = _own_iterations(site, position)
+            sq, self.per_leaf[leaf] = norm_rules.over_iterations(norm, own)(
                 self.site_inputs(s), self.tap_grads[s]
             )
-            total = total + _sum_lead(sq, len(site.lengths)).astype(norm_dtype)
+            total = total + norm_rules.sum_lead(sq, own).astype(norm_dtype)
         per_example: dict[int, jax.Array] = {}
         if self.program.materialized:
             per_example.update(_materialized(self))
@@ -413,9 +437,9 @@ class _Chunk:
             rule = norm_rules.rule_for(site, position)
 
             def total(inp, grads, per_ex, rule=rule, site=site, position=position):
-                return rule.weighted_sum(site, position, inp, grads, factor, keep, per_ex)
+                return _leaf_weighted_sum(rule, site, position, inp, grads, factor, keep, per_ex)
 
-            summed = _over_iterations(total, len(site.lengths))(
+            summed = norm_rules.over_iterations(total, _own_iterations(site, position))(
                 self.site_inputs(s), self.tap_grads[s], self.per_leaf[leaf]
             )
             sums[leaf] = norm_rules.transpose_chain(summed, site.origins[k].chain or ())
@@ -438,7 +462,7 @@ def _materialized(chunk: _Chunk) -> dict[int, jax.Array]:
         def one(inp, grads, site=site, k=k):
             return norm_rules.Rule.per_example(site, [site.derived[k]], inp, grads)[0]
 
-        per_ex = _over_iterations(one, depth)(chunk.site_inputs(s), chunk.tap_grads[s])
+        per_ex = norm_rules.over_iterations(one, depth)(chunk.site_inputs(s), chunk.tap_grads[s])
         cotangents.append(jnp.moveaxis(per_ex, depth, 0))
     leaves = sorted(program.materialized)
     wanted = frozenset(s for s, _ in positions)
@@ -455,10 +479,6 @@ def _materialized(chunk: _Chunk) -> dict[int, jax.Array]:
     _, pull = jax.vjp(derived, [chunk.inputs[chunk.leaf_inputs[leaf]] for leaf in leaves])
     (per_leaf,) = jax.vmap(pull)(cotangents)
     return dict(zip(leaves, per_leaf, strict=True))
-
-
-def _sum_lead(x: jax.Array, depth: int) -> jax.Array:
-    return jnp.sum(x, tuple(range(depth))) if depth else x
 
 
 def _broadcast(x: Any, n: int) -> jax.Array:

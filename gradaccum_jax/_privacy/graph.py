@@ -19,8 +19,12 @@ The analysis also follows each parameter from its leaf to the sites it reaches
 (its *origin*): through operations that keep the norm of a gradient (reshape,
 transpose, a change of dtype, ...) a leaf used at one site has the site's
 per-example norm; anything else makes the leaf's per-example gradient be formed
-from all its uses. What the walk cannot follow (a parameter in a loop's carry, a
-parameter reused in every iteration of a scan, a `while_loop`) is reported, and
+from all its uses. A parameter a scan reuses in every iteration (one of its
+constants, or a carry its body passes on unchanged: a recurrent weight) has at a
+site inside it the sum over the iterations of each iteration's gradient; the origin
+says from which scan on it is reused (`Origin.shared_at`), and the rules take the
+iterations' `A` and `G` together (`norm_rules.Rule.reused_norm_sq`). What the walk
+cannot follow (a parameter a scan's carry changes, a `while_loop`) is reported, and
 those leaves take the per-example path.
 
 The walk (`walk`) is shared by the analysis here and the two programs of
@@ -84,13 +88,16 @@ class Origin:
         leaves: The indices of the leaves it depends on.
         chain: The steps from its one leaf to it, when every step keeps the norm;
             `None` when it mixes leaves or entries.
-        shared: Whether it is the same in every iteration of an enclosing scan (a
-            scan's constant): each iteration then adds a gradient to the same entries.
+        shared_at: Where it is the same in every iteration of the scans around it:
+            the number of those scans (outermost first) that give each iteration its
+            own value; every scan inside them reuses it (as a constant, or as a carry
+            passed on unchanged), each iteration adding a gradient to the same
+            entries. `None` where no scan reuses it.
     """
 
     leaves: frozenset[int]
     chain: tuple[Step, ...] | None
-    shared: bool = False
+    shared_at: int | None = None
 
 
 _NO_ORIGIN = Origin(frozenset(), None)
@@ -127,6 +134,18 @@ class Site:
     @property
     def name(self) -> str:
         return self.eqn.primitive.name
+
+    def reused_depth(self, position: int) -> int:
+        """How many of the innermost scans around the site reuse its parameter input at
+        `position` in every iteration (0 where each iteration has its own)."""
+        at = self.origins[self.derived.index(position)].shared_at
+        return 0 if at is None else len(self.lengths) - at
+
+    def reused_iterations(self, position: int) -> int:
+        """The number of iterations that reuse the parameter input at `position`: each
+        example's gradient there is the sum of that many iterations' gradients."""
+        depth = self.reused_depth(position)
+        return int(np.prod(self.lengths[len(self.lengths) - depth :], dtype=int))
 
 
 class Unsupported(Exception):
@@ -309,18 +328,17 @@ class _Analyzer:
             return Abstract(CONST)
         derived = [a.origin for a in ins if a.kind == DERIVED]
         leaves = frozenset().union(*(o.leaves for o in derived))
-        shared = any(o.shared for o in derived)
+        # Where origins differ the chain is gone (`keeps_norm` takes one operand): the
+        # outermost reuse is kept for the record.
+        shared = [o.shared_at for o in derived if o.shared_at is not None]
         chain = None
         if keeps_norm(eqn) and derived[0].chain is not None:
             chain = (*derived[0].chain, step_of(eqn))
-        return Abstract(DERIVED, Origin(leaves, chain, shared))
+        return Abstract(DERIVED, Origin(leaves, chain, min(shared, default=None)))
 
     def _site(self, eqn: Any, ins: list[Abstract]) -> None:
         derived = tuple(i for i, a in enumerate(ins) if a.kind == DERIVED)
         origins = tuple(ins[i].origin for i in derived)
-        shared = frozenset().union(*(o.leaves for o in origins if o.shared))
-        if shared:
-            raise Unsupported(shared, "a parameter is used in every iteration of a scan")
         if self.record:
             site = Site(
                 len(self.sites), eqn, tuple(a.kind for a in ins), derived, origins, self.lengths
@@ -328,12 +346,17 @@ class _Analyzer:
             self.sites.append(site)
 
     def _scan(self, eqn: Any, ins: list[Abstract]) -> list[Abstract]:
-        body, carry_in, xs_in = scan_body_inputs(eqn, ins)
-        carry = carry_kinds(eqn, ins)
-        derived_carry = [a for a in carry if a.kind == DERIVED]
-        if derived_carry:
-            leaves = frozenset().union(*(a.origin.leaves for a in derived_carry))
-            raise Unsupported(leaves, "a parameter is carried through a scan")
+        depth = len(self.lengths)
+        body, carry_in, xs_in = scan_body_inputs(eqn, ins, depth)
+        carry = carry_kinds(eqn, ins, depth)
+        changed = [
+            a
+            for a, same in zip(carry, passed_on(eqn), strict=True)
+            if a.kind == DERIVED and not same
+        ]
+        if changed:
+            leaves = frozenset().union(*(a.origin.leaves for a in changed))
+            raise Unsupported(leaves, "a parameter is carried through a scan that changes it")
         inner = _Analyzer(self.record)
         inner.sites, inner.blocks = self.sites, self.blocks
         inner.lengths = (*self.lengths, eqn.params["length"])
@@ -345,34 +368,53 @@ class _Analyzer:
         return [*carry, *ys]
 
 
-def scan_body_inputs(eqn: Any, ins: list[Any]) -> tuple[Any, Callable, list[Abstract]]:
-    """A scan's body, a function placing carries after its constants, and its xs' kinds."""
+def passed_on(eqn: Any) -> list[bool]:
+    """For each carry of a scan, whether its body returns it unchanged (the same
+    variable): a value every iteration reuses, as it reuses a constant."""
+    body = eqn.params["jaxpr"].jaxpr
     n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-    consts = [_shared(a) for a in ins[:n_consts]]
+    return [body.outvars[i] is body.invars[n_consts + i] for i in range(n_carry)]
+
+
+def scan_body_inputs(
+    eqn: Any, ins: list[Any], depth: int = 0
+) -> tuple[Any, Callable, list[Abstract]]:
+    """A scan's body, a function placing carries after its constants, and its xs' kinds.
+
+    `depth` is the number of scans around this one: its constants, and the carries its
+    body passes on, are reused from there on.
+    """
+    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    consts = [_shared(a, depth) for a in ins[:n_consts]]
     xs = [_sliced(a) for a in ins[n_consts + n_carry :]]
+    same = passed_on(eqn)
 
     def with_carry(carry: list[Abstract]) -> list[Abstract]:
-        return [*consts, *carry]
+        return [*consts, *(_shared(a, depth) if s else a for a, s in zip(carry, same, strict=True))]
 
     return eqn.params["jaxpr"], with_carry, xs
 
 
-def carry_kinds(eqn: Any, ins: list[Any]) -> list[Abstract]:
-    """The kinds of a scan's carries: the least fixed point over its body."""
+def carry_kinds(eqn: Any, ins: list[Any], depth: int = 0) -> list[Abstract]:
+    """The kinds of a scan's carries: the least fixed point over its body. A carry the
+    body passes on unchanged keeps its input's kind and origin."""
     n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-    body, carry_in, xs = scan_body_inputs(eqn, ins)
+    body, carry_in, xs = scan_body_inputs(eqn, ins, depth)
+    same = passed_on(eqn)
     carry = list(ins[n_consts : n_consts + n_carry])
     for _ in range(n_carry + 2):
+        analyzer = _Analyzer(record=False)
+        analyzer.lengths = (0,) * (depth + 1)  # nothing is recorded: only the depth is read
         try:
             outs = walk(
-                body.jaxpr,
-                [Abstract(CONST)] * len(body.consts),
-                [*carry_in(carry), *xs],
-                _Analyzer(record=False),
+                body.jaxpr, [Abstract(CONST)] * len(body.consts), [*carry_in(carry), *xs], analyzer
             )
         except Unsupported:
             return carry
-        new = [_carry_join(a, b) for a, b in zip(carry, outs[:n_carry], strict=True)]
+        new = [
+            a if s else _carry_join(a, b)
+            for a, b, s in zip(carry, outs[:n_carry], same, strict=True)
+        ]
         if new == carry:
             return carry
         carry = new
@@ -385,32 +427,39 @@ def _carry_join(a: Abstract, b: Abstract) -> Abstract:
         return Abstract(kind)
     origins = [x.origin for x in (a, b) if x.kind == DERIVED]
     leaves = frozenset().union(*(o.leaves for o in origins))
-    return Abstract(DERIVED, Origin(leaves, None, True))
+    return Abstract(DERIVED, Origin(leaves, None))
 
 
 def _leaves_of(ins: Sequence[Abstract]) -> frozenset[int]:
     return frozenset().union(*(a.origin.leaves for a in ins if a.kind == DERIVED))
 
 
-def _shared(a: Abstract) -> Abstract:
+def _shared(a: Abstract, depth: int) -> Abstract:
+    """`a` inside a scan `depth` scans deep that reuses it in every iteration: the same
+    entries (the chain is kept), reused from that scan on unless already reused."""
     if a.kind != DERIVED:
         return a
-    return Abstract(DERIVED, Origin(a.origin.leaves, None, True))
+    o = a.origin
+    return Abstract(
+        DERIVED, Origin(o.leaves, o.chain, depth if o.shared_at is None else o.shared_at)
+    )
 
 
 def _sliced(a: Abstract) -> Abstract:
     if a.kind != DERIVED:
         return a
     o = a.origin
-    chain = None if o.chain is None else (*o.chain, Step("slice"))
-    return Abstract(DERIVED, Origin(o.leaves, chain, o.shared))
+    # The slices of a reused value are other entries in each inner iteration but the same
+    # in each outer one: the leaf's gradient is formed from all its uses.
+    chain = None if o.chain is None or o.shared_at is not None else (*o.chain, Step("slice"))
+    return Abstract(DERIVED, Origin(o.leaves, chain, o.shared_at))
 
 
 def _stacked(a: Abstract) -> Abstract:
     if a.kind != DERIVED:
         return a
     # A scan's derived outputs are stacked iterations: no longer one leaf's entries moved.
-    return Abstract(DERIVED, Origin(a.origin.leaves, None, a.origin.shared))
+    return Abstract(DERIVED, Origin(a.origin.leaves, None, a.origin.shared_at))
 
 
 def analyze(

@@ -14,6 +14,12 @@ questions for one parameter input of the site:
   2023) computes it from `A` and `w * G` in one contraction, as the non-private
   gradient is computed, with no second backward pass.
 
+Inside a `lax.scan` that reuses `W` in every iteration (a recurrent weight), an
+example's gradient is the sum of every iteration's: `reused_norm_sq` and
+`reused_weighted_sum` take the iterations' inputs and gradients stacked on leading
+axes. The dense rule reads the iterations as more rows of `A` and `G`; the other
+rules form each example's summed gradient.
+
 Both work in float32 (wider dtypes kept): a 16-bit clip factor could let a clipped
 example exceed the clip norm. Rows of dropped examples are selected away before any
 product, so a NaN or infinity in them never reaches the sum (`0 * NaN` is NaN).
@@ -55,6 +61,27 @@ def wide(dtype: Any) -> Any:
 def select_rows(x: jax.Array, keep: jax.Array) -> jax.Array:
     """`x` (examples on axis 0) with the rows of dropped examples replaced by zeros."""
     return jnp.where(keep.reshape(-1, *([1] * (x.ndim - 1))), x, jnp.zeros((), x.dtype))
+
+
+def over_iterations(fn: Any, depth: int) -> Any:
+    """`fn` mapped over the `depth` leading (scan iteration) axes of its array inputs
+    (a literal, a Python or NumPy scalar, is the same in every iteration)."""
+    if not depth:
+        return fn
+
+    def mapped(*args: Any) -> Any:
+        in_axes = jax.tree.map(lambda x: 0 if isinstance(x, jax.Array) else None, args)
+        inner = fn
+        for _ in range(depth):
+            inner = jax.vmap(inner, in_axes=in_axes)
+        return inner(*args)
+
+    return mapped
+
+
+def sum_lead(x: jax.Array, depth: int) -> jax.Array:
+    """`x` summed over its `depth` leading axes."""
+    return jnp.sum(x, tuple(range(depth))) if depth else x
 
 
 def clipped_total(per_example: jax.Array, weights: jax.Array, keep: jax.Array) -> jax.Array:
@@ -107,6 +134,41 @@ class Rule:
         if per_example is None:
             per_example = self.per_example(site, [position], inputs, grads)[0]
         return clipped_total(per_example, weights, keep)
+
+    def reused_norm_sq(
+        self, site: graph.Site, position: int, inputs: list[Any], grads: list[Any], depth: int
+    ) -> tuple[str, jax.Array, jax.Array | None]:
+        """`norm_sq` where the `depth` innermost scans around the site reuse the parameter
+        in every iteration: the inputs and gradients hold those iterations on `depth`
+        leading axes, and each example's gradient is their sum, formed here."""
+
+        def one(inp: list[Any], g: list[Any]) -> jax.Array:
+            return self.per_example(site, [position], inp, g)[0]
+
+        per_example = sum_lead(over_iterations(one, depth)(inputs, grads), depth)
+        g = per_example.astype(wide(per_example.dtype))
+        return "layer", jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), 1), per_example
+
+    def reused_weighted_sum(
+        self,
+        site: graph.Site,
+        position: int,
+        inputs: list[Any],
+        grads: list[Any],
+        weights: jax.Array,
+        keep: jax.Array,
+        per_example: jax.Array | None,
+        depth: int,
+    ) -> jax.Array:
+        """`weighted_sum` over the iterations of `reused_norm_sq`: it is linear in each
+        example's gradient, so each iteration's sum adds up to the whole."""
+        if per_example is not None:
+            return clipped_total(per_example, weights, keep)
+
+        def one(inp: list[Any], g: list[Any]) -> jax.Array:
+            return self.weighted_sum(site, position, inp, g, weights, keep, None)
+
+        return sum_lead(over_iterations(one, depth)(inputs, grads), depth)
 
     @staticmethod
     def per_example(
@@ -215,12 +277,15 @@ def cheaper(shapes: str, ghost: tuple[int, int], layer: tuple[int, int]) -> tupl
     return "ghost", f"ghost: {shapes}: layer would take {flops:.3g}x the flops"
 
 
-def dense_choice(t: int, d_in: int, d_out: int) -> tuple[str, str]:
+def dense_choice(t: int, d_in: int, d_out: int, iterations: int = 1) -> tuple[str, str]:
     """`(method, why)` for a dense layer's norms, per example `T` rows `d_in` wide in
     and `d_out` wide out: two `T x T` Gram matrices for `T^2 (d_in + d_out)` flops, or
-    the `d_in x d_out` gradient for `T d_in d_out` (see `cheaper`)."""
+    the `d_in x d_out` gradient for `T d_in d_out` (see `cheaper`). A weight reused by
+    `iterations` iterations of a scan has `T` rows in each of them."""
+    rows = f"T={t}" if iterations == 1 else f"T={t * iterations} ({t} x {iterations} iterations)"
+    t = t * iterations
     ghost = (t * t * (d_in + d_out), 2 * t * t)
-    return cheaper(f"T={t}, d_in={d_in}, d_out={d_out}", ghost, (t * d_in * d_out, d_in * d_out))
+    return cheaper(f"{rows}, d_in={d_in}, d_out={d_out}", ghost, (t * d_in * d_out, d_in * d_out))
 
 
 class DotGeneralRule(BookKeepingRule):
@@ -238,6 +303,10 @@ class DotGeneralRule(BookKeepingRule):
     ghost norm, with memory counted too: an LM head of `128 x 32768` on 128 tokens
     costs about the same either way, but `A^T G` would hold 128 times the Gram
     matrices); with `T = 1` the ghost norm is `||a||^2 ||g||^2`.
+
+    A weight a scan reuses in every iteration (`h @ W_h` in a recurrence) has, per
+    example, the gradient `sum_l A_l^T G_l`: the same product with the iterations'
+    rows stacked, so the same norms on `L T` rows.
     """
 
     def applies(self, site, position):
@@ -245,10 +314,20 @@ class DotGeneralRule(BookKeepingRule):
 
     def choice(self, site, position):
         _, t, d_in, d_out = self._sizes(site, position)
-        return dense_choice(t, d_in, d_out)
+        return dense_choice(t, d_in, d_out, site.reused_iterations(position))
 
     def norm_sq(self, site, position, inputs, grads):
         a, g = self._canonical(site, position, inputs[1 - position], grads[0])
+        return self._norm_sq(site, position, a, g)
+
+    def reused_norm_sq(self, site, position, inputs, grads, depth):
+        a, g = self._stacked(site, position, inputs[1 - position], grads[0], depth)
+        return self._norm_sq(site, position, _as_rows(a), _as_rows(g))
+
+    def _norm_sq(
+        self, site: graph.Site, position: int, a: jax.Array, g: jax.Array
+    ) -> tuple[str, jax.Array, None]:
+        """The norms from `A` and `G` in the layout of `_canonical`."""
         t = a.shape[2]
         if self.choice(site, position)[0] == "ghost":
             if t == 1:
@@ -265,6 +344,27 @@ class DotGeneralRule(BookKeepingRule):
     def weighted_sum(self, site, position, inputs, grads, weights, keep, per_example):
         del per_example
         a, g = self._canonical(site, position, inputs[1 - position], grads[0])
+        return self._book_keeping(site, position, a, g, weights, keep)
+
+    def reused_weighted_sum(self, site, position, inputs, grads, weights, keep, per_example, depth):
+        del per_example
+        a, g = self._stacked(site, position, inputs[1 - position], grads[0], depth)
+        cot = jax.vmap(lambda g: select_rows(g * _column(weights, g), keep))(g)
+        # Contracted in the scan's layout, iterations then examples: one product over
+        # all the rows, with neither operand copied (the norms' layout would copy both).
+        total = jnp.swapaxes(jnp.einsum("lnbto,lnbti->boi", cot, a), 1, 2)
+        return self._to_param_layout(site, position, total)
+
+    def _book_keeping(
+        self,
+        site: graph.Site,
+        position: int,
+        a: jax.Array,
+        g: jax.Array,
+        weights: jax.Array,
+        keep: jax.Array,
+    ) -> jax.Array:
+        """`sum_i w_i A_i^T G_i` from `A` and `G` in the layout of `_canonical`."""
         cot = select_rows(g * _column(weights, g), keep)
         # The product made in the (examples, T)-major layout of `cot`, a fresh buffer
         # whose layout XLA is free to choose, rather than of `A`, which it would copy.
@@ -301,6 +401,19 @@ class DotGeneralRule(BookKeepingRule):
         return nb, t, size(contract), int(np.prod(site.eqn.outvars[0].aval.shape)) // max(nb * t, 1)
 
     @classmethod
+    def _stacked(
+        cls, site: graph.Site, position: int, other: jax.Array, g: jax.Array, depth: int
+    ) -> tuple[jax.Array, jax.Array]:
+        """`A` and `G` as in `_canonical`, from `depth` leading axes of iterations, the
+        iterations on one leading axis: `(L, n, batch, T, d)`."""
+
+        def one(o: jax.Array, gi: jax.Array) -> tuple[jax.Array, jax.Array]:
+            return cls._canonical(site, position, o, gi)
+
+        a, g = over_iterations(one, depth)(other, g)
+        return a.reshape(-1, *a.shape[depth:]), g.reshape(-1, *g.shape[depth:])
+
+    @classmethod
     def _canonical(
         cls, site: graph.Site, position: int, other: jax.Array, g: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
@@ -319,6 +432,12 @@ class DotGeneralRule(BookKeepingRule):
         else:
             g = g.reshape(n, nb, t, -1)
         return a.astype(wide(a.dtype)), g.astype(wide(g.dtype))
+
+
+def _as_rows(x: jax.Array) -> jax.Array:
+    """`(L, n, batch, T, d)` as `(n, batch, L T, d)`: the iterations' rows stacked."""
+    x = jnp.moveaxis(x, 0, 2)
+    return x.reshape(*x.shape[:2], -1, x.shape[-1])
 
 
 class GatherRule(BookKeepingRule):
