@@ -389,6 +389,16 @@ def run_shard_map(step, state, batches, read):
     return read(state)
 
 
+def _device_copy(x: Any, i: int) -> Any:
+    """Device `i`'s copy of a pmap output, taken on the host (keys through their data)."""
+    if not isinstance(x, jax.Array):
+        return x
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = np.asarray(jax.random.key_data(x))[i]
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jnp.asarray(np.asarray(x)[i])
+
+
 def run_pmap(step, state, batches, read):
     step_fn = jax.pmap(functools.partial(step, ctx=ROUTE_CTX["pmap"]), axis_name=AXIS)
     state = jax.tree.map(lambda leaf: jnp.stack([leaf] * R), state)
@@ -396,7 +406,11 @@ def run_pmap(step, state, batches, read):
         state = step_fn(state, jax.tree.map(lambda x: x.reshape(R, -1, *x.shape[1:]), batch))
     # Every device holds its copy of the state: the variables must end the same on all
     # of them (a window's own partial sums and running maxes may differ).
-    copies = [read(jax.tree.map(lambda x, i=i: x[i], state)) for i in range(R)]
+    # Each copy read on the host: slicing the pmap-sharded outputs with `x[i]` compiles a
+    # small program per slice, and jax 0.10.2 aborts the process when it loads such a
+    # program from the persistent compilation cache (seen in CI; JAX_COMPILATION_CACHE_DIR=
+    # off, it passes).
+    copies = [read(jax.tree.map(functools.partial(_device_copy, i=i), state)) for i in range(R)]
     for i, copy in enumerate(copies[1:], 1):
         for (path, a), b in zip(
             jax.tree_util.tree_flatten_with_path(copies[0])[0], jax.tree.leaves(copy), strict=True
