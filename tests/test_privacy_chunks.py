@@ -180,6 +180,12 @@ def test_under_global_view_the_sizes_divide_each_devices_shard():
     plan = auto.plan_memory(params, batch)
     assert set(plan.table) <= set(divisors(16)) and plan.num_microbatches > 1
     assert plan.microbatch_size * plan.num_microbatches == 16
+    if tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 9):
+        # JAX 0.8.1 cannot compile the candidates on a traced Explicit mesh: refused,
+        # naming the int chosen outside jit (concrete arrays plan fine, above).
+        with pytest.raises(ValueError, match=r"'auto' plan inside jax\.jit.*plan_memory"):
+            jax.jit(auto)(params, batch)
+        return
     got = jax.jit(auto)(params, batch)
     assert_tree_close(got, jax.jit(whole)(params, batch), 1e-5)
 
