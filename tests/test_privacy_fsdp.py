@@ -95,6 +95,22 @@ def test_sums_are_sharded_like_the_params_and_equal_one_devices(axis_type, batch
         np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-14, err_msg=name)
 
 
+@BATCH
+def test_explicit_mesh_without_set_mesh_reads_the_mesh_from_the_arrays(batch_spec):
+    # Arrays put on jax.make_mesh's Explicit mesh, no mesh in context: the same sums,
+    # sharded like the params.
+    fn = privacy.clipped_grad(loss, C, num_microbatches=2)
+    with x64():
+        params, batch = init(jnp.float64), data(jnp.float64)
+        want_loss, want = jax.jit(fn)(params, batch)
+        ps, xs = put(mesh_of(AxisType.Explicit), params, batch, batch_spec)
+        got_loss, got = jax.jit(fn)(ps, xs)
+        check_sharded_like(got, ps)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-12)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-14, err_msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.hlo
 @BATCH
