@@ -31,10 +31,15 @@ its non-private step), reported beside ours; without it those rows say so.
 
 The machine is shared and noisy: read the ratios, measured side by side.
 
-    python benchmarks/privacy.py [--quick] [--reps N] [--models lstm,...]
+Under remat (issue 44): the Gemma-like decoder of `examples/dp_lm.py` at T = 256 and
+512, B = 8, the fast path with `remat="recompute"` (the default) and `remat="save"`
+against the non-private step under the same `nn.remat`; targets: temp <= 1.5x, time
+<= 1.3x; and the share of remat's saving each keeps.
 
-`--models` measures those models alone (no padded-batch, DP-step, example or Opacus
-rows).
+    python benchmarks/privacy.py [--quick] [--reps N] [--models lstm,...] [--remat]
+
+`--models` measures those models alone (no padded-batch, DP-step, example, Opacus or
+remat rows; `--remat` adds the remat rows).
 """
 
 from __future__ import annotations
@@ -215,6 +220,70 @@ def measure_model(name: str, quick: bool, reps: int, micro: int) -> list[dict]:
     return rows
 
 
+def measure_remat(quick: bool, reps: int) -> list[dict]:
+    """The Gemma-like decoder of `examples/dp_lm.py` under `nn.remat`, T = 256 and 512
+    (B = 8): the fast path with `remat="recompute"` and `"save"` against the non-private
+    step under the same remat (times interleaved, compiled temps), and the share of
+    remat's saving each keeps: (temp without remat - temp with) over the non-private
+    step's."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+    import dp_lm
+
+    rows = []
+    for length in (16,) if quick else (256, 512):
+        batch_size = 2 if quick else 8
+        rng = np.random.default_rng(0)
+        tokens = jnp.asarray(rng.integers(0, dp_lm.VOCAB, (batch_size, length + 1)), jnp.int32)
+        batch = (tokens[:, :-1], tokens[:, 1:])
+        candidates, temps = {}, {}
+        for remat in (True, False):
+            model = dp_lm.Decoder(remat=remat)
+            params = model.init(jax.random.key(0), tokens[:1, :-1])
+
+            def loss(params, batch, model=model):
+                logits = model.apply(params, batch[0])
+                return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+            fns = {"non-private": jax.value_and_grad(loss)}
+            fns["recompute"] = privacy.clipped_grad(loss, C)
+            if remat:
+                fns["save"] = privacy.clipped_grad(loss, C, remat="save")
+            for k, fn in fns.items():
+                temps[k, remat] = _compiled(fn, params, batch)[0]
+                if remat:
+                    jitted = jax.jit(fn)
+                    candidates[k] = lambda f=jitted, p=params, b=batch: f(p, b)
+        times = harness.interleaved_times(candidates, reps, warmup=1)
+        saving = temps["non-private", False] - temps["non-private", True]
+        for k in ("recompute", "save"):
+            ratio, q1, q3 = harness.ratio_quartiles(times[k], times["non-private"])
+            kept = (temps["recompute", False] - temps[k, True]) / saving
+            rows.append(
+                {
+                    "benchmark": "privacy",
+                    "model": f"gemma_remat_T{length}",
+                    "description": f"Gemma-like decoder under nn.remat, T = {length}, "
+                    f"B = {batch_size}",
+                    "measure": "remat",
+                    "candidate": k,
+                    "ms": 1e3 * float(np.median(times[k])),
+                    "ms_reference": 1e3 * float(np.median(times["non-private"])),
+                    "ratio": ratio,
+                    "ratio_q1": q1,
+                    "ratio_q3": q3,
+                    "temp_mib": temps[k, True],
+                    "temp_mib_reference": temps["non-private", True],
+                    "temp_ratio": temps[k, True] / temps["non-private", True],
+                    "saving_kept": kept,
+                    "target_ratio": 1.3,
+                    "target_temp_ratio": 1.5,
+                }
+            )
+    return rows
+
+
 def make_params(widths: tuple[int, ...], seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     return [
@@ -346,6 +415,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=None,
         help=f"comma-separated, among {', '.join(MODELS)}: those models alone",
     )
+    parser.add_argument(
+        "--remat",
+        action="store_true",
+        help="with --models: the remat rows (Gemma-like decoder, T = 256, 512) as well",
+    )
     args = parser.parse_args(argv)
     reps = args.reps or (2 if args.quick else 21)
     names = MODELS if args.models is None else tuple(args.models.split(","))
@@ -355,6 +429,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for name in names:
         rows += measure_model(name, args.quick, reps, micro=8 if args.quick else 32)
+    if args.models is None or args.remat:
+        rows += measure_remat(args.quick, reps if args.quick else min(reps, 11))
     if args.models is None:
         if args.quick:
             rows += measure_steps((64, 32, 10), 32, 8, reps)
@@ -365,7 +441,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"privacy: C={C}, jax {jax.__version__} (shared, noisy machine: ratios side by side)")
     print(f"{'model':<12} {'candidate':<12} {'ms':>9} {'ref ms':>9} {'ratio':>6} {'temp':>7}")
     for r in rows:
-        if r.get("measure") in ("vs_non_private", "opacus_ghost") and "ratio" in r:
+        if r.get("measure") == "remat":
+            print(
+                f"{r['model']:<12} {r['candidate']:<12} {r['ms']:9.2f} {r['ms_reference']:9.2f}"
+                f" {r['ratio']:6.2f} {r['temp_ratio']:6.2f}x  (remat's saving kept: "
+                f"{100 * r['saving_kept']:.0f} %)"
+            )
+        elif r.get("measure") in ("vs_non_private", "opacus_ghost") and "ratio" in r:
             temp = f"{r['temp_ratio']:6.2f}x" if r.get("temp_ratio") else ""
             print(
                 f"{r['model']:<12} {r['candidate']:<12} {r['ms']:9.2f} {r['ms_reference']:9.2f}"

@@ -111,13 +111,14 @@ class Decoder(nn.Module):
     layers: int = 2
     heads: int = 4
     hidden: int = 128
+    remat: bool = True
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         embed = nn.Embed(VOCAB, self.width, name="embed")
         x = embed(tokens) * np.sqrt(self.width)
         stack = nn.scan(
-            nn.remat(Block),
+            nn.remat(Block) if self.remat else Block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
             length=self.layers,

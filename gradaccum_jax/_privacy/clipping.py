@@ -176,6 +176,7 @@ def clipped_grad(
     method: str = "fast",
     return_grad_norms: bool = False,
     wrt: Any = None,
+    remat: str = "recompute",
 ) -> ClippedGradFn:
     r"""The sum of per-example gradients, each clipped to L2 norm `l2_clip_norm`.
 
@@ -268,7 +269,8 @@ def clipped_grad(
             (or wider) whatever this is.
         method: `"fast"` (the default) or `"per_example"`, see above.
         return_grad_norms: Also return each example's gradient norm before clipping
-            (jax_privacy's name), for adaptive clipping or diagnostics.
+            (jax_privacy's name), for adaptive clipping or diagnostics: 0 for padding,
+            not finite for an example whose gradient is not (it is dropped).
         wrt: For `flax.nnx` modules at `argnums`: which of their state is differentiated
             and clipped, as `nnx.grad`'s filters. `None` is `nnx.Param`; an nnx filter
             (`nnx.LoRAParam`: only the adapters of LoRA layers) applies to every
@@ -276,6 +278,15 @@ def clipped_grad(
             at `argnum`. Give it the optimizer's `wrt`: each example's norm counts only
             what is selected, and an optimizer (`gradaccum_jax.flax.Optimizer`, or any
             inside `dp_accumulate`) that updates fewer leaves than were clipped refuses them.
+        remat: What the fast path does at the layers inside a `jax.checkpoint`
+            (`nn.remat`, `nnx.remat`). `"recompute"` (the default) keeps remat's memory:
+            their norms and clipped sums are computed in the backward pass, from the
+            inputs the remat recomputes there, and nothing of them is held for the
+            chunk; the clipped sums take a second backward pass (the remats recomputed
+            again). `"save"` keeps their inputs from the forward pass instead: one
+            backward pass, and the memory remat saved is spent on those inputs. The
+            plan marks the leaves computed in the backward pass. Ignored by
+            `method="per_example"` and by a loss with no remat.
 
     Returns:
         A `ClippedGradFn`: called like `loss_fn` plus the keyword
@@ -361,6 +372,12 @@ def clipped_grad(
         )
     if not isinstance(return_grad_norms, bool):
         raise TypeError(f"return_grad_norms must be a bool; got {return_grad_norms=!r}.")
+    if remat not in _REMAT:
+        raise ValueError(
+            f"remat must be one of {', '.join(map(repr, _REMAT))}; got {remat=!r}. "
+            '"recompute" keeps remat\'s memory at the cost of a second backward pass; '
+            '"save" keeps the remat layers\' inputs for one backward pass.'
+        )
     value_and_grad = jax.value_and_grad(
         loss_fn, argnums=argnums if isinstance(argnums, int) else diff, has_aux=has_aux
     )
@@ -380,11 +397,13 @@ def clipped_grad(
             method=method,
             return_grad_norms=return_grad_norms,
             wrt=wrt,
+            remat=remat,
         )
     )
 
 
 _METHODS = ("fast", "per_example")
+_REMAT = ("recompute", "save")
 
 
 def _check_wrt(options: _Options, args: tuple[Any, ...], found: tuple[int, ...]) -> None:
@@ -662,6 +681,7 @@ class _Options(NamedTuple):
     method: str
     return_grad_norms: bool
     wrt: Any
+    remat: str
 
 
 def _per_example_chunk(options: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]):
@@ -731,7 +751,8 @@ def _program(options: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     diff_paths = jax.tree_util.tree_leaves_with_path([args[i] for i in options.diff])
     paths = [_path(options, p) for p, _ in diff_paths]
     layout = fast.Layout(tuple(kinds), tuple(leaf_of), n_diff)
-    return _Traced(fast.Program(closed, layout, paths), aux_tree[0])
+    program = fast.Program(closed, layout, paths, recompute=options.remat == "recompute")
+    return _Traced(program, aux_tree[0])
 
 
 def _path(options: _Options, path: tuple[Any, ...]) -> str:

@@ -49,12 +49,16 @@ class LeafPlan:
         why: For `"per_example"`, what the fast path could not follow; for `"ghost"`
             and `"layer"` where the rule chose between the two, the sizes and the
             ratios of flops or bytes that decided (`""` otherwise).
+        recomputed: Whether the leaf's layer is inside a remat whose inputs are
+            recomputed for it in the backward pass (`clipped_grad(..., remat=
+            "recompute")`): its norms and clipped sum are computed there.
     """
 
     path: str
     method: str
     uses: tuple[str, ...] = ()
     why: str = ""
+    recomputed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,7 @@ class ClippingPlan:
         rows = [("leaf", "method", "where it meets the batch")]
         for leaf in self.leaves:
             where = ", ".join(leaf.uses) + (f" ({leaf.why})" if leaf.why else "")
+            where += " [in remat's backward pass]" if leaf.recomputed else ""
             rows.append((leaf.path, leaf.method, where))
         widths = [max(len(row[i]) for row in rows) for i in range(2)]
         return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}".rstrip() for a, b, c in rows)
@@ -102,7 +107,9 @@ class Layout:
 class Program:
     """The fast path's knowledge of one loss at one set of shapes (see the module)."""
 
-    def __init__(self, closed: Any, layout: Layout, paths: Sequence[str]):
+    def __init__(
+        self, closed: Any, layout: Layout, paths: Sequence[str], *, recompute: bool = True
+    ):
         self.closed, self.layout = closed, layout
         self.per_example: dict[int, str] = {}
         while True:
@@ -135,7 +142,31 @@ class Program:
             else:
                 self.materialized.append(leaf)
         self.mat_positions = sorted({use for leaf in self.materialized for use in uses[leaf]})
+        self.probed = self._probed() if recompute else {}
         self.leaves = [self._leaf_plan(i, paths[i], uses[i]) for i in range(layout.n_leaves)]
+
+    def _probed(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        """The sites inside a remat whose rules run in the backward pass (`Probe`), each
+        with its fast leaves as `(k, leaf)`: every parameter input a fast leaf's, each
+        iteration's own (a weight reused by every iteration of a scan needs all of
+        them at once)."""
+        in_remat: set[int] = set()
+        for block in self.analysis.blocks:
+            if block.remat:
+                in_remat.update(range(block.first, block.end))
+        materialized = {s for s, _ in self.mat_positions}
+        by_site: dict[int, list[tuple[int, int]]] = {}
+        for leaf, (s, k) in self.fast.items():
+            by_site.setdefault(s, []).append((k, leaf))
+        probed = {}
+        for s, entries in sorted(by_site.items()):
+            site = self.analysis.sites[s]
+            if s not in in_remat or s in materialized:
+                continue
+            if any(site.reused_depth(site.derived[k]) for k, _ in entries):
+                continue
+            probed[s] = tuple(sorted(entries))
+        return probed
 
     def _fall_back(self, leaves: frozenset[int], why: str) -> None:
         new = leaves - set(self.per_example)
@@ -153,7 +184,7 @@ class Program:
             site_index, k = self.fast[leaf]
             site = self.analysis.sites[site_index]
             method, why = self._method(site, site.derived[k])
-            return LeafPlan(path, method, names, why)
+            return LeafPlan(path, method, names, why, site_index in self.probed)
         return LeafPlan(path, "materialized", names)
 
     def _method(self, site: graph.Site, position: int) -> tuple[str, str]:
@@ -306,7 +337,8 @@ def run(
     """
     chunk = _Chunk(program, inputs, padding.shape[0], vary)
     norms_sq, per_example = chunk.norms_sq()
-    keep = ~padding & jnp.isfinite(chunk.losses) & jnp.isfinite(norms_sq) & chunk.finite()
+    finite = chunk.finite()
+    keep = ~padding & jnp.isfinite(chunk.losses) & jnp.isfinite(norms_sq) & finite
     norms = jnp.sqrt(norms_sq)
     factor = jnp.where(keep, jnp.minimum(1.0, clip / norms), 0.0)
     grads = chunk.sums(factor, keep, per_example)
@@ -324,7 +356,10 @@ def run(
     )
     aux = [norm_rules.select_rows(a, keep) for a in chunk.aux]
     ordered = [grads[leaf] for leaf in range(program.layout.n_leaves)]
-    return ChunkResult(loss_sum, aux, ordered, jnp.where(padding, 0.0, norms))
+    # An example whose inputs were cleaned has a non-finite gradient (the norm found
+    # from the cleaned inputs is not its norm): NaN, as the per-example path reports.
+    reported = jnp.where(finite, norms, jnp.array(jnp.nan, norms.dtype))
+    return ChunkResult(loss_sum, aux, ordered, jnp.where(padding, 0.0, reported))
 
 
 class _Chunk:
@@ -334,6 +369,10 @@ class _Chunk:
         self.program, self.inputs, self.n, self.vary = program, inputs, n, vary
         layout, analysis = program.layout, program.analysis
         self.leaf_inputs = {leaf: i for i, leaf in enumerate(layout.leaf_of) if leaf is not None}
+        self.norm_dtype = functools.reduce(
+            jnp.promote_types,
+            [jnp.float32, *(jnp.result_type(inputs[i]) for i in self.leaf_inputs.values())],
+        )
         copies = {
             leaf: jnp.broadcast_to(inputs[i], (n, *jnp.shape(inputs[i])))
             for leaf, i in self.leaf_inputs.items()
@@ -341,15 +380,20 @@ class _Chunk:
         }
         taps = vary(
             {
-                s: [None if t is None else jnp.zeros(t.shape, t.dtype) for t in shapes]
+                s: [
+                    None if t is None or s in program.probed else jnp.zeros(t.shape, t.dtype)
+                    for t in shapes
+                ]
                 for s, shapes in replay.tap_shapes(analysis, n).items()
             }
         )
+        probes = {s: Probe(analysis.sites[s], e, n) for s, e in program.probed.items()}
+        holders = vary({s: p.holders(self.norm_dtype) for s, p in probes.items()})
         self.clean = program.clean()
         wanted = program.wanted()
 
-        def forward(taps: Any, copied: dict[int, jax.Array]) -> Any:
-            outs, exports, params = replay.run_batched(
+        def forward(taps: Any, copied: dict[int, jax.Array], holders: Any) -> Any:
+            outs, exports, params, channels = replay.run_batched(
                 analysis,
                 program.closed,
                 self.values(copied),
@@ -357,15 +401,31 @@ class _Chunk:
                 n=n,
                 wanted=wanted,
                 clean=self.clean,
+                probes=probes,
+                holders=holders,
             )
             values = [o.value if o.kind == BATCHED else _broadcast(o.value, n) for o in outs]
-            return values[0], (values[1:], exports, params)
+            return (values[0], channels), (values[1:], exports, params)
 
-        self.losses, backward, (self.aux, self.exports, self.params) = jax.vjp(
-            forward, taps, copies, has_aux=True
+        (self.losses, self.channels), self.backward, (self.aux, self.exports, self.params) = (
+            jax.vjp(forward, taps, copies, holders, has_aux=True)
         )
-        self.tap_grads, self.copy_grads = backward(jnp.ones_like(self.losses))
+        # The first backward pass: the gradients at the taps and copies, and the probed
+        # sites' norms (their channels bring zeros for weights).
+        self.tap_grads, self.copy_grads, found = self.backward(
+            (jnp.ones_like(self.losses), jax.tree.map(jnp.zeros_like, self.channels))
+        )
+        self.probe_norms = {s: norm for s, (norm, _) in found.items()}
         self.per_leaf: dict[int, Any] = {}  # what a fast leaf's norm left for its sum
+
+    def probed_sums(self, factor: jax.Array) -> dict[int, list[jax.Array]]:
+        """The second backward pass, where the remat blocks are recomputed again: each
+        probed site's clipped sums, with the clip factors brought by its channel."""
+        seed = {
+            s: jnp.broadcast_to(factor.astype(c.dtype), c.shape) for s, c in self.channels.items()
+        }
+        _, _, found = self.backward((jnp.ones_like(self.losses), seed))
+        return {s: sums for s, (_, sums) in found.items()}
 
     def values(self, copied: dict[int, Any]) -> list[replay.Val]:
         """The program's inputs as values of their kinds; `copied` leaves batched."""
@@ -397,12 +457,13 @@ class _Chunk:
     def norms_sq(self) -> tuple[jax.Array, dict[int, jax.Array]]:
         """Each example's squared gradient norm, and the per-example gradients of the
         materialized and per-example leaves."""
-        norm_dtype = functools.reduce(
-            jnp.promote_types,
-            [jnp.float32, *(jnp.result_type(self.inputs[i]) for i in self.leaf_inputs.values())],
-        )
+        norm_dtype = self.norm_dtype
         total = jnp.zeros(self.n, norm_dtype)
+        for norm in self.probe_norms.values():
+            total = total + norm_rules.sum_lead(norm, norm.ndim - 1).astype(norm_dtype)
         for leaf, (s, k) in self.program.fast.items():
+            if s in self.program.probed:
+                continue
             site = self.program.analysis.sites[s]
             position = site.derived[k]
             rule = norm_rules.rule_for(site, position)
@@ -431,7 +492,14 @@ class _Chunk:
         """Each leaf's clipped sum: book-keeping for the fast leaves, the per-example
         gradients' weighted sum for the others."""
         sums = {}
+        probed = self.probed_sums(factor) if self.program.probed else {}
+        for s, entries in self.program.probed.items():
+            site = self.program.analysis.sites[s]
+            for (k, leaf), summed in zip(entries, probed[s], strict=True):
+                sums[leaf] = norm_rules.transpose_chain(summed, site.origins[k].chain or ())
         for leaf, (s, k) in self.program.fast.items():
+            if s in self.program.probed:
+                continue
             site = self.program.analysis.sites[s]
             position = site.derived[k]
             rule = norm_rules.rule_for(site, position)
@@ -446,6 +514,76 @@ class _Chunk:
         for leaf, g in per_example.items():
             sums[leaf] = norm_rules.clipped_total(g, factor, keep)
         return sums
+
+
+class Probe:
+    """A site inside a remat whose rules run in the backward pass.
+
+    The site's floating-point outputs pass through a `jax.custom_vjp` identity that
+    keeps the site's inputs as its residuals, so that a remat recomputes them in the
+    backward pass as it recomputes its other values, and nothing is held for the
+    chunk. Its backward rule has the inputs `A` and the output gradients `G` at once,
+    and hands the norms and the clipped sums out as the gradients of zeros (the
+    *holders*, one set per iteration of the scans around the site). The clip factors
+    come in as the gradient of the probe's second output, its *channel*: the first
+    backward pass brings zeros and reads the norms, the second brings the factors and
+    reads the sums (XLA drops what each pass does not read).
+    """
+
+    def __init__(self, site: graph.Site, entries: Sequence[tuple[int, int]], n: int):
+        self.site, self.n = site, n
+        self.positions = [site.derived[k] for k, _ in entries]
+        self.rules = [norm_rules.rule_for(site, p) for p in self.positions]
+        self.float_outs = [i for i, v in enumerate(site.eqn.outvars) if graph.is_float(v.aval)]
+        self.arrays = [i for i, v in enumerate(site.eqn.invars) if not norm_rules.is_literal(v)]
+        self._probe = jax.custom_vjp(self._identity)
+        self._probe.defvjp(self._forward, self._backward)
+
+    def holders(self, norm_dtype: Any) -> tuple[jax.Array, list[jax.Array]]:
+        """Zeros for the norms `(*lengths, n)` and for each parameter input's sum."""
+        lead = self.site.lengths
+        sums = []
+        for p in self.positions:
+            aval = self.site.eqn.invars[p].aval
+            sums.append(jnp.zeros((*lead, *aval.shape), norm_rules.wide(aval.dtype)))
+        return jnp.zeros((*lead, self.n), norm_dtype), sums
+
+    def __call__(self, outs: list[Any], values: list[Any], holders: Any) -> tuple[list, Any]:
+        arrays = [values[i] for i in self.arrays]
+        found, channel = self._probe([outs[i] for i in self.float_outs], arrays, holders)
+        outs = list(outs)
+        for i, o in zip(self.float_outs, found, strict=True):
+            outs[i] = o
+        return outs, channel
+
+    @staticmethod
+    def _identity(outs: list[Any], arrays: list[Any], holders: Any) -> tuple[list, Any]:
+        del arrays
+        return outs, jnp.zeros_like(holders[0])
+
+    def _forward(self, outs: list[Any], arrays: list[Any], holders: Any) -> Any:
+        norm_holder, sum_holders = holders
+        self.dtypes = (norm_holder.dtype, [h.dtype for h in sum_holders])
+        return self._identity(outs, arrays, holders), arrays
+
+    def _backward(self, arrays: Any, cotangents: Any) -> Any:
+        norm_dtype, sum_dtypes = self.dtypes
+        grads_out, weights = cotangents
+        site = self.site
+        given = iter(arrays)
+        inputs = [v.val if norm_rules.is_literal(v) else next(given) for v in site.eqn.invars]
+        grads: list[Any] = [None] * len(site.eqn.outvars)
+        for i, g in zip(self.float_outs, grads_out, strict=True):
+            grads[i] = g
+        norm: Any = 0
+        sums = []
+        keep = weights > 0
+        for rule, p, dtype in zip(self.rules, self.positions, sum_dtypes, strict=True):
+            _, sq, _ = rule.norm_sq(site, p, inputs, grads)
+            norm = norm + sq.astype(norm_dtype)
+            total = rule.weighted_sum(site, p, inputs, grads, weights, keep, None)
+            sums.append(total.astype(dtype))
+        return list(grads_out), [None] * len(arrays), (norm, sums)
 
 
 def _materialized(chunk: _Chunk) -> dict[int, jax.Array]:

@@ -258,11 +258,13 @@ def walk(jaxpr: Any, consts: Sequence[Any], inputs: Sequence[Any], visit: Callab
 @dataclasses.dataclass(frozen=True)
 class Block:
     """A scan or remat the walk entered: its sites are `first` to `end - 1`, and the
-    blocks inside it are numbered up to `end_block - 1` (pre-order)."""
+    blocks inside it are numbered up to `end_block - 1` (pre-order); `remat` for a
+    `jax.checkpoint` (its values are recomputed in the backward pass)."""
 
     first: int
     end: int
     end_block: int
+    remat: bool = False
 
 
 @dataclasses.dataclass
@@ -305,7 +307,9 @@ class _Analyzer:
             return walk(body, [Abstract(CONST)] * len(consts), ins, self)
         if what == "remat":
             body, consts = call_body(eqn)
-            return self._block(lambda: walk(body, [Abstract(CONST)] * len(consts), ins, self))
+            return self._block(
+                lambda: walk(body, [Abstract(CONST)] * len(consts), ins, self), remat=True
+            )
         if what == "scan":
             return self._block(lambda: self._scan(eqn, ins))
         if what == "unsupported":
@@ -315,12 +319,12 @@ class _Analyzer:
         self._site(eqn, ins)
         return [Abstract(BATCHED) for _ in eqn.outvars]
 
-    def _block(self, enter: Callable[[], list[Abstract]]) -> list[Abstract]:
+    def _block(self, enter: Callable[[], list[Abstract]], remat: bool = False) -> list[Abstract]:
         """Walks a scan's or remat's body, recording the sites and blocks it holds."""
         index, first = len(self.blocks), len(self.sites)
-        self.blocks.append(Block(first, first, index + 1))
+        self.blocks.append(Block(first, first, index + 1, remat))
         outs = enter()
-        self.blocks[index] = Block(first, len(self.sites), len(self.blocks))
+        self.blocks[index] = Block(first, len(self.sites), len(self.blocks), remat)
         return outs
 
     def _derived(self, eqn: Any, ins: list[Abstract], out_float: bool) -> Abstract:

@@ -83,14 +83,19 @@ class _Replay:
         taps: dict[int, list[Any]] | None = None,
         wanted: frozenset = frozenset(),
         clean: frozenset = frozenset(),
+        probes: dict[int, Any] | None = None,
+        holders: dict[int, Any] | None = None,
     ):
         self.analysis, self.n, self.batched = analysis, n, batched
         self.site, self.block = site, block
         self.taps = taps or {}
         self.wanted = wanted  # sites whose parameter inputs are handed out
         self.clean = clean  # sites whose batched inputs are cleaned of non-finite values
+        self.probes = probes or {}  # sites whose rules run in the backward pass
+        self.holders = holders or {}  # the probes' zeros, whose gradients they fill
         self.exports: dict[int, tuple[list[Any], Any]] = {}
         self.params: dict[int, list[Any]] = {}
+        self.channels: dict[int, Any] = {}  # the probes' outputs that bring the weights
 
     def read(self, x: Any) -> Val:
         return Val(CONST, x.val) if isinstance(x, core.Literal) else x
@@ -140,7 +145,16 @@ class _Replay:
         outs = self._mapped(eqn, ins)
         taps = self.taps[self.site]
         outs = [o if t is None else o + t for o, t in zip(outs, taps, strict=True)]
-        self.exports[self.site] = ([ins[i].value for i in exported_positions(site)], finite)
+        probe = self.probes.get(self.site)
+        if probe is not None:
+            # The rules run in the backward pass, on the inputs the forward pass (or a
+            # remat's recomputation) gives them: nothing is handed out but the flags.
+            outs, self.channels[self.site] = probe(
+                outs, [v.value for v in ins], self.holders[self.site]
+            )
+            self.exports[self.site] = ([], finite)
+        else:
+            self.exports[self.site] = ([ins[i].value for i in exported_positions(site)], finite)
         self.site += 1
         return [Val(BATCHED, o) for o in outs]
 
@@ -154,6 +168,15 @@ class _Replay:
             taps=None,
             wanted=self.wanted,
             clean=self.clean,
+            probes=self.probes,
+        )
+
+    def _block_inputs(self, block: graph.Block) -> tuple[dict, dict]:
+        """The taps and the probes' holders of the sites inside `block`."""
+        inside = range(block.first, block.end)
+        return (
+            {s: self.taps[s] for s in inside if s in self.taps},
+            {s: self.holders[s] for s in inside if s in self.holders},
         )
 
     def _remat(self, eqn: Any, ins: list[Val]) -> list[Val]:
@@ -161,9 +184,9 @@ class _Replay:
         block = self.analysis.blocks[self.block]
         kinds: list[str] = []
 
-        def run(values: list[Any], taps: dict[int, list[Any]]) -> tuple[list[Any], Any]:
+        def run(values: list[Any], taps: dict[int, list[Any]], holders: dict) -> Any:
             child = self._child(block.first)
-            child.taps = taps
+            child.taps, child.holders = taps, holders
             outs = graph.walk(
                 body,
                 [Val(CONST, c) for c in consts],
@@ -171,18 +194,19 @@ class _Replay:
                 child,
             )
             kinds[:] = [o.kind for o in outs]
-            return [o.value for o in outs], (child.exports, child.params)
+            return [o.value for o in outs], (child.exports, child.params, child.channels)
 
-        taps = {s: self.taps[s] for s in range(block.first, block.end) if s in self.taps}
+        taps, holders = self._block_inputs(block)
         if self.batched:
             run = jax.checkpoint(
                 run,
                 prevent_cse=eqn.params.get("prevent_cse", True),
                 policy=eqn.params.get("policy"),
             )
-        values, (exports, params) = run([v.value for v in ins], taps)
+        values, (exports, params, channels) = run([v.value for v in ins], taps, holders)
         self.exports.update(exports)
         self.params.update(params)
+        self.channels.update(channels)
         self.site, self.block = block.end, block.end_block
         return [Val(k, v) for k, v in zip(kinds, values, strict=True)]
 
@@ -202,12 +226,12 @@ class _Replay:
         body = p["jaxpr"]
         ys_kinds: list[str] = []
 
-        def step(carry: list[Any], x: tuple[list[Any], dict[int, list[Any]]]) -> Any:
-            x_values, taps = x
+        def step(carry: list[Any], x: tuple[list[Any], dict[int, list[Any]], dict]) -> Any:
+            x_values, taps, holders = x
             carry_iter = iter(carry)
             x_iter = iter(x_values)
             child = self._child(block.first)
-            child.taps = taps
+            child.taps, child.holders = taps, holders
             inputs = [
                 *consts,
                 *[
@@ -227,20 +251,21 @@ class _Replay:
             ]
             ys_kinds[:] = [o.kind for o in outs[n_carry:]]
             ys = [o.value for o in outs[n_carry:] if self.batched or o.kind != BATCHED]
-            return new_carry, (ys, child.exports, child.params)
+            return new_carry, (ys, child.exports, child.params, child.channels)
 
-        taps = {s: self.taps[s] for s in range(block.first, block.end) if s in self.taps}
+        taps, holders = self._block_inputs(block)
         x_values = [_to_scan(v) for v, keep in zip(xs, xs_kept, strict=True) if keep]
-        carry_out, (ys, exports, params) = jax.lax.scan(
+        carry_out, (ys, exports, params, channels) = jax.lax.scan(
             step,
             [v.value for v, keep in zip(init, kept, strict=True) if keep],
-            (x_values, taps),
+            (x_values, taps, holders),
             length=p["length"],
             reverse=p["reverse"],
             unroll=p["unroll"],
         )
         self.exports.update(exports)
         self.params.update(params)
+        self.channels.update(channels)
         self.site, self.block = block.end, block.end_block
         carry_iter, ys_iter = iter(carry_out), iter(ys)
         carry_vals = [
@@ -300,17 +325,32 @@ def run_batched(
     n: int,
     wanted: frozenset = frozenset(),
     clean: frozenset = frozenset(),
-) -> tuple[list[Val], dict[int, Any], dict[int, list[Any]]]:
-    """The program for a chunk of `n` examples: `(outputs, exports, parameter inputs)`.
+    probes: dict[int, Any] | None = None,
+    holders: dict[int, Any] | None = None,
+) -> tuple[list[Val], dict[int, Any], dict[int, list[Any]], dict[int, Any]]:
+    """The program for a chunk of `n` examples: `(outputs, exports, parameter inputs,
+    channels)`.
 
-    Each site's export is `(inputs, finite)`: its batched and constant inputs, and
-    for the `clean` sites (see `_cleaned`) a flag per example, `None` elsewhere.
+    Each site's export is `(inputs, finite)`: its batched and constant inputs (none for
+    a probed site), and for the `clean` sites (see `_cleaned`) a flag per example,
+    `None` elsewhere. A probed site's outputs pass through `probes[site](outputs,
+    inputs, holders[site])`, which returns them and its channel (stacked over the
+    iterations of the scans around it, like the taps).
     """
     replay = _Replay(
-        analysis, n=n, batched=True, site=0, block=0, taps=taps, wanted=wanted, clean=clean
+        analysis,
+        n=n,
+        batched=True,
+        site=0,
+        block=0,
+        taps=taps,
+        wanted=wanted,
+        clean=clean,
+        probes=probes,
+        holders=holders,
     )
     outs = graph.walk(closed.jaxpr, [Val(CONST, c) for c in closed.consts], list(inputs), replay)
-    return outs, replay.exports, replay.params
+    return outs, replay.exports, replay.params, replay.channels
 
 
 def run_derived(
