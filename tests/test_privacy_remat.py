@@ -232,3 +232,30 @@ def test_recomputing_keeps_remats_memory():
     save = temp(privacy.clipped_grad(loss, 1.0, batch_argnums=(1, 2), remat="save"), *args)
     assert recompute <= 1.5 * plain, (recompute, plain)
     assert recompute < save, (recompute, save)
+
+
+def shifted(params, x):
+    """Gemma's RMSNorm scale, `1 + scale`; a weight with a constant taken off, `w - c`;
+    and `c - v`, whose sign flips (materialized: its gradient is not the output's)."""
+    h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * (1.0 + params["scale"])
+    h = jnp.tanh(h @ (params["w"] - 0.5))
+    return jnp.mean((h @ (2.0 - params["v"])) ** 2)
+
+
+def test_a_constant_added_to_a_weight_keeps_it_on_the_fast_path():
+    with x64():
+        ks = jax.random.split(jax.random.key(4), 4)
+        params = {
+            "scale": jax.random.normal(ks[0], (D,), F64) * 0.1,
+            "w": jax.random.normal(ks[1], (D, D), F64),
+            "v": jax.random.normal(ks[2], (D, 2), F64),
+        }
+        x = jax.random.normal(ks[3], (N, T, D), F64)
+        body = jax.checkpoint(shifted)
+        fast = privacy.clipped_grad(body, C)
+        ref = privacy.clipped_grad(body, C, method="per_example")
+        close(jax.jit(fast)(params, x), jax.jit(ref)(params, x))
+        plan = {leaf.path: leaf for leaf in fast.plan(params, x)}
+        assert plan["['scale']"].method == "layer" and plan["['scale']"].recomputed
+        assert plan["['w']"].method in ("ghost", "layer") and plan["['w']"].recomputed
+        assert plan["['v']"].method == "materialized"

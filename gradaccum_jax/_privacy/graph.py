@@ -178,6 +178,20 @@ def keeps_norm(eqn: Any) -> bool:
     return int(np.prod(src.shape)) == int(np.prod(dst.shape)) and is_float(dst)
 
 
+def shifts(eqn: Any, kinds: Sequence[str]) -> bool:
+    """Whether the equation adds a constant to its one derived operand (`1 + scale`, as
+    Gemma's RMSNorm writes its scale; `w - c`), of the operand's shape and dtype: the
+    gradient at the operand is the gradient at the output."""
+    name = eqn.primitive.name
+    if name not in ("add", "sub") or list(kinds).count(DERIVED) != 1:
+        return False
+    position = list(kinds).index(DERIVED)
+    if name == "sub" and position != 0:
+        return False  # c - w flips the sign
+    src, dst = eqn.invars[position].aval, eqn.outvars[0].aval
+    return src.shape == dst.shape and src.dtype == dst.dtype
+
+
 def step_of(eqn: Any) -> Step:
     return Step(eqn.primitive.name, tuple(eqn.invars[0].aval.shape), tuple(eqn.params.items()))
 
@@ -336,8 +350,11 @@ class _Analyzer:
         # outermost reuse is kept for the record.
         shared = [o.shared_at for o in derived if o.shared_at is not None]
         chain = None
-        if keeps_norm(eqn) and derived[0].chain is not None:
-            chain = (*derived[0].chain, step_of(eqn))
+        if derived[0].chain is not None:
+            if keeps_norm(eqn):
+                chain = (*derived[0].chain, step_of(eqn))
+            elif shifts(eqn, [a.kind for a in ins]):
+                chain = (*derived[0].chain, Step("shift", tuple(eqn.outvars[0].aval.shape)))
         return Abstract(DERIVED, Origin(leaves, chain, min(shared, default=None)))
 
     def _site(self, eqn: Any, ins: list[Abstract]) -> None:

@@ -633,6 +633,8 @@ def transpose_chain(total: jax.Array, chain: Sequence[graph.Step]) -> jax.Array:
             total = jnp.transpose(total, [*range(depth), *(depth + d for d in inverse)])
         elif step.primitive == "rev":
             total = jnp.flip(total, [depth + d for d in params["dimensions"]])
+        elif step.primitive == "shift":  # a constant added: the gradient passes as it is
+            continue
         else:  # reshape-like, or a change of dtype: the entries stay in order
             total = total.reshape(*lead, *step.in_shape)
     return total
