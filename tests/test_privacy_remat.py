@@ -204,7 +204,7 @@ def test_global_view_on_an_explicit_mesh():
 
 def test_an_unknown_remat_value_is_refused():
     with pytest.raises(
-        ValueError, match=r"remat must be one of 'recompute', 'save'; got remat='keep'"
+        ValueError, match=r"remat must be one of 'recompute', 'save'; got remat='keep' "
     ):
         privacy.clipped_grad(lambda w, x: jnp.sum(w * x), C, remat="keep")
 

@@ -278,15 +278,11 @@ def clipped_grad(
             at `argnum`. Give it the optimizer's `wrt`: each example's norm counts only
             what is selected, and an optimizer (`gradaccum_jax.flax.Optimizer`, or any
             inside `dp_accumulate`) that updates fewer leaves than were clipped refuses them.
-        remat: What the fast path does at the layers inside a `jax.checkpoint`
-            (`nn.remat`, `nnx.remat`). `"recompute"` (the default) keeps remat's memory:
-            their norms and clipped sums are computed in the backward pass, from the
-            inputs the remat recomputes there, and nothing of them is held for the
-            chunk; the clipped sums take a second backward pass (the remats recomputed
-            again). `"save"` keeps their inputs from the forward pass instead: one
-            backward pass, and the memory remat saved is spent on those inputs. The
-            plan marks the leaves computed in the backward pass. Ignored by
-            `method="per_example"` and by a loss with no remat.
+        remat: At the layers inside a `jax.checkpoint` (`nn.remat`, `nnx.remat`):
+            `"recompute"` (the default) keeps remat's memory, computing their norms and
+            clipped sums in the backward pass from the inputs the remat recomputes (the
+            sums in a second backward pass); `"save"` keeps their inputs from the
+            forward pass (one backward pass, more memory). `plan` marks the former.
 
     Returns:
         A `ClippedGradFn`: called like `loss_fn` plus the keyword
@@ -374,9 +370,8 @@ def clipped_grad(
         raise TypeError(f"return_grad_norms must be a bool; got {return_grad_norms=!r}.")
     if remat not in _REMAT:
         raise ValueError(
-            f"remat must be one of {', '.join(map(repr, _REMAT))}; got {remat=!r}. "
-            '"recompute" keeps remat\'s memory at the cost of a second backward pass; '
-            '"save" keeps the remat layers\' inputs for one backward pass.'
+            f"remat must be one of {', '.join(map(repr, _REMAT))}; got {remat=!r} "
+            "(recompute: remat's memory, a second backward pass; save: one, more memory)."
         )
     value_and_grad = jax.value_and_grad(
         loss_fn, argnums=argnums if isinstance(argnums, int) else diff, has_aux=has_aux
