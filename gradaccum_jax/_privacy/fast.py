@@ -546,6 +546,7 @@ class Probe:
         for p in self.positions:
             aval = self.site.eqn.invars[p].aval
             sums.append(jnp.zeros((*lead, *aval.shape), norm_rules.wide(aval.dtype)))
+        self.dtypes = (norm_dtype, [h.dtype for h in sums])  # what the backward rule returns
         return jnp.zeros((*lead, self.n), norm_dtype), sums
 
     def __call__(self, outs: list[Any], values: list[Any], holders: Any) -> tuple[list, Any]:
@@ -562,8 +563,6 @@ class Probe:
         return outs, jnp.zeros_like(holders[0])
 
     def _forward(self, outs: list[Any], arrays: list[Any], holders: Any) -> Any:
-        norm_holder, sum_holders = holders
-        self.dtypes = (norm_holder.dtype, [h.dtype for h in sum_holders])
         return self._identity(outs, arrays, holders), arrays
 
     def _backward(self, arrays: Any, cotangents: Any) -> Any:
