@@ -962,5 +962,8 @@ def test_nnx_module_under_shard_map():
         return nnx_loss(nnx.merge(graphdef, params, rest), reps)
 
     want = jax.value_and_grad(per_device_reference)(params)
-    assert_close((train_value, train_grads), want, atol=1e-7)
+    # float32 sums over 8 devices in another order: under XLA's default settings (the
+    # wheel's run) one leaf sat at 1.08e-5 of its norm, over REL; the dropout check
+    # below is three orders of magnitude apart from either.
+    assert_close((train_value, train_grads), want, rel=3e-5, atol=1e-7)
     assert rel_error(train_grads, grads) > 0.01
