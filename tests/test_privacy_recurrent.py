@@ -148,12 +148,44 @@ def _reused_outside():
     return build
 
 
+def _sums_read_twice():
+    """Sums that do not pass a gradient on unchanged: a layer's output added into the
+    state and read again (`+ 0.5 z`), and one added to itself (`u + u`, twice the
+    gradient). The fast path takes the gradient at each output from its own tap."""
+
+    def loss(params, batch):
+        ids, targets = batch
+        x = jnp.swapaxes(params["embed"][ids], 0, 1)
+
+        def step(h, x_t):
+            z = x_t @ params["wx"]
+            h = jnp.tanh(z + h @ params["wh"] + params["b"]) + 0.5 * jnp.tanh(z)
+            u = h @ params["wu"]
+            return h, u + u
+
+        _, us = jax.lax.scan(step, jnp.zeros((ids.shape[0], H), F64), x)
+        return _cross_entropy(jnp.swapaxes(us, 0, 1) @ params["head"], targets)
+
+    def build():
+        rng = np.random.default_rng(6)
+        params = _rnn_params(rng)
+        params["wu"] = _normal(rng, H, H)
+        return loss, params, _tokens(rng)
+
+    return build
+
+
 class LSTMLM(nn.Module):
+    dtype: object = F64
+    sizes: tuple[int, int, int] = (V, D, H)  # vocabulary, embedding, hidden
+
     @nn.compact
     def __call__(self, ids):
-        x = nn.Embed(V, D, param_dtype=F64, dtype=F64)(ids)
-        h = nn.RNN(nn.LSTMCell(H, param_dtype=F64, dtype=F64))(x)
-        return nn.Dense(V, param_dtype=F64, dtype=F64)(h)
+        vocab, width, hidden = self.sizes
+        kw = {"param_dtype": self.dtype, "dtype": self.dtype}
+        x = nn.Embed(vocab, width, **kw)(ids)
+        h = nn.RNN(nn.LSTMCell(hidden, **kw))(x)
+        return nn.Dense(vocab, **kw)(h)
 
 
 def _lstm():
@@ -183,6 +215,7 @@ MODELS = {
         {"wh": "materialized", "wx|head|embed": "ghost|layer"},
     ),
     "lstm": (_lstm(), {"kernel|embedding": "ghost|layer", "bias": "layer"}),
+    "sums_read_twice": (_sums_read_twice(), {"w[xhu]|head|embed": "ghost|layer", "'b'": "layer"}),
 }
 
 
@@ -270,3 +303,28 @@ def test_a_weight_the_carry_changes_takes_the_per_example_path_and_says_why():
     assert "carried through a scan that changes it" in wh.why
     assert plan.methods["['wx']"] in ("ghost", "layer")
     assert _max_error(got, want) <= 1e-12
+
+
+@pytest.mark.slow
+@pytest.mark.hlo
+def test_an_lstms_gates_hand_out_their_inputs_and_gradients_once():
+    """The four gates of an LSTM cell read the same `x_t` and `h` and share the gradient
+    at their sum (`x W_i + h U_i + b_i`): the fast path keeps each iteration's `x_t`
+    and `h` once and one gradient per gate, not one per weight (which held 2.4x the
+    non-private step's temp on the benchmark's LSTM LM, against 1.3x)."""
+    model = LSTMLM(dtype=jnp.float32, sizes=(256, 64, 128))
+    rng = np.random.default_rng(7)
+    ids = jnp.asarray(rng.integers(0, 256, (32, 64)))
+    params = model.init(jax.random.key(0), ids[:1])
+
+    def loss(params, batch):
+        return _cross_entropy(model.apply(params, batch[0]), batch[1])
+
+    batch = (ids, ids)
+
+    def temp(fn):
+        compiled = jax.jit(fn).lower(params, batch).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    plain, fast = temp(jax.value_and_grad(loss)), temp(privacy.clipped_grad(loss, 1.0))
+    assert fast <= 1.6 * plain, (fast, plain)

@@ -1,6 +1,8 @@
 """clipped_grad's fast path under remat (`jax.checkpoint`, `nn.remat`): `remat="recompute"`
 computes the norms and clipped sums of the layers inside a remat in the backward pass
-(`fast.Probe`), `remat="save"` keeps their inputs from the forward pass.
+(`fast.Probe`), `remat="auto"` too, keeping their per-example gradients from the first
+backward pass where they are small (no second pass), `remat="save"` keeps their inputs
+from the forward pass.
 
 Both are checked against the per-example path in float64 (the rules, not float32 sums,
 are compared); the compiled temp of the recomputing program against the non-private
@@ -66,11 +68,11 @@ class Stack(nn.Module):
         return nn.Dense(2, param_dtype=self.dtype, dtype=self.dtype, name="head")(x)
 
 
-def setup(model=None, n=N, dtype=F64):
+def setup(model=None, n=N, dtype=F64, length=T):
     model = model or Stack()
     kx, ky = jax.random.split(jax.random.key(1))
-    x = jax.random.normal(kx, (n, T, D), dtype)
-    y = jax.random.normal(ky, (n, T, 2), dtype)
+    x = jax.random.normal(kx, (n, length, D), dtype)
+    y = jax.random.normal(ky, (n, length, 2), dtype)
     params = model.init(jax.random.key(0), x[:1])["params"]
 
     def loss(p, x, y):
@@ -84,29 +86,64 @@ def close(a, b, rtol=1e-10, atol=1e-12):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("remat", ["recompute", "save"])
-def test_a_remat_stack_equals_the_per_example_path(remat):
+@pytest.mark.parametrize("remat", ["auto", "recompute", "save"])
+@pytest.mark.parametrize("length", [T, 40])
+def test_a_remat_stack_equals_the_per_example_path(remat, length):
     with x64():
-        loss, params, x, y = setup()
+        # At T = 3 the blocks' dense kernels take ghost norms (auto recomputes them in a
+        # second pass); at T = 40 every layer of the blocks takes the layer rule, with a
+        # per-example gradient smaller than its inputs (auto keeps it: one pass).
+        loss, params, x, y = setup(length=length)
         fast = privacy.clipped_grad(loss, C, batch_argnums=(1, 2), remat=remat)
         ref = privacy.clipped_grad(loss, C, batch_argnums=(1, 2), method="per_example")
         (l1, g1), (l2, g2) = jax.jit(fast)(params, x, y), jax.jit(ref)(params, x, y)
         close(l1, l2)
         close(g1, g2)
         plan = fast.plan(params, x, y)
+        one_pass = remat == "auto" and length == 40
         for leaf in plan:
             # Inside the remat the layers are recomputed for the fast path; outside
             # (embed, head) they are not; with "save" none is.
             inside = leaf.path.startswith("['blocks']")
-            assert leaf.recomputed == (inside and remat == "recompute"), leaf
-        assert ("remat's backward pass" in str(plan)) == (remat == "recompute")
+            assert leaf.recomputed == (inside and remat != "save"), leaf
+            assert leaf.second_pass == (leaf.recomputed and not one_pass), leaf
+        assert ("remat's backward pass" in str(plan)) == (remat != "save")
+        assert ("its sum in a second one" in str(plan)) == (remat != "save" and not one_pass)
 
 
-def test_the_default_recomputes():
+def count_block_scans(fn, *args):
+    """The scans over the 3 blocks in `fn`'s program, at any depth: one for the forward
+    pass and one for each backward pass."""
+
+    def count(jaxpr):
+        found = 0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan" and eqn.params["length"] == 3:
+                found += 1
+            for value in eqn.params.values():
+                for inner in value if isinstance(value, tuple) else (value,):
+                    inner = getattr(inner, "jaxpr", inner)  # a cond's branches, a jit's body
+                    if hasattr(inner, "eqns"):
+                        found += count(inner)
+        return found
+
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+@pytest.mark.parametrize("length", [T, 40])
+def test_the_default_recomputes_in_one_backward_pass_where_it_can(length):
     with x64():
-        loss, params, x, y = setup()
-        plan = privacy.clipped_grad(loss, C, batch_argnums=(1, 2)).plan(params, x, y)
-        assert any(leaf.recomputed for leaf in plan)
+        loss, params, x, y = setup(length=length)
+        modes = {
+            m: privacy.clipped_grad(loss, C, batch_argnums=(1, 2), remat=m)
+            for m in ("auto", "recompute")
+        }
+        default = privacy.clipped_grad(loss, C, batch_argnums=(1, 2))
+        assert default.plan(params, x, y) == modes["auto"].plan(params, x, y)
+        scans = {m: count_block_scans(fn, params, x, y) for m, fn in modes.items()}
+        # The forward pass and two backward passes, or one where the gradients are kept.
+        assert scans["recompute"] == 3, scans
+        assert scans["auto"] == (2 if length == 40 else 3), scans
 
 
 def test_without_remat_nothing_is_recomputed():
@@ -158,9 +195,10 @@ def test_a_checkpoint_with_a_policy_shared_and_reused_weights_inside():
         assert not plan["['stack']['rec']"].recomputed
 
 
-def test_padding_non_finite_examples_and_the_norms_under_remat():
+@pytest.mark.parametrize("length", [T, 40])
+def test_padding_non_finite_examples_and_the_norms_under_remat(length):
     with x64():
-        loss, params, x, y = setup()
+        loss, params, x, y = setup(length=length)
         x = x.at[2, 1, 0].set(jnp.nan).at[5, 0, 3].set(jnp.inf)
         padding = jnp.zeros(N, bool).at[6].set(True)
         kw = dict(batch_argnums=(1, 2), return_grad_norms=True)
@@ -176,9 +214,10 @@ def test_padding_non_finite_examples_and_the_norms_under_remat():
         assert float(n1[6]) == 0.0  # padding
 
 
-def test_inside_shard_map_each_device_clips_its_own_examples():
+@pytest.mark.parametrize("length", [T, 40])  # two backward passes, or one (see above)
+def test_inside_shard_map_each_device_clips_its_own_examples(length):
     with x64():
-        loss, params, x, y = setup(n=16)
+        loss, params, x, y = setup(n=16, length=length)
         mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
         fast = privacy.clipped_grad(loss, C, batch_argnums=(1, 2))
 
@@ -191,9 +230,10 @@ def test_inside_shard_map_each_device_clips_its_own_examples():
         close(sharded(params, x, y), jax.jit(ref)(params, x, y))
 
 
-def test_global_view_on_an_explicit_mesh():
+@pytest.mark.parametrize("length", [T, 40])
+def test_global_view_on_an_explicit_mesh(length):
     with x64():
-        loss, params, x, y = setup(n=16)
+        loss, params, x, y = setup(n=16, length=length)
         mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
         xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
         ps = jax.device_put(params, NamedSharding(mesh, P()))
@@ -204,7 +244,7 @@ def test_global_view_on_an_explicit_mesh():
 
 def test_an_unknown_remat_value_is_refused():
     with pytest.raises(
-        ValueError, match=r"remat must be one of 'recompute', 'save'; got remat='keep' "
+        ValueError, match=r"remat must be one of 'auto', 'recompute', 'save'; got remat='keep' "
     ):
         privacy.clipped_grad(lambda w, x: jnp.sum(w * x), C, remat="keep")
 
@@ -214,13 +254,23 @@ def temp(fn, *args):
 
 
 @pytest.mark.hlo
-def test_recomputing_keeps_remats_memory():
-    # Wide layers on short sequences: the layers' inputs are most of the activations,
-    # which is where keeping them gives remat's saving back.
-    model = Stack(layers=6, width=256, dtype=jnp.float32)
+@pytest.mark.parametrize(
+    "n, length, width, d",
+    [
+        # Wide layers on short sequences: the layers' inputs are most of the activations,
+        # which is where keeping them gives remat's saving back; their kernels take
+        # ghost norms, so "auto" recomputes them in a second pass.
+        (32, T, 256, 96),
+        # Narrow layers on long sequences: every layer takes the layer rule, and "auto"
+        # keeps the per-example gradients (n x the blocks' parameters) in one pass.
+        (8, 256, 64, 32),
+    ],
+)
+def test_recomputing_keeps_remats_memory(n, length, width, d):
+    model = Stack(layers=6, width=width, dtype=jnp.float32)
     kx, ky = jax.random.split(jax.random.key(1))
-    x = jax.random.normal(kx, (32, T, 96))
-    y = jax.random.normal(ky, (32, T, 2))
+    x = jax.random.normal(kx, (n, length, d))
+    y = jax.random.normal(ky, (n, length, 2))
     params = model.init(jax.random.key(0), x[:1])["params"]
 
     def loss(p, x, y):
@@ -228,10 +278,19 @@ def test_recomputing_keeps_remats_memory():
 
     args = (params, x, y)
     plain = temp(jax.value_and_grad(loss), *args)
-    recompute = temp(privacy.clipped_grad(loss, 1.0, batch_argnums=(1, 2)), *args)
-    save = temp(privacy.clipped_grad(loss, 1.0, batch_argnums=(1, 2), remat="save"), *args)
-    assert recompute <= 1.5 * plain, (recompute, plain)
-    assert recompute < save, (recompute, save)
+    temps = {
+        m: temp(privacy.clipped_grad(loss, 1.0, batch_argnums=(1, 2), remat=m), *args)
+        for m in ("auto", "recompute", "save")
+    }
+    one_pass = not any(
+        leaf.second_pass
+        for leaf in privacy.clipped_grad(loss, 1.0, batch_argnums=(1, 2)).plan(*args)
+    )
+    assert one_pass == (length > T)
+    assert temps["recompute"] <= 1.5 * plain, (temps, plain)
+    assert temps["auto"] <= 1.5 * plain, (temps, plain)
+    assert temps["recompute"] < temps["save"], (temps, plain)
+    assert temps["auto"] < temps["save"], (temps, plain)
 
 
 def shifted(params, x):

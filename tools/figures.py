@@ -594,7 +594,7 @@ def _privacy(rows: Rows, measure: str) -> dict[str, Any]:
     return row(rows, "privacy", measure=measure)
 
 
-PRIVACY_MODELS = ("mlp", "cnn", "transformer")
+PRIVACY_MODELS = ("mlp", "cnn", "transformer", "lstm")
 
 
 def _private(rows: Rows, model: str, candidate: str) -> dict[str, Any]:
@@ -624,7 +624,12 @@ def privacy_table(rows: Rows) -> str:
                 f"**{times(fast['temp_ratio'])}** ({fast['temp_mib']:.1f} vs "
                 f"{fast['temp_mib_reference']:.1f} MiB)",
                 times(fast["flops_ratio"]),
-                f"≤ {fast['target_ratio']}{TIMES}, ≤ {fast['target_temp_ratio']}{TIMES}",
+                f"≤ {fast['target_ratio']}{TIMES}, "
+                + (
+                    "none set"
+                    if fast["target_temp_ratio"] is None
+                    else f"≤ {fast['target_temp_ratio']}{TIMES}"
+                ),
                 times(_private(rows, model, "per_example")["ratio"], 1),
                 times(_private(rows, model, "jax_privacy")["ratio"], 1),
                 _opacus(rows, model),
@@ -646,7 +651,7 @@ def privacy_table(rows: Rows) -> str:
 
 
 def privacy_remat_table(rows: Rows) -> str:
-    """The Gemma-like decoder under remat: the fast path's two `remat=` modes against
+    """The Gemma-like decoder under remat: the fast path's `remat=` modes against
     the non-private step under the same remat, and the share of remat's saving kept."""
     lines = []
     for r in rows["privacy"]:

@@ -176,7 +176,7 @@ def clipped_grad(
     method: str = "fast",
     return_grad_norms: bool = False,
     wrt: Any = None,
-    remat: str = "recompute",
+    remat: str = "auto",
 ) -> ClippedGradFn:
     r"""The sum of per-example gradients, each clipped to L2 norm `l2_clip_norm`.
 
@@ -279,10 +279,11 @@ def clipped_grad(
             what is selected, and an optimizer (`gradaccum_jax.flax.Optimizer`, or any
             inside `dp_accumulate`) that updates fewer leaves than were clipped refuses them.
         remat: At the layers inside a `jax.checkpoint` (`nn.remat`, `nnx.remat`):
-            `"recompute"` (the default) keeps remat's memory, computing their norms and
-            clipped sums in the backward pass from the inputs the remat recomputes (the
-            sums in a second backward pass); `"save"` keeps their inputs from the
-            forward pass (one backward pass, more memory). `plan` marks the former.
+            `"recompute"` keeps remat's memory (norms and sums from the inputs remat
+            recomputes, the sums in a second backward pass); `"auto"` (the default)
+            too, but in one pass, keeping the per-example gradients, where every such
+            layer takes the layer rule with one no larger than its inputs; `"save"`
+            keeps their inputs from the forward pass. `plan` says which.
 
     Returns:
         A `ClippedGradFn`: called like `loss_fn` plus the keyword
@@ -370,8 +371,8 @@ def clipped_grad(
         raise TypeError(f"return_grad_norms must be a bool; got {return_grad_norms=!r}.")
     if remat not in _REMAT:
         raise ValueError(
-            f"remat must be one of {', '.join(map(repr, _REMAT))}; got {remat=!r} "
-            "(recompute: remat's memory, a second backward pass; save: one, more memory)."
+            f"remat must be one of {', '.join(map(repr, _REMAT))}; got {remat=!r} (see "
+            "the docstring: auto is the default, recompute spends time, save memory)."
         )
     value_and_grad = jax.value_and_grad(
         loss_fn, argnums=argnums if isinstance(argnums, int) else diff, has_aux=has_aux
@@ -397,8 +398,7 @@ def clipped_grad(
     )
 
 
-_METHODS = ("fast", "per_example")
-_REMAT = ("recompute", "save")
+_METHODS, _REMAT = ("fast", "per_example"), ("auto", "recompute", "save")
 
 
 def _check_wrt(options: _Options, args: tuple[Any, ...], found: tuple[int, ...]) -> None:
@@ -746,7 +746,7 @@ def _program(options: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     diff_paths = jax.tree_util.tree_leaves_with_path([args[i] for i in options.diff])
     paths = [_path(options, p) for p, _ in diff_paths]
     layout = fast.Layout(tuple(kinds), tuple(leaf_of), n_diff)
-    program = fast.Program(closed, layout, paths, recompute=options.remat == "recompute")
+    program = fast.Program(closed, layout, paths, remat=options.remat)
     return _Traced(program, aux_tree[0])
 
 

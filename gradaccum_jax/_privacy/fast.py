@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gradaccum_jax._privacy import graph, norm_rules, replay
 from gradaccum_jax._privacy.graph import BATCHED, CONST, DERIVED
@@ -51,7 +52,11 @@ class LeafPlan:
             ratios of flops or bytes that decided (`""` otherwise).
         recomputed: Whether the leaf's layer is inside a remat whose inputs are
             recomputed for it in the backward pass (`clipped_grad(..., remat=
-            "recompute")`): its norms and clipped sum are computed there.
+            "auto")` or `"recompute"`): its norms and clipped sum are computed there.
+        second_pass: For a recomputed leaf, whether its clipped sum takes a second
+            backward pass (the remats recomputed again, once the clip factors are
+            known); `False` where the first pass keeps its per-example gradient
+            (`remat="auto"`, see `clipped_grad`).
     """
 
     path: str
@@ -59,6 +64,7 @@ class LeafPlan:
     uses: tuple[str, ...] = ()
     why: str = ""
     recomputed: bool = False
+    second_pass: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +95,10 @@ class ClippingPlan:
         rows = [("leaf", "method", "where it meets the batch")]
         for leaf in self.leaves:
             where = ", ".join(leaf.uses) + (f" ({leaf.why})" if leaf.why else "")
-            where += " [in remat's backward pass]" if leaf.recomputed else ""
+            if leaf.recomputed:
+                where += " [in remat's backward pass" + (
+                    ", its sum in a second one]" if leaf.second_pass else "]"
+                )
             rows.append((leaf.path, leaf.method, where))
         widths = [max(len(row[i]) for row in rows) for i in range(2)]
         return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}".rstrip() for a, b, c in rows)
@@ -107,9 +116,7 @@ class Layout:
 class Program:
     """The fast path's knowledge of one loss at one set of shapes (see the module)."""
 
-    def __init__(
-        self, closed: Any, layout: Layout, paths: Sequence[str], *, recompute: bool = True
-    ):
+    def __init__(self, closed: Any, layout: Layout, paths: Sequence[str], *, remat: str = "auto"):
         self.closed, self.layout = closed, layout
         self.per_example: dict[int, str] = {}
         while True:
@@ -142,7 +149,16 @@ class Program:
             else:
                 self.materialized.append(leaf)
         self.mat_positions = sorted({use for leaf in self.materialized for use in uses[leaf]})
-        self.probed = self._probed() if recompute else {}
+        self.probed = self._probed() if remat != "save" else {}
+        # Outputs whose gradient is an earlier output's: no tap of their own.
+        self.same_gradient = {
+            (site.index, j): earlier
+            for site in analysis.sites
+            if site.index not in self.probed
+            for j, earlier in site.same_gradient.items()
+            if earlier[0] not in self.probed
+        }
+        self.held = remat == "auto" and bool(self.probed) and all(map(self._holds, self.probed))
         self.leaves = [self._leaf_plan(i, paths[i], uses[i]) for i in range(layout.n_leaves)]
 
     def _probed(self) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -168,6 +184,25 @@ class Program:
             probed[s] = tuple(sorted(entries))
         return probed
 
+    def _holds(self, s: int) -> bool:
+        """Whether a probed site can keep its per-example gradients from the first
+        backward pass: each takes the layer rule (no more flops or bytes than the ghost
+        norm) and holds no more per example than the site's batched inputs, which is
+        what `remat="save"` would hold for it."""
+        site = self.analysis.sites[s]
+        inputs = sum(
+            int(np.prod(var.aval.shape))
+            for kind, var in zip(site.kinds, site.eqn.invars, strict=True)
+            if kind == BATCHED and not norm_rules.is_literal(var)
+        )
+        for k, _ in self.probed[s]:
+            position = site.derived[k]
+            if self._method(site, position)[0] != "layer":
+                return False
+            if int(np.prod(site.eqn.invars[position].aval.shape)) > inputs:
+                return False
+        return True
+
     def _fall_back(self, leaves: frozenset[int], why: str) -> None:
         new = leaves - set(self.per_example)
         if not new:
@@ -184,7 +219,8 @@ class Program:
             site_index, k = self.fast[leaf]
             site = self.analysis.sites[site_index]
             method, why = self._method(site, site.derived[k])
-            return LeafPlan(path, method, names, why, site_index in self.probed)
+            probed = site_index in self.probed
+            return LeafPlan(path, method, names, why, probed, probed and not self.held)
         return LeafPlan(path, "materialized", names)
 
     def _method(self, site: graph.Site, position: int) -> tuple[str, str]:
@@ -381,13 +417,17 @@ class _Chunk:
         taps = vary(
             {
                 s: [
-                    None if t is None or s in program.probed else jnp.zeros(t.shape, t.dtype)
-                    for t in shapes
+                    None
+                    if t is None or s in program.probed or (s, j) in program.same_gradient
+                    else jnp.zeros(t.shape, t.dtype)
+                    for j, t in enumerate(shapes)
                 ]
                 for s, shapes in replay.tap_shapes(analysis, n).items()
             }
         )
-        probes = {s: Probe(analysis.sites[s], e, n) for s, e in program.probed.items()}
+        probes = {
+            s: Probe(analysis.sites[s], e, n, held=program.held) for s, e in program.probed.items()
+        }
         holders = vary({s: p.holders(self.norm_dtype) for s, p in probes.items()})
         self.clean = program.clean()
         wanted = program.wanted()
@@ -415,7 +455,11 @@ class _Chunk:
         self.tap_grads, self.copy_grads, found = self.backward(
             (jnp.ones_like(self.losses), jax.tree.map(jnp.zeros_like, self.channels))
         )
+        for (s, j), (earlier, i) in program.same_gradient.items():
+            self.tap_grads[s][j] = self.tap_grads[earlier][i]
         self.probe_norms = {s: norm for s, (norm, _) in found.items()}
+        # With `program.held`, the probed sites' per-example gradients.
+        self.probe_held = {s: held for s, (_, held) in found.items()} if program.held else {}
         self.per_leaf: dict[int, Any] = {}  # what a fast leaf's norm left for its sum
 
     def probed_sums(self, factor: jax.Array) -> dict[int, list[jax.Array]]:
@@ -426,6 +470,18 @@ class _Chunk:
         }
         _, _, found = self.backward((jnp.ones_like(self.losses), seed))
         return {s: sums for s, (_, sums) in found.items()}
+
+    def held_sums(self, factor: jax.Array, keep: jax.Array) -> dict[int, list[jax.Array]]:
+        """Each probed site's clipped sums from the per-example gradients the first
+        backward pass kept (`program.held`): no second pass."""
+        out = {}
+        for s, held in self.probe_held.items():
+            depth = len(self.program.analysis.sites[s].lengths)
+            total = norm_rules.over_iterations(
+                lambda g: norm_rules.clipped_total(g, factor, keep), depth
+            )
+            out[s] = [total(g) for g in held]
+        return out
 
     def values(self, copied: dict[int, Any]) -> list[replay.Val]:
         """The program's inputs as values of their kinds; `copied` leaves batched."""
@@ -492,7 +548,11 @@ class _Chunk:
         """Each leaf's clipped sum: book-keeping for the fast leaves, the per-example
         gradients' weighted sum for the others."""
         sums = {}
-        probed = self.probed_sums(factor) if self.program.probed else {}
+        probed = {}
+        if self.program.held:
+            probed = self.held_sums(factor, keep)
+        elif self.program.probed:
+            probed = self.probed_sums(factor)
         for s, entries in self.program.probed.items():
             site = self.program.analysis.sites[s]
             for (k, leaf), summed in zip(entries, probed[s], strict=True):
@@ -527,11 +587,13 @@ class Probe:
     *holders*, one set per iteration of the scans around the site). The clip factors
     come in as the gradient of the probe's second output, its *channel*: the first
     backward pass brings zeros and reads the norms, the second brings the factors and
-    reads the sums (XLA drops what each pass does not read).
+    reads the sums (XLA drops what each pass does not read). A `held` probe hands out
+    each example's gradient at the parameter inputs instead of their sum, in the first
+    pass: the sums are then formed with the factors, and there is no second pass.
     """
 
-    def __init__(self, site: graph.Site, entries: Sequence[tuple[int, int]], n: int):
-        self.site, self.n = site, n
+    def __init__(self, site: graph.Site, entries: Sequence[tuple[int, int]], n: int, *, held: bool):
+        self.site, self.n, self.held = site, n, held
         self.positions = [site.derived[k] for k, _ in entries]
         self.rules = [norm_rules.rule_for(site, p) for p in self.positions]
         self.float_outs = [i for i, v in enumerate(site.eqn.outvars) if graph.is_float(v.aval)]
@@ -540,12 +602,14 @@ class Probe:
         self._probe.defvjp(self._forward, self._backward)
 
     def holders(self, norm_dtype: Any) -> tuple[jax.Array, list[jax.Array]]:
-        """Zeros for the norms `(*lengths, n)` and for each parameter input's sum."""
+        """Zeros for the norms `(*lengths, n)` and for each parameter input's sum (its
+        per-example gradients, `(*lengths, n, ...)`, where the probe is `held`)."""
         lead = self.site.lengths
+        per = (self.n,) if self.held else ()
         sums = []
         for p in self.positions:
             aval = self.site.eqn.invars[p].aval
-            sums.append(jnp.zeros((*lead, *aval.shape), norm_rules.wide(aval.dtype)))
+            sums.append(jnp.zeros((*lead, *per, *aval.shape), norm_rules.wide(aval.dtype)))
         self.dtypes = (norm_dtype, [h.dtype for h in sums])  # what the backward rule returns
         return jnp.zeros((*lead, self.n), norm_dtype), sums
 
@@ -578,6 +642,12 @@ class Probe:
         sums = []
         keep = weights > 0
         for rule, p, dtype in zip(self.rules, self.positions, sum_dtypes, strict=True):
+            if self.held:
+                per_example = rule.layer_gradient(site, p, inputs, grads)
+                flat = per_example.reshape(self.n, -1)
+                norm = norm + jnp.sum(jnp.square(flat), 1).astype(norm_dtype)
+                sums.append(per_example.astype(dtype))
+                continue
             _, sq, _ = rule.norm_sq(site, p, inputs, grads)
             norm = norm + sq.astype(norm_dtype)
             total = rule.weighted_sum(site, p, inputs, grads, weights, keep, None)

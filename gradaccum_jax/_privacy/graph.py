@@ -122,6 +122,10 @@ class Site:
         derived: The positions of its `DERIVED` floating-point inputs.
         origins: Their origins, in the same order.
         lengths: The lengths of the scans around it, outermost first.
+        same_gradient: For an output whose gradient is, for every example, the gradient
+            at an output of an earlier site (both reach the same value through sums of
+            their own shape and nothing else: `x @ W_i + h @ U_i + b_i` in an LSTM's
+            gate), that site and output, by the output's index.
     """
 
     index: int
@@ -130,6 +134,7 @@ class Site:
     derived: tuple[int, ...]
     origins: tuple[Origin, ...]
     lengths: tuple[int, ...]
+    same_gradient: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -318,11 +323,11 @@ class _Analyzer:
             return [self._derived(eqn, ins, f) for f in outs_float]
         if what == "call":
             body, consts = call_body(eqn)
-            return walk(body, [Abstract(CONST)] * len(consts), ins, self)
+            return self.walk(body, [Abstract(CONST)] * len(consts), ins)
         if what == "remat":
             body, consts = call_body(eqn)
             return self._block(
-                lambda: walk(body, [Abstract(CONST)] * len(consts), ins, self), remat=True
+                lambda: self.walk(body, [Abstract(CONST)] * len(consts), ins), remat=True
             )
         if what == "scan":
             return self._block(lambda: self._scan(eqn, ins))
@@ -332,6 +337,14 @@ class _Analyzer:
             )
         self._site(eqn, ins)
         return [Abstract(BATCHED) for _ in eqn.outvars]
+
+    def walk(self, jaxpr: Any, consts: list[Abstract], ins: list[Abstract]) -> list[Abstract]:
+        """`walk` over `jaxpr`, then the sites of `jaxpr` whose gradients are the same."""
+        first = len(self.sites)
+        outs = walk(jaxpr, consts, ins, self)
+        if self.record:
+            _same_gradients(jaxpr, self.sites[first:])
+        return outs
 
     def _block(self, enter: Callable[[], list[Abstract]], remat: bool = False) -> list[Abstract]:
         """Walks a scan's or remat's body, recording the sites and blocks it holds."""
@@ -381,12 +394,50 @@ class _Analyzer:
         inner = _Analyzer(self.record)
         inner.sites, inner.blocks = self.sites, self.blocks
         inner.lengths = (*self.lengths, eqn.params["length"])
-        outs = walk(
-            body.jaxpr, [Abstract(CONST)] * len(body.consts), [*carry_in(carry), *xs_in], inner
+        outs = inner.walk(
+            body.jaxpr, [Abstract(CONST)] * len(body.consts), [*carry_in(carry), *xs_in]
         )
         n_carry = eqn.params["num_carry"]
         ys = [_stacked(a) for a in outs[n_carry:]]
         return [*carry, *ys]
+
+
+def _same_gradients(jaxpr: Any, sites: Sequence[Site]) -> None:
+    """Fills `same_gradient` of the sites whose equations are in `jaxpr`.
+
+    An output used once, by an `add` of its own shape and dtype, has the gradient of
+    the sum; followed while that holds, it reaches a value whose gradient it shares
+    with every site output that reaches the same value.
+    """
+    uses: dict[Any, list[Any]] = {}
+    for eqn in jaxpr.eqns:
+        for var in eqn.invars:
+            if not isinstance(var, core.Literal):
+                uses.setdefault(var, []).append(eqn)
+    for var in jaxpr.outvars:
+        if not isinstance(var, core.Literal):
+            uses.setdefault(var, []).append(None)
+    first: dict[Any, tuple[int, int]] = {}
+    mine = {id(eqn) for eqn in jaxpr.eqns}
+    for site in sites:
+        if id(site.eqn) not in mine:
+            continue  # inside a scan, remat or call of `jaxpr`: its own walk's
+        for j, var in enumerate(site.eqn.outvars):
+            if _dropped(var) or not is_float(var.aval):
+                continue
+            end = var
+            while True:
+                found = uses.get(end, [])
+                if len(found) != 1 or found[0] is None:
+                    break
+                eqn = found[0]
+                out = eqn.outvars[0]
+                if eqn.primitive.name not in ("add", "add_any") or out.aval != end.aval:
+                    break
+                end = out
+            earlier = first.setdefault(end, (site.index, j))
+            if earlier != (site.index, j):
+                site.same_gradient[j] = earlier
 
 
 def passed_on(eqn: Any) -> list[bool]:
@@ -508,5 +559,5 @@ def analyze(
         else:
             inputs.append(Abstract(kind))
     analyzer = _Analyzer()
-    outs = walk(closed.jaxpr, [Abstract(CONST)] * len(closed.consts), inputs, analyzer)
+    outs = analyzer.walk(closed.jaxpr, [Abstract(CONST)] * len(closed.consts), inputs)
     return Analysis(analyzer.sites, analyzer.blocks, [analyzer.read(o) for o in outs])

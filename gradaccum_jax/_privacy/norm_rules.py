@@ -120,6 +120,14 @@ class Rule:
         g = per_example.astype(wide(per_example.dtype))
         return "layer", jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), 1), per_example
 
+    def layer_gradient(
+        self, site: graph.Site, position: int, inputs: list[Any], grads: list[Any]
+    ) -> jax.Array:
+        """Each example's gradient at `position`, `(n, *parameter shape)`, in float32 or
+        wider (what the layer rule's norm is taken of)."""
+        per_example = self.per_example(site, [position], inputs, grads)[0]
+        return per_example.astype(wide(per_example.dtype))
+
     def weighted_sum(
         self,
         site: graph.Site,
@@ -345,6 +353,11 @@ class DotGeneralRule(BookKeepingRule):
         del per_example
         a, g = self._canonical(site, position, inputs[1 - position], grads[0])
         return self._book_keeping(site, position, a, g, weights, keep)
+
+    def layer_gradient(self, site, position, inputs, grads):
+        a, g = self._canonical(site, position, inputs[1 - position], grads[0])
+        per_example = jnp.einsum("nbti,nbto->nbio", a, g)
+        return jax.vmap(lambda total: self._to_param_layout(site, position, total))(per_example)
 
     def reused_weighted_sum(self, site, position, inputs, grads, weights, keep, per_example, depth):
         del per_example

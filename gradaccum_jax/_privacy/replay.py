@@ -94,6 +94,13 @@ class _Replay:
         self.probes = probes or {}  # sites whose rules run in the backward pass
         self.holders = holders or {}  # the probes' zeros, whose gradients they fill
         self.exports: dict[int, tuple[list[Any], Any]] = {}
+        # An input another site of this walk exported already (the four gates of an
+        # LSTM read the same `x` and `h`) is handed out once: `None` in the export,
+        # its place `(site, index)` here, filled in by `_resolve` once the arrays
+        # have left a scan or a remat (stacked once, not once per site).
+        self.aliases: dict[tuple[int, int], tuple[int, int]] = {}
+        self._exported: dict[int, tuple[int, int]] = {}
+        self._clean_cache: dict[int, tuple[Any, Any, Any]] = {}  # see `_cleaned`
         self.params: dict[int, list[Any]] = {}
         self.channels: dict[int, Any] = {}  # the probes' outputs that bring the weights
 
@@ -141,7 +148,7 @@ class _Replay:
             return [Val(BATCHED, None) for _ in eqn.outvars]
         finite = None
         if self.site in self.clean:
-            ins, finite = _cleaned(ins)
+            ins, finite = _cleaned(ins, self._clean_cache)
         outs = self._mapped(eqn, ins)
         taps = self.taps[self.site]
         outs = [o if t is None else o + t for o, t in zip(outs, taps, strict=True)]
@@ -154,9 +161,20 @@ class _Replay:
             )
             self.exports[self.site] = ([], finite)
         else:
-            self.exports[self.site] = ([ins[i].value for i in exported_positions(site)], finite)
+            self.exports[self.site] = (self._export(ins, exported_positions(site)), finite)
         self.site += 1
         return [Val(BATCHED, o) for o in outs]
+
+    def _export(self, ins: list[Val], positions: list[int]) -> list[Any]:
+        out = []
+        for j, i in enumerate(positions):
+            value = ins[i].value
+            first = self._exported.setdefault(id(value), (self.site, j))
+            if first != (self.site, j):
+                self.aliases[self.site, j] = first
+                value = None
+            out.append(value)
+        return out
 
     def _child(self, first: int) -> _Replay:
         return _Replay(
@@ -183,6 +201,7 @@ class _Replay:
         body, consts = graph.call_body(eqn)
         block = self.analysis.blocks[self.block]
         kinds: list[str] = []
+        aliases: dict[tuple[int, int], tuple[int, int]] = {}
 
         def run(values: list[Any], taps: dict[int, list[Any]], holders: dict) -> Any:
             child = self._child(block.first)
@@ -194,6 +213,7 @@ class _Replay:
                 child,
             )
             kinds[:] = [o.kind for o in outs]
+            aliases.update(child.aliases)
             return [o.value for o in outs], (child.exports, child.params, child.channels)
 
         taps, holders = self._block_inputs(block)
@@ -204,7 +224,7 @@ class _Replay:
                 policy=eqn.params.get("policy"),
             )
         values, (exports, params, channels) = run([v.value for v in ins], taps, holders)
-        self.exports.update(exports)
+        self.exports.update(_resolve(exports, aliases))
         self.params.update(params)
         self.channels.update(channels)
         self.site, self.block = block.end, block.end_block
@@ -225,6 +245,7 @@ class _Replay:
         xs_kept = [self.batched or v.kind != BATCHED for v in xs]
         body = p["jaxpr"]
         ys_kinds: list[str] = []
+        aliases: dict[tuple[int, int], tuple[int, int]] = {}
 
         def step(carry: list[Any], x: tuple[list[Any], dict[int, list[Any]], dict]) -> Any:
             x_values, taps, holders = x
@@ -250,6 +271,7 @@ class _Replay:
                 if keep
             ]
             ys_kinds[:] = [o.kind for o in outs[n_carry:]]
+            aliases.update(child.aliases)
             ys = [o.value for o in outs[n_carry:] if self.batched or o.kind != BATCHED]
             return new_carry, (ys, child.exports, child.params, child.channels)
 
@@ -263,7 +285,7 @@ class _Replay:
             reverse=p["reverse"],
             unroll=p["unroll"],
         )
-        self.exports.update(exports)
+        self.exports.update(_resolve(exports, aliases))
         self.params.update(params)
         self.channels.update(channels)
         self.site, self.block = block.end, block.end_block
@@ -286,9 +308,19 @@ class _Replay:
         return Val(kind, v.value)
 
 
-def _cleaned(ins: list[Val]) -> tuple[list[Val], jax.Array | None]:
+def _resolve(
+    exports: dict[int, tuple[list[Any], Any]], aliases: dict[tuple[int, int], tuple[int, int]]
+) -> dict[int, tuple[list[Any], Any]]:
+    """`exports` with each aliased input filled in from the site that exported it."""
+    for (s, j), (first, i) in aliases.items():
+        exports[s][0][j] = exports[first][0][i]
+    return exports
+
+
+def _cleaned(ins: list[Val], cache: dict[int, Any]) -> tuple[list[Val], jax.Array | None]:
     """The site's batched floating-point inputs with every NaN and infinity replaced by
-    zero, and a flag per example: were its inputs all finite?
+    zero, and a flag per example: were its inputs all finite? An input cleaned for
+    an earlier site (`cache`, by identity) is cleaned once, and exported once.
 
     An example with a non-finite input at a site whose gradient contracts that input
     (a dense layer) has a non-finite gradient: it is dropped whichever path computes
@@ -299,10 +331,15 @@ def _cleaned(ins: list[Val]) -> tuple[list[Val], jax.Array | None]:
     out, finite = [], None
     for v in ins:
         if v.kind == BATCHED and graph.is_float(jax.typeof(v.value)):
-            ok = jnp.isfinite(v.value)
-            rows = jnp.all(ok.reshape(ok.shape[0], -1), 1)
+            found = cache.get(id(v.value))
+            if found is None or found[0] is not v.value:
+                ok = jnp.isfinite(v.value)
+                rows = jnp.all(ok.reshape(ok.shape[0], -1), 1)
+                found = (v.value, jnp.where(ok, v.value, jnp.zeros((), v.value.dtype)), rows)
+                cache[id(v.value)] = found
+            _, clean, rows = found
             finite = rows if finite is None else finite & rows
-            v = Val(BATCHED, jnp.where(ok, v.value, jnp.zeros((), v.value.dtype)))
+            v = Val(BATCHED, clean)
         out.append(v)
     return out, finite
 
@@ -350,7 +387,7 @@ def run_batched(
         holders=holders,
     )
     outs = graph.walk(closed.jaxpr, [Val(CONST, c) for c in closed.consts], list(inputs), replay)
-    return outs, replay.exports, replay.params, replay.channels
+    return outs, _resolve(replay.exports, replay.aliases), replay.params, replay.channels
 
 
 def run_derived(
