@@ -390,6 +390,36 @@ def measure_example(quick: bool) -> list[dict]:
     ]
 
 
+def measure_lm_example(quick: bool) -> list[dict]:
+    """examples/dp_lm.py as it runs: the planned chunk size and peaks, epsilon, and one
+    private call against one non-private call under the same remat."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+    import dp_lm
+
+    out = dp_lm.main(["--quick"] if quick else [])
+    plan, seconds, temp = out["plan"], out["seconds"], out["temp_bytes"]
+    return [
+        {
+            "benchmark": "privacy",
+            "measure": "dp_lm_example",
+            "candidate": "examples/dp_lm.py: one private call (planned chunks) / non-private",
+            "ms": 1e3 * seconds["private"],
+            "ms_reference": 1e3 * seconds["non-private"],
+            "ratio": seconds["private"] / seconds["non-private"],
+            "temp_ratio": temp["private"] / temp["non-private"],
+            "microbatch_size": plan.microbatch_size,
+            "peaks_mib": {
+                str(plan.microbatch_size * plan.num_microbatches // k): v / 2**20
+                for k, v in sorted(plan.table.items())
+            },
+            "epsilon": out["epsilon"],
+            "second_pass": out["second_pass"],
+        }
+    ]
+
+
 def opacus_rows(quick: bool, reps: int) -> list[dict]:
     """Opacus' ghost clipping on the same shapes, where a Python with torch is given."""
     python = os.environ.get("GRADACCUM_OPACUS_PYTHON")
@@ -438,6 +468,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else:
             rows += measure_steps((64, 256, 256, 10), 256, 32, 21)
         rows += measure_example(args.quick)
+        if not args.quick:  # its --quick run is tests/test_example_dp_lm.py's
+            rows += measure_lm_example(args.quick)
         rows += opacus_rows(args.quick, reps)
     print(f"privacy: C={C}, jax {jax.__version__} (shared, noisy machine: ratios side by side)")
     print(f"{'model':<12} {'candidate':<12} {'ms':>9} {'ref ms':>9} {'ratio':>6} {'temp':>7}")

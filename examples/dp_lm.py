@@ -215,11 +215,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"({seconds['private'] / seconds['non-private']:.2f}x the time, "
         f"{temp['private'] / temp['non-private']:.2f}x the temp)"
     )
+    leaves = clipped.plan(params, batch)
     return {
         "losses": losses,
         "epsilon": eps,
         "plan": plan,
-        "methods": clipped.plan(params, batch).methods,
+        "methods": leaves.methods,
+        "second_pass": any(leaf.second_pass for leaf in leaves),
         "seconds": seconds,
         "temp_bytes": temp,
     }

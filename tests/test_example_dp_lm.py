@@ -31,3 +31,6 @@ def test_dp_lm_quick_plans_its_chunks_and_reports_epsilon(capsys):
         assert methods[f"['blocks']['{name}']['kernel']"] in ("ghost", "layer"), methods
     assert "per_example" not in methods.values(), methods
     assert set(results["temp_bytes"]) == {"private", "non-private"}
+    # Its gate and up projections' per-example gradients (64 x 128) are larger than their
+    # inputs (T x 64, T <= 64): remat="auto" sums them in a second backward pass.
+    assert results["second_pass"]

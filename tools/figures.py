@@ -705,6 +705,15 @@ FIGURES: dict[str, Callable[[Rows], str]] = {
     "privacy.half_padding": lambda r: times(_privacy(r, "clipped_sum_half_padding")["ratio"]),
     "privacy.dp_vs_plain": lambda r: times(_privacy(r, "dp_step")["ratio"]),
     "privacy.example_fast": lambda r: f"{_privacy(r, 'dp_digits_example')['ms']:.1f} ms",
+    # examples/dp_lm.py, measured by the privacy benchmark
+    "privacy.lm.chunk": lambda r: str(_privacy(r, "dp_lm_example")["microbatch_size"]),
+    "privacy.lm.peaks": lambda r: ", ".join(
+        f"{mib:.1f} MiB for chunks of {size}"
+        for size, mib in _privacy(r, "dp_lm_example")["peaks_mib"].items()
+    ),
+    "privacy.lm.epsilon": lambda r: f"{_privacy(r, 'dp_lm_example')['epsilon']:.1f}",
+    "privacy.lm.time": lambda r: times(_privacy(r, "dp_lm_example")["ratio"]),
+    "privacy.lm.temp": lambda r: times(_privacy(r, "dp_lm_example")["temp_ratio"]),
     "privacy.example_per_example": (
         lambda r: f"{_privacy(r, 'dp_digits_example')['ms_reference']:.1f} ms"
     ),
