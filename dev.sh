@@ -13,7 +13,8 @@
 #                            XLA's default settings (GRADACCUM_XLA_DEFAULTS=1)
 #   bash dev.sh test-oldest  build the wheel, install it into .venv-oldest (the oldest
 #                            supported jax/optax/flax, constraints-oldest.txt) and run
-#                            the same tests against the installed package
+#                            the same tests against the installed package (compiled with
+#                            the faster settings of `dev.sh test`)
 # Needs only python3 (>= 3.11) with venv and pip; everything else is installed
 # into .venv from constraints.txt, the versions the suite was verified with.
 set -euo pipefail
@@ -80,9 +81,12 @@ case "$task" in
     # The repository's compilation cache (see conftest.py): the copy's conftest would
     # otherwise put it in the temporary copy, which is deleted.
     export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR-$PWD/.jax_cache}"
-    # XLA's default compiler settings, as a user has them (`dev.sh test` compiles with
-    # faster ones; see conftest.py): every quick test runs both ways in CI.
-    export GRADACCUM_XLA_DEFAULTS=1
+    # The wheel's run compiles with XLA's default settings, as a user has them (`dev.sh
+    # test` compiles with faster ones; see conftest.py): every quick test runs both ways
+    # in CI. The oldest stack's run checks the older APIs, with the faster settings.
+    if [ "$task" = test-wheel ]; then
+      export GRADACCUM_XLA_DEFAULTS=1
+    fi
     cd "$work"
     installed="$("$oldpy" -c 'import gradaccum_jax, os; print(os.path.dirname(gradaccum_jax.__file__))')"
     case "$installed" in
@@ -94,7 +98,7 @@ case "$task" in
     # --confcutdir: the repository's conftest.py lies above the venv; loading it for the
     # doctests would put the source tree on sys.path, ahead of the wheel.
     # The quick suite, and the slow tests that inspect compiled programs (`hlo`): under
-    # XLA's defaults here, they check the HLO a user's compiler produces.
+    # XLA's defaults (test-wheel), they check the HLO a user's compiler produces.
     "$oldpy" -m pytest -n auto --dist worksteal -p no:cacheprovider \
       --confcutdir="${oldpy%/bin/python}" -m "not slow or hlo" "$@"
     ;;
