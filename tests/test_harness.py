@@ -1,5 +1,6 @@
 """The measuring harness (benchmarks/harness.py) reads compiled HLO the way the tests rely on."""
 
+import gc
 import pathlib
 
 import jax
@@ -176,3 +177,25 @@ def test_runs_multiplies_ops_by_their_loops_trip_counts():
     assert hlo.runs("all-reduce") == 5 * (1 + 3 + 1) + 1
     assert len(hlo.ops("all-reduce", hlo.in_loops())) == 3
     assert hlo.runs("collective-permute") == 0
+
+
+def test_the_suite_frees_compiled_programs_before_the_kernels_map_limit():
+    # conftest.py: a worker running half the suite passed Linux's 65,530 memory maps
+    # (XLA:CPU maps three regions per compiled kernel) and crashed in the next compile.
+    import conftest
+
+    found = conftest._mapped_regions()
+    assert found is not None and found[0] > 0 and found[1] > 0, found
+
+    # Jitted functions that stay alive, as a test module's do: their programs stay mapped
+    # until the caches are cleared.
+    steps = [jax.jit(lambda x, i=i: x * i + 1.0) for i in range(60)]
+    for step in steps:
+        step(1.0)
+    gc.collect()
+    before = conftest._mapped_regions()[0]
+    assert conftest._release_when_crowded((before, 65530)) is False  # below half: kept
+    assert conftest._release_when_crowded(None) is False  # no /proc: nothing done
+    assert conftest._mapped_regions()[0] >= before
+    assert conftest._release_when_crowded((40000, 65530)) is True
+    assert conftest._mapped_regions()[0] < before - 60, (before, conftest._mapped_regions())
