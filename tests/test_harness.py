@@ -184,7 +184,10 @@ def test_the_suite_frees_compiled_programs_before_the_kernels_map_limit():
     # (XLA:CPU maps three regions per compiled kernel) and crashed in the next compile.
     import conftest
 
+    assert conftest._release_when_crowded(None) is False  # no /proc: nothing done
     found = conftest._mapped_regions()
+    if found is None and not pathlib.Path("/proc/self/maps").exists():
+        pytest.skip("no /proc/self/maps on this system: the release can only do nothing")
     assert found is not None and found[0] > 0 and found[1] > 0, found
 
     # Jitted functions that stay alive, as a test module's do: their programs stay mapped
@@ -195,7 +198,6 @@ def test_the_suite_frees_compiled_programs_before_the_kernels_map_limit():
     gc.collect()
     before = conftest._mapped_regions()[0]
     assert conftest._release_when_crowded((before, 65530)) is False  # below half: kept
-    assert conftest._release_when_crowded(None) is False  # no /proc: nothing done
     assert conftest._mapped_regions()[0] >= before
     assert conftest._release_when_crowded((40000, 65530)) is True
     assert conftest._mapped_regions()[0] < before - 20, (before, conftest._mapped_regions())
