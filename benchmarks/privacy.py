@@ -220,16 +220,28 @@ def measure_model(name: str, quick: bool, reps: int, micro: int) -> list[dict]:
     return rows
 
 
+def _example(name: str):
+    """The module of `examples/<name>.py`, loaded once per process (the examples are not a
+    package)."""
+    import importlib.util
+    import sys
+
+    if name not in sys.modules:
+        path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def measure_remat(quick: bool, reps: int) -> list[dict]:
     """The Gemma-like decoder of `examples/dp_lm.py` under `nn.remat`, T = 256 and 512
     (B = 8): the fast path with each `remat=` mode against the non-private
     step under the same remat (times interleaved, compiled temps), and the share of
     remat's saving each keeps: (temp without remat - temp with) over the non-private
     step's."""
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-    import dp_lm
+    dp_lm = _example("dp_lm")
 
     rows = []
     for length in (16,) if quick else (256, 512):
@@ -368,12 +380,7 @@ def measure_steps(widths: tuple[int, ...], batch: int, micro: int, reps: int) ->
 
 def measure_example(quick: bool) -> list[dict]:
     """examples/dp_digits.py's private training on each path: seconds per epoch."""
-    import importlib.util
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "dp_digits.py"
-    spec = importlib.util.spec_from_file_location("dp_digits", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _example("dp_digits")
     seconds = {}
     for method in ("fast", "per_example"):
         args = example.parse_args(["--method", method, "--epochs", "2" if quick else "6"])
@@ -393,10 +400,7 @@ def measure_example(quick: bool) -> list[dict]:
 def measure_lm_example(quick: bool) -> list[dict]:
     """examples/dp_lm.py as it runs: the planned chunk size and peaks, epsilon, and one
     private call against one non-private call under the same remat."""
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-    import dp_lm
+    dp_lm = _example("dp_lm")
 
     out = dp_lm.main(["--quick"] if quick else [])
     plan, seconds, temp = out["plan"], out["seconds"], out["temp_bytes"]
