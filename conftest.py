@@ -56,6 +56,23 @@ _CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
 settings.load_profile("reproduce" if _CI else os.environ.get("HYPOTHESIS_PROFILE", "reproduce"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Loads tests/_suite_report.py: compiled programs per file, the slowest tests and the
+    quick tier's slow ones, printed at the end of every run."""
+    try:
+        from tests import _suite_report
+    except ImportError:  # this file copied elsewhere (tests/test_packaging.py does)
+        return
+    config.pluginmanager.register(_suite_report, "gradaccum_suite_report")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks the package's doctests `wheel`: `dev.sh test-wheel` runs them against the wheel."""
+    for item in items:
+        if isinstance(item, pytest.DoctestItem):
+            item.add_marker(pytest.mark.wheel)
+
+
 def _release(version: str) -> tuple[int, ...]:
     """The numeric release of a version string: "0.8.1" and "0.8.1rc1" give (0, 8, 1)."""
     return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))

@@ -977,8 +977,8 @@ def _train_without_commit(case, wrap=jax.jit, axis_name=None, shard=lambda a: a)
 
 
 @pytest.mark.parametrize("case", _FROZEN_CASES)
-def test_uncommitted_statistics_raise_at_the_read_under_jit_with_a_mesh(case):
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+def test_uncommitted_statistics_raise_at_the_read_under_jit_with_a_mesh(case, explicit_mesh):
+    mesh = explicit_mesh
     shard = functools.partial(jax.device_put, device=NamedSharding(mesh, P("data")))
     with jax.set_mesh(mesh):
         model, params, stats, x = _train_without_commit(case, shard=shard)
@@ -1083,7 +1083,7 @@ def test_nnx_uncommitted_statistics_raise_at_the_read(case):
     assert bool(jnp.all(jnp.isfinite(nnx.jit(lambda m, x: m(x))(model, xs[0]))))
 
 
-def test_nnx_uncommitted_statistics_raise_at_the_read_under_pmap_and_a_mesh():
+def test_nnx_uncommitted_statistics_raise_at_the_read_under_pmap_and_a_mesh(explicit_mesh):
     layer = NNXAccumBatchNorm(
         FEATURES, use_scale=False, use_bias=False, axis_name="batch", rngs=nnx.Rngs(0)
     )
@@ -1108,7 +1108,7 @@ def test_nnx_uncommitted_statistics_raise_at_the_read_under_pmap_and_a_mesh():
     # Training under nnx.jit over a mesh (the layer without axis_name, the batch
     # sharded); the read is eager here: after a failed host callback, a program
     # with collectives on the same devices can hang (JAX's runtime tokens).
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = explicit_mesh
     single = NNXAccumBatchNorm(FEATURES, use_scale=False, use_bias=False, rngs=nnx.Rngs(0))
     with jax.set_mesh(mesh):
         sharded = jax.device_put(x.reshape(32, 4, FEATURES), NamedSharding(mesh, P("data")))

@@ -499,8 +499,8 @@ def test_global_view_reduces_once_per_step(axis_type):
 
 @pytest.mark.slow
 @pytest.mark.hlo
-def test_shard_map_gathers_embeddings_and_leaves_the_reduction():
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+def test_shard_map_gathers_embeddings_and_leaves_the_reduction(explicit_mesh):
+    mesh = explicit_mesh
     f = ga.coupled_value_and_grad(clip_loss, embed, 2, axis_name="data")
     batch = jax.device_put(BATCH, NamedSharding(mesh, P("data")))
     params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
@@ -524,10 +524,10 @@ def test_shard_map_gathers_embeddings_and_leaves_the_reduction():
 
 
 @pytest.mark.slow
-def test_shard_map_with_accumulate_window():
+def test_shard_map_with_accumulate_window(explicit_mesh):
     # Two coupled steps in one accumulate window under shard_map: the window's update
     # is the mean of the two global-batch gradients, whatever the device count.
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = explicit_mesh
     f = ga.coupled_value_and_grad(info_nce, embed, 2, axis_name="data")
     opt = ga.accumulate(optax.sgd(1.0), 2, axis_name="data")
     batches = [BATCH, _batch(seed=9)]
@@ -586,10 +586,10 @@ def test_with_tiled_losses(tiled, dense):
 
 
 @pytest.mark.slow
-def test_shard_map_with_a_sharded_loss():
+def test_shard_map_with_a_sharded_loss(explicit_mesh):
     # gather_embeddings=False: the loss gets each device's rows and gathers the columns
     # itself; its backward returns each device's column gradients (a reduce-scatter).
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = explicit_mesh
     f = ga.coupled_value_and_grad(
         lambda p, r: tiled_clip(p, r, axis_name="data"),
         embed,
@@ -615,11 +615,11 @@ def test_shard_map_with_a_sharded_loss():
 @pytest.mark.slow
 @pytest.mark.hlo
 @pytest.mark.parametrize("gather", [True, False])
-def test_unreduced_route_sums_the_devices_once_per_window(gather):
+def test_unreduced_route_sums_the_devices_once_per_window(gather, explicit_mesh):
     # grad_reduction="sum": each device's gradient is its partial sum, returned typed
     # unreduced from shard_map under global-view jit; accumulate adds the partial sums
     # over the window and reduces them once, when the window closes.
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = explicit_mesh
     loss_fn = (lambda p, r: tiled_clip(p, r, axis_name="data")) if not gather else clip_loss
     f = ga.coupled_value_and_grad(
         loss_fn, embed, 2, axis_name="data", gather_embeddings=gather, grad_reduction="sum"

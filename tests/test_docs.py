@@ -118,6 +118,7 @@ def test_page_code_blocks_run(page):
 NO_RUN_BLOCKS = [b for p in PAGES for b in python_blocks(p) if b.no_run is not None]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "block", NO_RUN_BLOCKS, ids=[f"{b.page.relative_to(ROOT)}:{b.line}" for b in NO_RUN_BLOCKS]
 )
@@ -189,6 +190,7 @@ def test_readme_first_snippet_is_the_large_batch_step():
     assert gap(per_micro) > 1e-4  # the placement the README used to show
 
 
+@pytest.mark.pure
 def test_index_page_shows_the_readme_snippet():
     readme = python_blocks(ROOT / "README.md")[0].code
     assert readme in python_blocks(ROOT / "docs" / "index.md")[0].code
@@ -201,6 +203,7 @@ def _fenced(page: pathlib.Path, lang: str) -> str:
     return text[start : text.index("```", start)]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
 def test_the_first_commands_say_how_long_the_suite_takes_and_offer_the_quick_loop(page):
     # Issue 34, item 4: a new user waited 15 minutes for `bash dev.sh test` with no idea of
@@ -253,6 +256,7 @@ def hooks():
     return _load_tool("mkdocs_hooks")
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "html",
     [
@@ -269,6 +273,7 @@ def test_checker_finds_literal_roles_and_directives(hooks, html):
     assert hooks.find_rst_markup(html), html
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "html",
     [
@@ -283,6 +288,7 @@ def test_checker_accepts_markdown_output(hooks, html):
     assert hooks.find_rst_markup(html) == []
 
 
+@pytest.mark.pure
 def test_checker_reports_context(hooks):
     (found,) = hooks.find_rst_markup("<p>Bases: State of :func:<code>accumulate</code>.</p>")
     assert "State of :func:" in found
@@ -350,15 +356,18 @@ def converter():
     return _load_tool("convert_docstrings")
 
 
+@pytest.mark.pure
 def test_converter_writes_markdown(converter):
     assert converter.convert_source(RST_DOCSTRING) == MARKDOWN_DOCSTRING
 
 
+@pytest.mark.pure
 def test_converter_is_idempotent(converter):
     once = converter.convert_source(RST_DOCSTRING)
     assert converter.convert_source(once) == once
 
 
+@pytest.mark.pure
 def test_converter_keeps_non_ascii_sources_intact(converter):
     # ast reports byte offsets: a multi-byte character must not shift the next docstring.
     source = 'def g():\n    """Σ w·g of ``g``, see :func:`f`."""\n\n\ndef h():\n    """``h``."""\n'
@@ -367,6 +376,7 @@ def test_converter_keeps_non_ascii_sources_intact(converter):
     )
 
 
+@pytest.mark.pure
 def test_converter_check_mode_reports_files(converter, tmp_path, capsys):
     module = tmp_path / "m.py"
     module.write_text(RST_DOCSTRING)
@@ -386,6 +396,7 @@ def figures():
     return _load_tool("figures")
 
 
+@pytest.mark.pure
 def test_every_quoted_figure_matches_rows_json(figures):
     rows = figures.load_rows()
     stale = []
@@ -396,6 +407,7 @@ def test_every_quoted_figure_matches_rows_json(figures):
     assert not stale, "run python tools/figures.py:\n" + "\n".join(stale)
 
 
+@pytest.mark.pure
 def test_figures_are_used_and_pages_name_only_known_ones(figures):
     used = set()
     for page in figures.pages(ROOT):
@@ -405,6 +417,7 @@ def test_figures_are_used_and_pages_name_only_known_ones(figures):
     assert not unused, f"defined but quoted nowhere: {unused}"
 
 
+@pytest.mark.pure
 def test_the_finiteness_check_costs_less_than_the_noise_as_the_pages_say(figures):
     # Issue 34, item 4: the pages quote the micro-step against writing zero updates with and
     # without the finiteness check, and say the check costs less than the noise: the two
@@ -422,6 +435,7 @@ def test_the_finiteness_check_costs_less_than_the_noise_as_the_pages_say(figures
         assert "costs less than the noise" in text or "less than the run-to-run noise" in text
 
 
+@pytest.mark.pure
 def test_figures_rewrites_a_stale_span(figures):
     rows = figures.load_rows()
     text = "MultiSteps costs <!-- fig:multisteps.x_floor -->99 times<!-- /fig --> the floor."

@@ -1231,14 +1231,6 @@ def test_hsdp_leaves_sharded_over_both_axes_and_a_batch_split_over_data_only(mes
 # --- Explicit meshes known from the arrays' types alone (issue 44 item 7) ----------------
 
 
-def _x64():
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64  # older jax releases of the supported range
-
-    return enable_x64()
-
-
 # Releases before 0.9 fail to compile the plan's candidates on a traced Explicit mesh.
 _OLD_PLANNER = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 9)
 
@@ -1282,11 +1274,11 @@ def _typed_mesh_doors():
 
 @pytest.mark.parametrize("door", list(_typed_mesh_doors()))
 @pytest.mark.parametrize("context", ["set_mesh", "types only", "types only, not jitted"])
-def test_a_batch_on_an_explicit_mesh_needs_no_context_mesh(door, context):
+def test_a_batch_on_an_explicit_mesh_needs_no_context_mesh(door, context, x64):
     # Without jax.set_mesh, clipped_grad failed inside the library (slicing an example out
     # of f32[64@data,16]) and coupled_value_and_grad left its per-device route (one
     # reduction per step) for XLA's partitioner; the other doors guard the same promise.
-    with _x64():
+    with x64():
         fn = _typed_mesh_doors()[door]
         params = {"w": jax.random.normal(jax.random.key(1), (16, 4)) * 0.3}
         x = jax.random.normal(jax.random.key(0), (64, 16))

@@ -1,6 +1,7 @@
 """The measuring harness (benchmarks/harness.py) reads compiled HLO the way the tests rely on."""
 
 import gc
+import importlib.util
 import pathlib
 
 import jax
@@ -9,6 +10,8 @@ import pytest
 
 from benchmarks import harness
 from gradaccum_jax._base import compat
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # A hand-written module in the printed form of XLA:CPU: a combined all-reduce whose
 # tuple type has spaces and an index comment, an asynchronous pair, a conditional
@@ -153,10 +156,10 @@ def test_benchmark_parser_is_every_benchmarks_command_line():
             assert "argparse" not in source, script.name
 
 
-def test_runs_multiplies_ops_by_their_loops_trip_counts():
+def test_runs_multiplies_ops_by_their_loops_trip_counts(explicit_mesh):
     # A psum per outer step, three per inner step (a scan inside the scan), one in a
     # cond's branch (at most once per outer step), and one after the loops.
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = explicit_mesh
 
     def reduced(c):
         return compat.pcast_to_varying(jax.lax.psum(c, "data"), "data")
@@ -182,7 +185,10 @@ def test_runs_multiplies_ops_by_their_loops_trip_counts():
 def test_the_suite_frees_compiled_programs_before_the_kernels_map_limit():
     # conftest.py: a worker running half the suite passed Linux's 65,530 memory maps
     # (XLA:CPU maps three regions per compiled kernel) and crashed in the next compile.
-    import conftest
+    # The repository's conftest.py, by its path: `import conftest` finds tests/conftest.py.
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
 
     assert conftest._release_when_crowded(None) is False  # no /proc: nothing done
     found = conftest._mapped_regions()

@@ -19,6 +19,9 @@ import pytest
 
 import gradaccum_jax
 
+# Tables and source text: no jax computation (the `pure` marker).
+pytestmark = pytest.mark.pure
+
 ROOT = Path(__file__).resolve().parent.parent
 # The package that is imported: the source tree, or the installed wheel (dev.sh test-wheel).
 PACKAGE = Path(gradaccum_jax.__file__).resolve().parent

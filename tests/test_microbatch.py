@@ -347,9 +347,9 @@ def test_sharded_batch_stays_sharded(axis_type):
     assert control["all-gather"] + control["all-to-all"] + control["collective-permute"] > 0
 
 
-def test_inside_shard_map_one_reduction_per_step():
+def test_inside_shard_map_one_reduction_per_step(explicit_mesh):
     # Local micro-batching per device and one cross-device mean per step.
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = explicit_mesh
     batch = jax.device_put(BATCH, NamedSharding(mesh, P("data")))
     params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
 

@@ -17,6 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax._base import compat as _compat
 
+# Run against the built wheel too (dev.sh test-wheel).
+pytestmark = pytest.mark.wheel
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

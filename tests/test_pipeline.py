@@ -24,14 +24,6 @@ EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("circular", 2)]
 
 
-def x64():
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64  # older jax releases of the supported range
-
-    return enable_x64()
-
-
 def stage_fn(w, x):
     """Two residual tanh layers (the stage params carry a per-stage layer axis)."""
 
@@ -96,7 +88,7 @@ def global_view(grad_fn, params, batch, axis_type=EXPLICIT, *args):
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "v"), SCHEDULES)
 @pytest.mark.parametrize("n", [S - 1, S, 2 * S, 8 * S])
-def test_every_schedule_equals_the_whole_batch_in_float64(schedule, v, n):
+def test_every_schedule_equals_the_whole_batch_in_float64(schedule, v, n, x64):
     with x64():
         params, batch = make_params(v, jnp.float64), make_batch(2 * D * n, jnp.float64)
         grad_fn = ga.pipeline_value_and_grad(

@@ -6,6 +6,9 @@ import pytest
 import gradaccum_jax as ga
 from gradaccum_jax._pipeline import schedules
 
+# Tables and source text: no jax computation (the `pure` marker).
+pytestmark = pytest.mark.pure
+
 CASES = [
     (name, s, n, v)
     for name, v in [

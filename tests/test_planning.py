@@ -121,8 +121,8 @@ def _table_in(message):
     return ast.literal_eval(re.search(r"peaks by K: (\{.*?\})", message).group(1))
 
 
-def test_candidates_respect_explicit_batch_sharding():
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+def test_candidates_respect_explicit_batch_sharding(explicit_mesh):
+    mesh = explicit_mesh
     batch = jax.device_put(BATCH, NamedSharding(mesh, P("data")))
     params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
     with pytest.raises(ValueError, match="no number of micro-batches fits") as error:

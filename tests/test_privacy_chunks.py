@@ -142,10 +142,10 @@ def test_a_call_reuses_the_peaks_its_plan_compiled(monkeypatch):
     assert auto.plan_memory(*shapes) == plan
 
 
-def test_inside_shard_map_one_devices_program_is_planned():
+def test_inside_shard_map_one_devices_program_is_planned(auto_mesh):
     # The per-example keys use collectives over the map's axis: the plan compiles one
     # device's program over the axis's devices, and equals a plan of the device's shard.
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = auto_mesh
     params, batch = init(n=8 * 16)
     key = jax.random.key(3)
     options = dict(batch_argnums=2, prng_argnum=1)
@@ -169,8 +169,8 @@ def test_inside_shard_map_one_devices_program_is_planned():
     assert_tree_close(got, jax.jit(whole)(params, key, batch), 1e-5)
 
 
-def test_under_global_view_the_sizes_divide_each_devices_shard():
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+def test_under_global_view_the_sizes_divide_each_devices_shard(explicit_mesh):
+    mesh = explicit_mesh
     params, batch = init(n=8 * 16)
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     params = jax.device_put(params, NamedSharding(mesh, P()))

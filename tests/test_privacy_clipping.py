@@ -23,14 +23,6 @@ def NEEDS_JAX_PRIVACY(test):
     return requires(quiet(test))
 
 
-def x64():
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64  # older jax releases of the supported range
-
-    return enable_x64()
-
-
 def init(dtype=jnp.float32):
     k1, k2 = jax.random.split(jax.random.key(0))
     return {
@@ -71,7 +63,7 @@ def assert_tree_close(got, want, rtol, atol=0.0):
     "chunks", [{}, {"num_microbatches": 4}, {"microbatch_size": 2}, {"microbatch_size": 16}]
 )
 @METHOD
-def test_equals_vmap_grad_clip_sum_reference(chunks, method):
+def test_equals_vmap_grad_clip_sum_reference(chunks, method, x64):
     # float64, so that the comparison sees the rule and not the order of float32 sums.
     with x64():
         params, batch = init(jnp.float64), data(dtype=jnp.float64)
@@ -98,7 +90,7 @@ def test_float32_within_rounding_of_the_reference():
 
 @NEEDS_JAX_PRIVACY
 @pytest.mark.parametrize("microbatch_size", [None, 4])
-def test_equals_jax_privacy_clipped_grad(microbatch_size):
+def test_equals_jax_privacy_clipped_grad(microbatch_size, x64):
     from jax_privacy import clipping
 
     padding = np.arange(N) >= 11
@@ -363,11 +355,11 @@ def test_raw_uint32_keys_are_split_too():
 
 
 @METHOD
-def test_inside_shard_map_each_device_clips_its_own_examples(method):
+def test_inside_shard_map_each_device_clips_its_own_examples(method, auto_mesh):
     # Replicated params: shard_map's transpose would sum each parameter gradient over the
     # devices, mixing one example of every device before clipping. The psum of the
     # devices' clipped sums must equal the clipped sum of the whole batch.
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = auto_mesh
     params, batch = init(), data(n=32)
     padding = np.arange(32) % 5 == 0
     fn = privacy.clipped_grad(loss, C, microbatch_size=2, method=method)
@@ -398,7 +390,7 @@ def _masked_loss(params, key, batch):
 @pytest.mark.parametrize("route", ["shard_map", "shard_map, check_vma=False", "pmap"])
 @pytest.mark.parametrize("raw", [False, True], ids=["typed key", "raw key"])
 @METHOD
-def test_keys_under_a_users_map_are_the_whole_batchs(route, raw, method):
+def test_keys_under_a_users_map_are_the_whole_batchs(route, raw, method, x64):
     # Issue 44 item 8: each device split its replicated key over its own examples, so
     # example i of every device drew the same dropout mask; each device now takes its
     # slice of the whole batch's keys, as one device does.
@@ -440,10 +432,10 @@ def test_keys_under_a_users_map_are_the_whole_batchs(route, raw, method):
     assert_tree_close(grad_sum, jax.tree.map(np.asarray, want), rtol=1e-12, atol=1e-14)
 
 
-def test_a_key_already_folded_per_device_is_split_as_it_is():
+def test_a_key_already_folded_per_device_is_split_as_it_is(auto_mesh):
     # The caller's own fold (the key varying over the batch's axis) is not folded again:
     # each device's examples take jax.random.split(its key, n), as on one device.
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = auto_mesh
     params, batch = init(), data(n=16)
     key = jax.random.key(3)
     fn = privacy.clipped_grad(_masked_loss, C, batch_argnums=2, prng_argnum=1, has_aux=True)

@@ -27,14 +27,6 @@ N = 6  # examples per batch: small, the models are what is tested
 C = 0.3
 
 
-def x64():
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64  # older jax releases of the supported range
-
-    return enable_x64()
-
-
 def dense(features, **kw):
     return nn.Dense(features, param_dtype=F64, dtype=F64, **kw)
 
@@ -211,7 +203,7 @@ def _max_error(got, want):
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_fast_path_equals_per_example_gradients_in_float64(model):
+def test_fast_path_equals_per_example_gradients_in_float64(model, x64):
     build, methods = MODELS[model]
     with x64():
         loss, params, x = build()
@@ -236,7 +228,7 @@ def test_fast_path_equals_per_example_gradients_in_float64(model):
         assert re.fullmatch(matching[0], leaf.method), (leaf.path, leaf.method, str(plan))
 
 
-def test_plan_prints_a_table_and_says_why_a_leaf_takes_the_per_example_path():
+def test_plan_prints_a_table_and_says_why_a_leaf_takes_the_per_example_path(x64):
     with x64():
         loss, params, x = _carried()
         plan = privacy.clipped_grad(loss, C).plan(params, jax.ShapeDtypeStruct(x.shape, x.dtype))
@@ -397,8 +389,8 @@ def test_global_view_jit_equals_one_device(axis_type, set_mesh, chunks):
         np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
 
 
-def test_a_batch_split_unevenly_over_the_mesh_is_refused_with_the_fix():
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+def test_a_batch_split_unevenly_over_the_mesh_is_refused_with_the_fix(explicit_mesh):
+    mesh = explicit_mesh
     loss, params = mlp32, mlp32_params()
     x = jnp.ones((16, 5), jnp.float32)
     y = jnp.ones((16, 8), jnp.float32)
@@ -413,7 +405,7 @@ def test_a_batch_split_unevenly_over_the_mesh_is_refused_with_the_fix():
             jax.jit(privacy.clipped_grad(two, C))(params, (xs, ys))
 
 
-def test_dp_accumulate_over_fast_sums_equals_the_per_example_path():
+def test_dp_accumulate_over_fast_sums_equals_the_per_example_path(x64):
     build, _ = MODELS["lm"]
     with x64():
         loss, params, ids = build()
@@ -508,7 +500,7 @@ def _lora_forms():
 @pytest.mark.parametrize(
     "form", ["closed-over base", "base as an argument", "stop_gradient", "merged W + sAB"]
 )
-def test_pure_jax_lora_forms_clip_only_the_adapters(form):
+def test_pure_jax_lora_forms_clip_only_the_adapters(form, x64):
     # Issue 44 item 4's guard: the frozen base is not differentiated in any of these, so
     # each example's norm is its adapters' alone, the same on both paths.
     with x64():

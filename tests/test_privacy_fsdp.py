@@ -28,14 +28,6 @@ AXIS_TYPE = pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explic
 BATCH = pytest.mark.parametrize("batch_spec", [P(("data", "fsdp")), P("data")], ids=str)
 
 
-def x64():
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64  # older jax releases of the supported range
-
-    return enable_x64()
-
-
 def init(dtype):
     k1, k2 = jax.random.split(jax.random.key(0))
     return {
@@ -80,7 +72,7 @@ def check_sharded_like(grads, params):
 @AXIS_TYPE
 @BATCH
 @pytest.mark.parametrize("method", ["fast", "per_example"])
-def test_sums_are_sharded_like_the_params_and_equal_one_devices(axis_type, batch_spec, method):
+def test_sums_are_sharded_like_the_params_and_equal_one_devices(axis_type, batch_spec, method, x64):
     fn = privacy.clipped_grad(loss, C, method=method, num_microbatches=2)
     with x64():
         params, batch = init(jnp.float64), data(jnp.float64)
@@ -96,7 +88,7 @@ def test_sums_are_sharded_like_the_params_and_equal_one_devices(axis_type, batch
 
 
 @BATCH
-def test_explicit_mesh_without_set_mesh_reads_the_mesh_from_the_arrays(batch_spec):
+def test_explicit_mesh_without_set_mesh_reads_the_mesh_from_the_arrays(batch_spec, x64):
     # Arrays put on jax.make_mesh's Explicit mesh, no mesh in context: the same sums,
     # sharded like the params.
     fn = privacy.clipped_grad(loss, C, num_microbatches=2)
@@ -170,7 +162,7 @@ def dp_run(params, micro_batches, put_batch, k):
 
 
 @AXIS_TYPE
-def test_dp_step_over_two_windows_equals_one_devices(axis_type):
+def test_dp_step_over_two_windows_equals_one_devices(axis_type, x64):
     k = 2
     with x64():
         params = init(jnp.float64)

@@ -125,7 +125,7 @@ def test_plan_names_the_module_params():
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
-def test_a_device_of_a_map_folds_its_examples_indices_in_the_whole_batch(check_vma):
+def test_a_device_of_a_map_folds_its_examples_indices_in_the_whole_batch(check_vma, auto_mesh):
     # Inside shard_map with check_vma=False (and under pmap) the types do not say which
     # axes split the batch, and each device folded its examples' indices from 0: example
     # i of every device drew one mask. Now every mapped axis is taken as splitting it.
@@ -134,7 +134,7 @@ def test_a_device_of_a_map_folds_its_examples_indices_in_the_whole_batch(check_v
     _, want_norms = folded_reference(model, batch)
     graphdef, state = nnx.split(model)
     fn = privacy.clipped_grad(loss, C, return_grad_norms=True)
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = auto_mesh
 
     def body(state, batch):
         return fn(nnx.merge(graphdef, state), batch)[2]

@@ -11,14 +11,6 @@ from gradaccum_jax import privacy
 from gradaccum_jax._privacy import graph, norm_rules
 
 
-def x64():
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64  # older jax releases of the supported range
-
-    return enable_x64()
-
-
 def both_paths(loss, params, batch, clip=0.4):
     """`(fast, per_example)` results with norms, and the fast plan's methods."""
     fast = privacy.clipped_grad(loss, clip, return_grad_norms=True)
@@ -44,7 +36,7 @@ def assert_same(got, want, atol=1e-12):
         ("negative, wrapped", lambda table, ids: table[ids]),
     ],
 )
-def test_embedding_lookup_ghost_norm_in_every_index_mode(ids, index):
+def test_embedding_lookup_ghost_norm_in_every_index_mode(ids, index, x64):
     rng = np.random.default_rng(0)
     with x64():
         table = jnp.asarray(rng.normal(size=(30, 4)))
@@ -77,7 +69,7 @@ def test_embedding_lookup_ghost_norm_in_every_index_mode(ids, index):
         {"window_strides": (1, 2), "padding": "VALID", "feature_group_count": 3},
     ],
 )
-def test_convolution_patches_and_norms(config):
+def test_convolution_patches_and_norms(config, x64):
     config = dict(config)
     layout = config.pop("dimension_numbers", ("NHWC", "HWIO", "NHWC"))
     groups = config.get("feature_group_count", 1)
@@ -115,7 +107,7 @@ def test_convolution_patches_and_norms(config):
     assert_same(got, want, atol=1e-10)
 
 
-def test_dense_norms_switch_between_ghost_and_layer_with_the_sequence_length():
+def test_dense_norms_switch_between_ghost_and_layer_with_the_sequence_length(x64):
     # The layer's gradient where T (d_in + d_out) > d_in d_out (fewer flops) and
     # d_in d_out <= 2 T^2 (no more floats than the Gram matrices); else Gram matrices.
     # At T = 5 the layer would cost fewer flops (80 > 64) but hold 64 floats against 50.
@@ -180,7 +172,7 @@ def test_ghost_where_the_layer_would_hold_more_compiles_to_less_temporary_memory
     assert ghost_temp < 0.9 * layer_temp, (ghost_temp, layer_temp)
 
 
-def test_an_embedding_lookup_forms_the_table_gradient_only_where_it_is_smaller():
+def test_an_embedding_lookup_forms_the_table_gradient_only_where_it_is_smaller(x64):
     # T = 8: T^2 = 64 > V, so the table's gradient costs fewer flops; it is formed for a
     # 10 x 2 table (20 floats <= 64) and not for a 30 x 4 one (120 floats > 64).
     rng = np.random.default_rng(7)
@@ -297,7 +289,7 @@ def test_an_integer_or_stopped_use_of_a_parameter_is_not_a_site():
         np.testing.assert_allclose(g, 4.0)
 
 
-def test_every_combination_of_dense_operand_order_and_batch_dims():
+def test_every_combination_of_dense_operand_order_and_batch_dims(x64):
     # dot_general with the parameter on either side, with and without shared batch dims.
     rng = np.random.default_rng(4)
     specs = ["nd,de->ne", "de,nd->ne", "nhd,hde->nhe", "hde,nhd->nhe", "ntd,de->nte"]

@@ -22,14 +22,6 @@ F64 = jnp.float64
 N, T, V, D, H = 5, 6, 11, 4, 7  # examples, steps, vocabulary, embedding, hidden
 
 
-def x64():
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64  # older jax releases of the supported range
-
-    return enable_x64()
-
-
 def _normal(rng, *shape, scale=0.5):
     return jnp.asarray(scale * rng.normal(size=shape), F64)
 
@@ -227,7 +219,7 @@ def _max_error(got, want):
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_recurrent_weights_on_the_fast_path_equal_per_example_gradients(model):
+def test_recurrent_weights_on_the_fast_path_equal_per_example_gradients(model, x64):
     build, methods = MODELS[model]
     with x64():
         loss, params, batch = build()
@@ -251,7 +243,7 @@ def test_recurrent_weights_on_the_fast_path_equal_per_example_gradients(model):
         assert re.fullmatch(matching[0], leaf.method), (leaf.path, leaf.method, str(plan))
 
 
-def test_the_sum_over_iterations_matches_a_vmap_of_grad():
+def test_the_sum_over_iterations_matches_a_vmap_of_grad(x64):
     """One recurrent weight and no clipping: each example's gradient norm is that of the
     example's own gradient, the sum over every iteration."""
     with x64():
@@ -268,7 +260,7 @@ def test_the_sum_over_iterations_matches_a_vmap_of_grad():
     np.testing.assert_allclose(np.asarray(norms), np.asarray(want), rtol=1e-12)
 
 
-def test_the_plan_counts_the_iterations_as_rows():
+def test_the_plan_counts_the_iterations_as_rows(x64):
     with x64():
         loss, params, batch = _rnn()()
         plan = privacy.clipped_grad(loss, 1.0).plan(params, batch)
@@ -277,7 +269,7 @@ def test_the_plan_counts_the_iterations_as_rows():
     assert f"T={T} (1 x {T} iterations)" in wh.why
 
 
-def test_a_weight_the_carry_changes_takes_the_per_example_path_and_says_why():
+def test_a_weight_the_carry_changes_takes_the_per_example_path_and_says_why(x64):
     def loss(params, batch):
         ids, targets = batch
         x = jnp.swapaxes(params["embed"][ids], 0, 1)

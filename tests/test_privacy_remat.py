@@ -26,14 +26,6 @@ N, T, D = 8, 3, 6
 C = 0.3
 
 
-def x64():
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64  # older jax releases of the supported range
-
-    return enable_x64()
-
-
 class Block(nn.Module):
     """RMS-style scale, two dense layers with a bias, on a sequence."""
 
@@ -88,7 +80,7 @@ def close(a, b, rtol=1e-10, atol=1e-12):
 
 @pytest.mark.parametrize("remat", ["auto", "recompute", "save"])
 @pytest.mark.parametrize("length", [T, 40])
-def test_a_remat_stack_equals_the_per_example_path(remat, length):
+def test_a_remat_stack_equals_the_per_example_path(remat, length, x64):
     with x64():
         # At T = 3 the blocks' dense kernels take ghost norms (auto recomputes them in a
         # second pass); at T = 40 every layer of the blocks takes the layer rule, with a
@@ -131,7 +123,7 @@ def count_block_scans(fn, *args):
 
 
 @pytest.mark.parametrize("length", [T, 40])
-def test_the_default_recomputes_in_one_backward_pass_where_it_can(length):
+def test_the_default_recomputes_in_one_backward_pass_where_it_can(length, x64):
     with x64():
         loss, params, x, y = setup(length=length)
         modes = {
@@ -146,7 +138,7 @@ def test_the_default_recomputes_in_one_backward_pass_where_it_can(length):
         assert scans["auto"] == (2 if length == 40 else 3), scans
 
 
-def test_without_remat_nothing_is_recomputed():
+def test_without_remat_nothing_is_recomputed(x64):
     with x64():
         loss, params, x, y = setup(Stack(remat=False))
         plan = privacy.clipped_grad(loss, C, batch_argnums=(1, 2)).plan(params, x, y)
@@ -174,7 +166,7 @@ def hand_written(params, x):
     return jnp.mean(h**2)
 
 
-def test_a_checkpoint_with_a_policy_shared_and_reused_weights_inside():
+def test_a_checkpoint_with_a_policy_shared_and_reused_weights_inside(x64):
     with x64():
         ks = jax.random.split(jax.random.key(3), 4)
         params = {
@@ -196,7 +188,7 @@ def test_a_checkpoint_with_a_policy_shared_and_reused_weights_inside():
 
 
 @pytest.mark.parametrize("length", [T, 40])
-def test_padding_non_finite_examples_and_the_norms_under_remat(length):
+def test_padding_non_finite_examples_and_the_norms_under_remat(length, x64):
     with x64():
         loss, params, x, y = setup(length=length)
         x = x.at[2, 1, 0].set(jnp.nan).at[5, 0, 3].set(jnp.inf)
@@ -215,10 +207,10 @@ def test_padding_non_finite_examples_and_the_norms_under_remat(length):
 
 
 @pytest.mark.parametrize("length", [T, 40])  # two backward passes, or one (see above)
-def test_inside_shard_map_each_device_clips_its_own_examples(length):
+def test_inside_shard_map_each_device_clips_its_own_examples(length, x64, auto_mesh):
     with x64():
         loss, params, x, y = setup(n=16, length=length)
-        mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+        mesh = auto_mesh
         fast = privacy.clipped_grad(loss, C, batch_argnums=(1, 2))
 
         def body(p, x, y):
@@ -231,10 +223,10 @@ def test_inside_shard_map_each_device_clips_its_own_examples(length):
 
 
 @pytest.mark.parametrize("length", [T, 40])
-def test_global_view_on_an_explicit_mesh(length):
+def test_global_view_on_an_explicit_mesh(length, x64, explicit_mesh):
     with x64():
         loss, params, x, y = setup(n=16, length=length)
-        mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+        mesh = explicit_mesh
         xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
         ps = jax.device_put(params, NamedSharding(mesh, P()))
         fast = privacy.clipped_grad(loss, C, batch_argnums=(1, 2))
@@ -301,7 +293,7 @@ def shifted(params, x):
     return jnp.mean((h @ (2.0 - params["v"])) ** 2)
 
 
-def test_a_constant_added_to_a_weight_keeps_it_on_the_fast_path():
+def test_a_constant_added_to_a_weight_keeps_it_on_the_fast_path(x64):
     with x64():
         ks = jax.random.split(jax.random.key(4), 4)
         params = {

@@ -683,11 +683,11 @@ def test_a_bad_expected_batch_size_is_refused(b, error, match):
         _dp(2, b=b)
 
 
-def test_init_takes_shape_dtype_structs_eagerly_as_under_jit():
+def test_init_takes_shape_dtype_structs_eagerly_as_under_jit(explicit_mesh):
     # Issue 40, item 13: a state built from abstract params, without materialising them.
     from jax.sharding import NamedSharding
 
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = explicit_mesh
     sharded = NamedSharding(mesh, P("data"))
     abstract = {
         "w": jax.ShapeDtypeStruct((16,), jnp.float32, sharding=sharded),

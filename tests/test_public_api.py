@@ -5,10 +5,15 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import gradaccum_jax
 import gradaccum_jax.flax
 import gradaccum_jax.losses
 import gradaccum_jax.privacy
+
+# Run against the built wheel too (dev.sh test-wheel).
+pytestmark = pytest.mark.wheel
 
 NAMESPACES = {
     "gradaccum_jax": gradaccum_jax,

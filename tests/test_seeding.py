@@ -264,24 +264,24 @@ def test_explicit_max_leaves_rule():
         ga.microbatch_value_and_grad(loss, 2, max_leaves="max")
 
 
-def test_global_view_jit_over_a_sharded_batch():
+def test_global_view_jit_over_a_sharded_batch(auto_mesh):
     # XLA takes each amax over the whole sharded micro-batch: the metadata are the
     # large batch's, as on one device.
     model = Mlp()
     variables, data = warm_variables(model), batch()
     loss = loss_fn(model)
     ref = jax.grad(loss)(variables, data)
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = auto_mesh
     sharded = jax.device_put(data, jax.NamedSharding(mesh, jax.P("data")))
     _, grads = jax.jit(ga.microbatch_value_and_grad(loss, 2))(variables, sharded)
     _check(grads, ref)
 
 
-def test_coupled_global_view_route_takes_the_max_across_devices():
+def test_coupled_global_view_route_takes_the_max_across_devices(auto_mesh):
     # Under global-view jit each device runs both passes on its rows; the metadata
     # leaves combine by max across the devices (a psum would add 8 maxima).
     variables, x, embed, loss, ref = _contrastive_fp8()
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = auto_mesh
     sharded = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
     replicated = jax.device_put(variables, jax.NamedSharding(mesh, jax.P()))
     step = jax.jit(ga.coupled_value_and_grad(loss, embed, 2))
