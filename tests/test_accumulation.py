@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import chex
 import jax
@@ -105,6 +106,20 @@ def test_equals_large_batch(name, k):
     # float32: the window mean is summed in another order than the large
     # batch's mean, so the two differ by a few ulps per step.
     chex.assert_trees_all_close(p_acc, p_big, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.pure
+def test_the_guide_names_the_equivalence_cases():
+    # docs/accumulate.md says which optimizers and window lengths the test above checks.
+    guide = pathlib.Path(__file__).resolve().parents[1] / "docs" / "accumulate.md"
+    text = " ".join(guide.read_text().split())
+    assert (
+        "lion, adafactor, lamb and rmsprop at `K ∈ {1, 4}`, and adam and adamw with a "
+        "schedule at `K ∈ {2, 7}` too, to `rtol=1e-5`."
+    ) in text
+    by_k = {k: {n for n, j in EQUIVALENCE_CASES if j == k} for k in (1, 2, 4, 7)}
+    assert by_k[1] == by_k[4] == set(OPTIMIZERS)
+    assert by_k[2] == by_k[7] == {"adam", "adamw_schedule"}
 
 
 def test_sum_mode_returns_sum_of_micro_gradients():
@@ -644,6 +659,7 @@ def _state_copies(compiled, min_elements: int) -> list[str]:
 BIG = {"w1": jnp.ones((256, 512)), "b1": jnp.ones(512), "w2": jnp.ones((512, 256))}
 
 
+@pytest.mark.hlo
 def test_inner_optimizer_runs_only_inside_the_conditional():
     hlo = harness.Hlo(_micro_step_program(ga.accumulate(optax.adam(1e-3), 4), BIG))
     every_step = hlo.every_step()
@@ -653,6 +669,7 @@ def test_inner_optimizer_runs_only_inside_the_conditional():
     assert hlo.ops("conditional", [hlo.entry])
 
 
+@pytest.mark.hlo
 def test_no_copy_of_state_buffers_unlike_multisteps():
     ours = _micro_step_program(ga.accumulate(optax.adam(1e-3), 4), BIG)
     theirs = _micro_step_program(optax.MultiSteps(optax.adam(1e-3), 4), BIG)
@@ -660,6 +677,7 @@ def test_no_copy_of_state_buffers_unlike_multisteps():
     assert _state_copies(theirs, 512 * 256)  # the check can see a copy
 
 
+@pytest.mark.hlo
 def test_temp_memory_no_more_than_adam_alone():
     def temp_bytes(tx):
         return harness.compiled_memory(_micro_step_program(tx, BIG)).temp_bytes
@@ -672,6 +690,7 @@ def test_temp_memory_no_more_than_adam_alone():
     assert multisteps > param_bytes  # for contrast: MultiSteps keeps a parameter-sized temp
 
 
+@pytest.mark.hlo
 def test_k1_without_the_check_compiles_to_the_inner_optimizer_alone():
     # docs/accumulate.md: with K = 1, skip_nonfinite=False and no weight= the gate's
     # predicate is a constant, which XLA folds: the compiled program has no conditional.

@@ -267,6 +267,7 @@ def test_inside_chain_with_extra_args():
     np.testing.assert_allclose(u["w"], -jnp.ones((2, 3)), rtol=1e-6)
 
 
+@pytest.mark.hlo
 def test_skip_branch_does_not_copy_the_inner_state():
     # With donation, the gate must alias the accumulator and the inner state
     # instead of copying them: no parameter-sized copy in the compiled program.

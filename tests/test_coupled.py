@@ -308,6 +308,7 @@ def test_bad_inputs_name_the_fix():
         ga.coupled_value_and_grad(clip_loss, embed, 4, memory_budget=1e9)
 
 
+@pytest.mark.hlo
 def test_auto_plans_from_this_function():
     budget_of = {}
     for k in (1, 8):
@@ -746,6 +747,7 @@ def _shard_map_plans(budget, outputs=None):
     return plans
 
 
+@pytest.mark.hlo
 def test_auto_plans_inside_shard_map_and_shows_its_k():
     # The plan compiles one device's program in a program that has the mapped axis;
     # f.plan, called where f is, shows the K it chose.

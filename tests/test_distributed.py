@@ -343,6 +343,7 @@ def _step_args(mode):
     return step, (params, init(params), x, y)
 
 
+@pytest.mark.hlo
 @pytest.mark.parametrize("mode", ["shard_map", "pmap"])
 def test_all_reduces_only_in_the_boundary_branch(mode):
     step, args = _step_args(mode)
@@ -359,6 +360,7 @@ def test_all_reduces_only_in_the_boundary_branch(mode):
     assert sum(op.elements for op in boundary[0]) == n_params + 1
 
 
+@pytest.mark.hlo
 def test_gradients_of_replicated_params_raise_inside_shard_map():
     """The trap: grad wrt invariant params already psums on every micro-step."""
     tx = ga.accumulate(optax.adam(1e-2), 4, axis_name="data")
@@ -410,6 +412,7 @@ def test_bad_axis_name_is_refused_at_construction(axis_name, error):
         ga.accumulate(optax.sgd(0.1), 2, axis_name=axis_name)
 
 
+@pytest.mark.hlo
 def test_without_axis_name_no_collectives_and_no_checks_under_shard_map():
     """Plain accumulate inside shard_map stays local: no all-reduce anywhere."""
     tx = ga.accumulate(optax.sgd(0.1), 2)
@@ -430,6 +433,7 @@ def _fsdp_specs():
     return {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P("fsdp", None), "b2": P()}
 
 
+@pytest.mark.hlo
 @pytest.mark.parametrize("axis_type", ["explicit", "auto"])
 def test_sharded_jit_keeps_state_sharded_like_params(axis_type):
     axis_types = (AxisType.Explicit if axis_type == "explicit" else AxisType.Auto,)

@@ -86,10 +86,16 @@ PAGE_REQUIRES = {
 }
 
 
+# Pages whose blocks read a compiled program (a planner's memory_analysis): `hlo`.
+HLO_PAGES = {"choosing_k.md", "privacy.md"}
+
+
 def _page_param(page: pathlib.Path):
     marks = []
     if page.name in SLOW_PAGES:
         marks.append(pytest.mark.slow)
+    if page.name in HLO_PAGES:
+        marks.append(pytest.mark.hlo)
     if page.name in PAGE_REQUIRES:
         why, versions = PAGE_REQUIRES[page.name]
         marks.append(pytest.mark.requires(why, **versions))
@@ -210,18 +216,25 @@ def test_the_first_commands_say_how_long_the_suite_takes_and_offer_the_quick_loo
     # its length. The page starts with the two commands, and the quick loop is beside them.
     # Issue 40, item 16: the suite's duration is the range of the runs recorded in the
     # README's Development section, each said there with where it was measured.
+    # Issue 49: the suite's time depends on the day (the same machine ran a pure-Python loop
+    # about 4 times slower on the day of the after-figure): the line gives the fastest
+    # recorded run and the slow day's run of the suite as it now is.
     lines = _fenced(ROOT / page, "bash").splitlines()
     assert lines[0].startswith("bash dev.sh run ") and lines[1].startswith("bash dev.sh test ")
-    span = re.search(r"# the whole suite: ([\d.]+) to ([\d.]+) min on 2 cores", lines[1])
+    span = re.search(
+        r"# the whole suite: ([\d.]+) min \(a fast day\) to ([\d.]+) min \(a slow day\) on 2 cores",
+        lines[1],
+    )
     assert span is not None, lines[1]
     development = " ".join((ROOT / "README.md").read_text().split("## Development", 1)[1].split())
-    ci = re.search(
+    fast = re.search(
         r"in two fresh clones .* the whole suite took ([\d.]+) and ([\d.]+) min", development
     )
     user = re.search(r"A new user's fresh clone took ([\d.]+) min", development)
-    assert ci is not None and user is not None, development
-    measured = [float(m) for m in (*ci.groups(), *user.groups())]
-    assert (float(span[1]), float(span[2])) == (min(measured), max(measured)), measured
+    slow = re.search(r"after them ([\d.]+) min in the test step", development)
+    assert fast is not None and user is not None and slow is not None, development
+    measured = [float(m) for m in (*fast.groups(), *user.groups())]
+    assert (float(span[1]), float(span[2])) == (min(measured), float(slow[1])), measured
     quick = re.search(
         r'-m "not slow"\s+# the quick loop.* about (\d+) of the (\d+) tests', lines[2]
     )

@@ -124,6 +124,7 @@ UNREDUCED_WINDOWS = (
 )
 
 
+@pytest.mark.hlo
 @pytest.mark.requires(UNREDUCED_SCALAR, jax="0.9.1")
 def test_no_collective_at_all_with_an_unreduced_value(mesh):
     params, batch = replicated(init_params()), sharded(make_batch(0))
@@ -133,6 +134,7 @@ def test_no_collective_at_all_with_an_unreduced_value(mesh):
     assert jax.typeof(value).sharding.spec.unreduced == {AXIS}
 
 
+@pytest.mark.hlo
 def test_no_collective_on_the_gradients(mesh):
     params, batch = replicated(init_params()), sharded(make_batch(0))
     # The default reduces the scalar value only: one all-reduce of an f32[].
@@ -1159,6 +1161,7 @@ def test_hsdp_collectives_stay_inside_fsdp_groups(mesh2x4, k):
     assert across == [("all-reduce", [tuple(range(8))])], across
 
 
+@pytest.mark.hlo
 @pytest.mark.requires(UNREDUCED_SCALAR, jax="0.9.1")
 def test_fsdp_params_unreduced_over_every_axis_stay_full_size(mesh2x4):
     """axis_name=("data", "fsdp"): no communication of gradients until the window closes."""

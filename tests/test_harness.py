@@ -86,6 +86,7 @@ def test_copies_and_their_sources():
     assert hlo.copies(17) == []
 
 
+@pytest.mark.hlo
 def test_compiled_program_and_memory():
     def step(state, g):
         return jax.tree.map(jnp.add, state, g)
@@ -122,6 +123,7 @@ def test_no_entry_is_an_error():
         harness.Hlo("HloModule empty\n")
 
 
+@pytest.mark.hlo
 def test_bytes_moved_takes_the_ordinary_branch_of_a_boolean_fallback():
     from gradaccum_jax._base import trees
 
@@ -156,6 +158,7 @@ def test_benchmark_parser_is_every_benchmarks_command_line():
             assert "argparse" not in source, script.name
 
 
+@pytest.mark.hlo
 def test_runs_multiplies_ops_by_their_loops_trip_counts(explicit_mesh):
     # A psum per outer step, three per inner step (a scan inside the scan), one in a
     # cond's branch (at most once per outer step), and one after the loops.

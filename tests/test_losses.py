@@ -285,6 +285,7 @@ def _temp_bytes(fn, *args):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.hlo
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_value_and_grad_never_holds_an_n_by_n_matrix(name):
     tiled, dense = LOSSES[name]
@@ -678,6 +679,7 @@ def _trip_counts(compiled):
     )
 
 
+@pytest.mark.hlo
 @pytest.mark.parametrize(
     "axis_type",
     [pytest.param(AxisType.Explicit, marks=EXPLICIT_NEEDS), AxisType.Auto],
@@ -704,6 +706,7 @@ def test_global_view_each_device_runs_only_its_rows_tiles(name, axis_type):
     _assert_close(got, fn(x, y))
 
 
+@pytest.mark.hlo
 def test_global_view_auto_mesh_spreads_unsharded_rows_too():
     # Replicated inputs under an Auto mesh (or sharded ones without a mesh context) are
     # spread over the devices as well; the result is the one-device loss.

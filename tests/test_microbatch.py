@@ -347,6 +347,7 @@ def test_sharded_batch_stays_sharded(axis_type):
     assert control["all-gather"] + control["all-to-all"] + control["collective-permute"] > 0
 
 
+@pytest.mark.hlo
 def test_inside_shard_map_one_reduction_per_step(explicit_mesh):
     # Local micro-batching per device and one cross-device mean per step.
     mesh = explicit_mesh

@@ -312,6 +312,7 @@ def test_kahan_accumulator_drops_non_finite_and_resets():
     assert state.acc_grads["w"].dtype == state.acc_compensation["w"].dtype == jnp.bfloat16
 
 
+@pytest.mark.hlo
 @pytest.mark.parametrize("accumulator_dtype", [None, jnp.bfloat16])
 def test_accumulator_is_updated_in_place(accumulator_dtype):
     # The compensated option changed accumulate's update; the plain paths must

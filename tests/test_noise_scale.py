@@ -165,6 +165,7 @@ def test_found_anywhere_in_a_chain():
     assert ga.gradient_noise_scale(state).b_simple.shape == ()
 
 
+@pytest.mark.hlo
 def test_off_by_default_state_and_program_unchanged():
     inner = optax.adam(1e-3)
     params = {"w": jnp.zeros((16, 4)), "b": jnp.zeros(4)}

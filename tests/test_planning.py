@@ -70,6 +70,7 @@ def test_chosen_k_fits_and_the_next_smaller_divisor_does_not():
     assert list(plan.table) == sorted(plan.table)
 
 
+@pytest.mark.hlo
 def test_batch_of_1024_takes_at_most_four_compilations_and_a_second_plan_none(monkeypatch):
     compiled = []
     peak_bytes = compiled_memory.peak_bytes
@@ -121,6 +122,7 @@ def _table_in(message):
     return ast.literal_eval(re.search(r"peaks by K: (\{.*?\})", message).group(1))
 
 
+@pytest.mark.hlo
 def test_candidates_respect_explicit_batch_sharding(explicit_mesh):
     mesh = explicit_mesh
     batch = jax.device_put(BATCH, NamedSharding(mesh, P("data")))
@@ -187,6 +189,7 @@ def fsdp_loss(params, batch):
     return loss_fn(params, batch)
 
 
+@pytest.mark.hlo
 def test_fsdp_params_are_planned_with_their_sharding():
     explicit = (jax.sharding.AxisType.Explicit,) * 2
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=explicit)

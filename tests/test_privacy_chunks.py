@@ -80,6 +80,7 @@ def budget_between_chunks(method, k=4, **options):
     return (peaks[0] + peaks[1]) // 2
 
 
+@pytest.mark.hlo
 @METHOD
 def test_the_chosen_size_fits_and_the_next_larger_does_not(method):
     budget = budget_between_chunks(method)
@@ -96,6 +97,7 @@ def test_the_chosen_size_fits_and_the_next_larger_does_not(method):
     assert set(plan.table) <= set(divisors(B)) and list(plan.table) == sorted(plan.table)
 
 
+@pytest.mark.hlo
 @METHOD
 def test_auto_under_jit_equals_the_unchunked_sums_and_the_chosen_size(method):
     budget = budget_between_chunks(method)
@@ -120,6 +122,7 @@ def test_auto_under_jit_equals_the_unchunked_sums_and_the_chosen_size(method):
     assert_tree_equal(got, jax.jit(fixed)(PARAMS, BATCH, is_padding_example=padding))
 
 
+@pytest.mark.hlo
 def test_a_call_reuses_the_peaks_its_plan_compiled(monkeypatch):
     budget = budget_between_chunks("fast")
     auto = privacy.clipped_grad(loss, C, microbatch_size="auto", memory_budget=budget)
@@ -142,6 +145,7 @@ def test_a_call_reuses_the_peaks_its_plan_compiled(monkeypatch):
     assert auto.plan_memory(*shapes) == plan
 
 
+@pytest.mark.hlo
 def test_inside_shard_map_one_devices_program_is_planned(auto_mesh):
     # The per-example keys use collectives over the map's axis: the plan compiles one
     # device's program over the axis's devices, and equals a plan of the device's shard.
@@ -169,6 +173,7 @@ def test_inside_shard_map_one_devices_program_is_planned(auto_mesh):
     assert_tree_close(got, jax.jit(whole)(params, key, batch), 1e-5)
 
 
+@pytest.mark.hlo
 def test_under_global_view_the_sizes_divide_each_devices_shard(explicit_mesh):
     mesh = explicit_mesh
     params, batch = init(n=8 * 16)
@@ -237,6 +242,7 @@ def test_a_bad_memory_budget_is_refused(budget, error, match):
         privacy.clipped_grad(loss, C).plan_memory(PARAMS, BATCH, memory_budget=budget)
 
 
+@pytest.mark.hlo
 def test_a_budget_nothing_fits_names_the_smallest_peak():
     auto = privacy.clipped_grad(loss, C, microbatch_size="auto", memory_budget=1024)
     with pytest.raises(ValueError, match="fits memory_budget=1024 bytes") as error:

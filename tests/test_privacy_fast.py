@@ -469,6 +469,7 @@ def test_several_differentiated_arguments_share_one_norm():
     assert plan.methods == {"[0]['w']": "ghost", "[1]": "ghost"}
 
 
+@pytest.mark.hlo
 def test_chunks_still_bound_the_fast_paths_memory():
     params, x = mlp32_params(), jnp.ones((256, 5))
     whole = jax.jit(privacy.clipped_grad(mlp32, C)).lower(params, x).compile()

@@ -121,6 +121,7 @@ def test_explicit_mesh_reduce_scatters_the_sums(batch_spec):
         assert not whole & {dims for _, dims in inst.types}, inst.line
 
 
+@pytest.mark.hlo
 @AXIS_TYPE
 def test_the_step_outputs_only_each_devices_shards(axis_type):
     # On an Auto mesh XLA's partitioner places the reduction (on XLA:CPU an all-reduce

@@ -149,6 +149,7 @@ def test_a_head_far_wider_than_the_sequence_keeps_the_ghost_norm():
     np.testing.assert_allclose(got, jnp.sum(want, 0), rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.hlo
 def test_ghost_where_the_layer_would_hold_more_compiles_to_less_temporary_memory(monkeypatch):
     # T = 40, d_in = d_out = 64: the layer's gradient would cost 0.8x the flops, and hold
     # 64 x 64 floats per example against 2 x 40 x 40 (the flops-only rule took it).

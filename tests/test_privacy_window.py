@@ -362,6 +362,7 @@ def _random_computations(hlo: harness.Hlo) -> set[str]:
     }
 
 
+@pytest.mark.hlo
 @pytest.mark.parametrize("every_k", [4, None], ids=["k4", "close"])
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
 def test_random_bits_are_drawn_only_in_the_closing_branch(every_k, impl):

@@ -134,6 +134,7 @@ def nan_in_one_shard(step):
     return jax.shard_map(body, in_specs=(), out_specs=out)()
 
 
+@pytest.mark.hlo
 def test_hsdp_window_is_a_shard_per_device_reduced_over_data_once_per_window():
     data = batches()
     tx = ga.accumulate(optax.adam(1e-2), K)
@@ -166,6 +167,7 @@ def test_hsdp_drops_a_partial_sum_whole_when_one_of_its_shards_is_not_finite():
     assert int(skipped) == 1  # one partial sum (replica 0's), held by its four devices
 
 
+@pytest.mark.hlo
 def test_hsdp_zero1_shards_the_inner_state_over_both_axes():
     data = batches()
     tx = ga.accumulate(optax.adam(1e-2), K, shard_inner_state="data")
@@ -180,6 +182,7 @@ def test_hsdp_zero1_shards_the_inner_state_over_both_axes():
     assert counts.get(("once", "reduce-scatter", ("data",)), 0) >= 1, counts
 
 
+@pytest.mark.hlo
 def test_unreduced_over_every_axis_holds_a_full_size_window_per_device():
     """axis_name=("data", "fsdp"): no gradient communication until the close."""
     data = batches()

@@ -261,6 +261,7 @@ def test_scan_keeps_state_dtypes(reduction):
     assert p_scan["w"].dtype == jnp.bfloat16
 
 
+@pytest.mark.hlo
 def test_gate_keeps_no_copies_or_extra_temporaries():
     # With donation the components are updated in place and the positive and
     # negative parts are fused where they are used: the only parameter-sized

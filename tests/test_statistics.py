@@ -122,6 +122,7 @@ def test_k1_passes_the_whole_batch_statistics():
     _assert_close(jax.jit(fn)(PARAMS, BATCH, KEY), _whole(PARAMS, BATCH, _mask(KEY, B, 1)))
 
 
+@pytest.mark.hlo
 def test_auto_plans_the_two_pass_program():
     options = {"has_aux": True, "statistics_fn": moe_statistics}
     whole = ga.plan_microbatches(moe_loss, PARAMS, BATCH, KEY, memory_budget=2**40, **options)
