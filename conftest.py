@@ -32,17 +32,40 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # Two settings make XLA:CPU compile about 3x faster: LLVM at -O0
 # (`JAX_DISABLE_MOST_OPTIMIZATIONS`; the optimized HLO is the same) and the loop
 # emitters instead of the MLIR fusion emitters (some reductions and selects stay
-# unfused; buffer assignment was the same on the programs compared). The compiled
-# code runs slower, and its results may differ in the last bits (reduction order),
-# within every test's tolerance. `GRADACCUM_XLA_DEFAULTS=1` keeps XLA's
-# defaults: `dev.sh test-wheel` and `dev.sh test-oldest` run the quick suite and the
-# slow tests that inspect compiled programs (marker `hlo`) that way, so CI checks
-# them with the compiler a user gets, too.
-if os.environ.get("GRADACCUM_XLA_DEFAULTS", "") in ("", "0"):
+# unfused). The compiled code runs slower, and its results may differ in the last bits
+# (reduction order), within every test's tolerance. They apply to the programs a test
+# runs. A program compiled ahead of time (`jax.jit(f).lower(...).compile()`: how every
+# check of a compiled program, and every planner of the library, gets its program) is
+# compiled with XLA's defaults all the same (`XLA_DEFAULTS`, given as its
+# `compiler_options`): a check reads the program a user gets, on every run
+# (tests/test_harness.py compares it with the program of a process without these
+# settings). `GRADACCUM_XLA_DEFAULTS=1` keeps XLA's defaults for every program
+# (`dev.sh test-wheel` runs the wheel's tests that way).
+XLA_DEFAULTS = {
+    "xla_backend_optimization_level": 3,
+    "xla_llvm_disable_expensive_passes": False,
+    "xla_cpu_use_fusion_emitters": True,
+}
+FAST = os.environ.get("GRADACCUM_XLA_DEFAULTS", "") in ("", "0")
+if FAST:
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
     _FAST = "--xla_cpu_use_fusion_emitters=false"
     if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " " + _FAST
+
+    import functools
+
+    import jax.stages
+
+    _compile = jax.stages.Lowered.compile
+    if not hasattr(_compile, "xla_defaults"):  # once, if this file is loaded again
+
+        @functools.wraps(_compile)
+        def _compile_as_xla_defaults(self, compiler_options=None, **kwargs):
+            return _compile(self, {**XLA_DEFAULTS, **(compiler_options or {})}, **kwargs)
+
+        _compile_as_xla_defaults.xla_defaults = XLA_DEFAULTS
+        jax.stages.Lowered.compile = _compile_as_xla_defaults
 
 # Hypothesis (the property tests) draws the same examples on every run and machine: the seed
 # comes from each test's source (`derandomize`), with no example database, so that no

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _equivalence as E
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,13 +30,9 @@ def predict(params, x):
     return jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
 
 
-def loss(params, x, y):
-    return jnp.mean((predict(params, x) - y) ** 2)
-
-
 def grad_step(tx, params, state, x, y, grad_params):
     """One micro-step: gradient at ``grad_params`` (params, or their varying cast), update."""
-    grads = jax.grad(loss)(grad_params, x, y)
+    grads = jax.grad(E.mlp_loss)(grad_params, x, y)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 

@@ -13,10 +13,10 @@ whole batch (`jax.grad`, one device).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
+import _equivalence as E
 import _matrix as M
 import flax.linen as nn
 import jax
@@ -25,7 +25,6 @@ import numpy as np
 import optax
 from _matrix_routes import D_IN, D_OUT, HIDDEN, R
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
@@ -34,10 +33,6 @@ STAGES, DATA = 4, R // 4
 N = 4  # micro-batches per step, in one 1F1B schedule
 LR = 0.5
 STAGE_AXIS, DATA_AXIS = "stage", "data"
-
-
-def mse(out: jax.Array, y: jax.Array) -> jax.Array:
-    return jnp.mean((out - y) ** 2)
 
 
 # --- the model, in linen and in NNX (the same variable paths) ------------------------------
@@ -134,7 +129,7 @@ def _embed(outer: Any, batch: Any) -> jax.Array:
 
 
 def _loss(outer: Any, h: jax.Array, batch: Any) -> jax.Array:
-    return mse(h @ outer["head"]["kernel"] + outer["head"]["bias"], batch["y"])
+    return E.mse(h @ outer["head"]["kernel"] + outer["head"]["bias"], batch["y"])
 
 
 def _to_pipeline(tree: Any) -> dict[str, Any]:
@@ -280,37 +275,28 @@ def _specs(state: Any) -> Any:
     return jax.tree_util.tree_map_with_path(one, state)
 
 
-def _place(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
-
-
 def run_one_device(style, state, batches):
-    step = jax.jit(functools.partial(style.step, axis_name=None))
-    for batch in batches:
-        state = step(state, batch)
-    return state
+    return E.run_one_device(functools.partial(style.step, axis_name=None), state, batches)
 
 
 def run_shard_map(style, state, batches):
-    mesh = _mesh()
+    step = functools.partial(style.step, axis_name=DATA_AXIS)
     specs = _specs(state)
-    body = functools.partial(style.step, axis_name=DATA_AXIS)
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA_AXIS)), out_specs=specs))
-    state = _place(state, specs, mesh)
-    for batch in batches:
-        state = step(state, jax.device_put(batch, NamedSharding(mesh, P(DATA_AXIS))))
-    return state
+    return E.run_shard_map(step, state, batches, mesh=_mesh(), specs=specs, batch_spec=P(DATA_AXIS))
 
 
 def run_global_view(kind, *, set_mesh=True):
     def run(style, state, batches):
-        mesh = _mesh(kind)
-        with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
-            state = _place(state, _specs(state), mesh)
-            step = jax.jit(functools.partial(style.step, axis_name=None))
-            for batch in batches:
-                state = step(state, jax.device_put(batch, NamedSharding(mesh, P(DATA_AXIS))))
-        return state
+        step = functools.partial(style.step, axis_name=None)
+        return E.run_global_view(
+            step,
+            state,
+            batches,
+            mesh=_mesh(kind),
+            specs=_specs(state),
+            batch_spec=P(DATA_AXIS),
+            set_mesh=set_mesh,
+        )
 
     return run
 
@@ -345,7 +331,7 @@ class Pipeline:
 
     def reference(self, start: Any, batches: list[Any]) -> Any:
         model = LinenPipeNet()
-        loss = lambda p, b: mse(model.apply({"params": p}, b["x"]), b["y"])  # noqa: E731
+        loss = lambda p, b: E.mse(model.apply({"params": p}, b["x"]), b["y"])  # noqa: E731
         params = jax.tree.map(jnp.asarray, start)
         for batch in batches:
             grads = jax.grad(loss)(params, batch)

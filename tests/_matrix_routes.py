@@ -8,12 +8,12 @@ returns the variables it ends with in one layout for every style.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
+import _equivalence as E
 import _matrix as M
 import flax.linen as nn
 import jax
@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
@@ -344,32 +343,27 @@ def _state_specs(state: Any) -> Any:
 
 
 # A runner takes `step(state, batch, ctx)`, the initial state, the global batches and
-# `read(state)`, the variables to compare; it returns what `read` gives at the end.
+# `read(state)`, the variables to compare; it returns what `read` gives at the end. The
+# routes themselves are tests/_equivalence.py's runners.
 
 
 def run_one_device(step, state, batches, read):
-    step = jax.jit(functools.partial(step, ctx=ROUTE_CTX["one_device"]))
-    for batch in batches:
-        state = step(state, batch)
-    return read(state)
+    return E.run_one_device(
+        functools.partial(step, ctx=ROUTE_CTX["one_device"]), state, batches, read
+    )
 
 
 def run_global_view(kind, route, *, set_mesh=True):
     def run(step, state, batches, read):
-        mesh = jax.make_mesh((R,), (AXIS,), axis_types=(kind,))
-        with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
-            state = jax.device_put(state, NamedSharding(mesh, P()))
-            step = jax.jit(functools.partial(step, ctx=ROUTE_CTX[route]))
-            for batch in batches:
-                state = step(state, jax.device_put(batch, NamedSharding(mesh, P(AXIS))))
-            return read(state)
+        step = functools.partial(step, ctx=ROUTE_CTX[route])
+        return E.run_global_view(
+            step, state, batches, mesh=E.data_mesh(kind, AXIS), set_mesh=set_mesh, read=read
+        )
 
     return run
 
 
 def run_shard_map(step, state, batches, read):
-    mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
-    specs = _state_specs(state)
     window = _has_window(state)
     ctx = ROUTE_CTX["shard_map"]
 
@@ -378,45 +372,20 @@ def run_shard_map(step, state, batches, read):
         state = step(state, batch, ctx=ctx)
         return ga.add_replica_axis(state) if window else state
 
-    def place(state):
-        return ga.add_replica_axis(state) if window else state
-
-    state = jax.device_put(state, NamedSharding(mesh, P()))
-    state = jax.jit(jax.shard_map(place, mesh=mesh, in_specs=P(), out_specs=specs))(state)
-    step_fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(AXIS)), out_specs=specs))
-    for batch in batches:
-        state = step_fn(state, jax.device_put(batch, NamedSharding(mesh, P(AXIS))))
-    return read(state)
-
-
-def _device_copy(x: Any, i: int) -> Any:
-    """Device `i`'s copy of a pmap output, taken on the host (keys through their data)."""
-    if not isinstance(x, jax.Array):
-        return x
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        data = np.asarray(jax.random.key_data(x))[i]
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-    return jnp.asarray(np.asarray(x)[i])
+    return E.run_shard_map(
+        body,
+        state,
+        batches,
+        mesh=E.data_mesh(axis=AXIS),
+        specs=_state_specs(state),
+        enter=ga.add_replica_axis if window else None,
+        read=read,
+    )
 
 
 def run_pmap(step, state, batches, read):
-    step_fn = jax.pmap(functools.partial(step, ctx=ROUTE_CTX["pmap"]), axis_name=AXIS)
-    state = jax.tree.map(lambda leaf: jnp.stack([leaf] * R), state)
-    for batch in batches:
-        state = step_fn(state, jax.tree.map(lambda x: x.reshape(R, -1, *x.shape[1:]), batch))
-    # Every device holds its copy of the state: the variables must end the same on all
-    # of them (a window's own partial sums and running maxes may differ).
-    # Each copy read on the host: slicing the pmap-sharded outputs with `x[i]` compiles a
-    # small program per slice, and jax 0.10.2 aborts the process when it loads such a
-    # program from the persistent compilation cache (seen in CI; JAX_COMPILATION_CACHE_DIR=
-    # off, it passes).
-    copies = [read(jax.tree.map(functools.partial(_device_copy, i=i), state)) for i in range(R)]
-    for i, copy in enumerate(copies[1:], 1):
-        for (path, a), b in zip(
-            jax.tree_util.tree_flatten_with_path(copies[0])[0], jax.tree.leaves(copy), strict=True
-        ):
-            np.testing.assert_array_equal(b, a, err_msg=f"device {i}: {jax.tree_util.keystr(path)}")
-    return copies[0]
+    step = functools.partial(step, ctx=ROUTE_CTX["pmap"])
+    return E.run_pmap(step, state, batches, axis=AXIS, read=read)
 
 
 ROUTE_RUNNERS = {

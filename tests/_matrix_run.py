@@ -83,6 +83,18 @@ def whole_batch_loss(params, batch):
     return mse(LinenNet().apply({"params": params}, batch["x"]), batch["y"])
 
 
+_REFERENCES: dict[Any, Any] = {}
+
+
+def _once(key: Any, compute: Callable[[], Any]) -> Any:
+    """`compute()`, once per process for each `key`: a capability's reference depends only on
+    its fixed start and batches (and the route's context), not on the cell's style or route,
+    so each worker computes it once for all the cells of that capability."""
+    if key not in _REFERENCES:
+        _REFERENCES[key] = compute()
+    return _REFERENCES[key]
+
+
 class Capability:
     """A capability's train step, written once for every style, and its reference."""
 
@@ -119,7 +131,7 @@ class Capability:
         batches = self.batches()
         step = functools.partial(self.step, style)
         got = ROUTE_RUNNERS[route](step, state, batches, style.params)
-        return got, self.reference(params, batches), params
+        return got, _once((type(self),), lambda: self.reference(params, batches)), params
 
 
 class Accumulate(Capability):
@@ -329,7 +341,8 @@ class PerStyle(Capability):
         step = functools.partial(getattr(self, f"step_{style_name}"), tx)
         batches = self.batches()
         got = ROUTE_RUNNERS[route](step, state, batches, getattr(self, f"read_{style_name}"))
-        return got, self.expected(start, batches, ctx), start
+        want = _once((type(self), ctx), lambda: self.expected(start, batches, ctx))
+        return got, want, start
 
 
 class BatchNorm(PerStyle):

@@ -117,8 +117,7 @@ class _Collector:
         unmarked = [n for n in readers if not self.tests[n]["marked_hlo"]]
         write(
             f"tests that read a compiled program: {len(readers)}, {len(unmarked)} of them "
-            "without the `hlo` marker (tests/conftest.py: CI's wheel step runs them all under "
-            "XLA's defaults; mark these):"
+            "without the `hlo` marker (tests/conftest.py; mark these):"
         )
         for nodeid in sorted(unmarked):
             write(f"  {nodeid}")

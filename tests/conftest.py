@@ -1,24 +1,22 @@
-"""Shared test scaffolding, and the record of the tests that read a compiled program.
+"""Shared test scaffolding, the slow tier's measured cases, and the tests that read a program.
 
 The `hlo` marker names the tests that read a compiled program (its optimised HLO,
-`memory_analysis()` or `cost_analysis()`, directly or through the library's planners):
-such a check depends on the compiler, and CI runs these tests a second time under XLA's
-default settings (`dev.sh test-wheel`). So that none is missed, every run also notes each
-test that read one, marked or not, in the file `GRADACCUM_HLO_READERS` names (`dev.sh`
-sets it to `.hlo_readers`; lines are only added): a later run that finds the file treats
-the quick tests listed there as marked `hlo`. In CI the whole suite runs first, so the
-wheel's run under XLA's defaults takes every quick reader and every marked one. The
-end-of-run report lists the readers that lack the marker, to be marked.
+`memory_analysis()` or `cost_analysis()`, directly or through the library's planners).
+Every such program is compiled ahead of time, and conftest.py at the repository root
+compiles those with XLA's default settings in every run, so each check reads the
+program a user gets. Each run notes the tests that read one (`reads_compiled` in the
+test's report); the end-of-run report lists those that lack the marker, to be marked
+(the marker takes slow ones into `dev.sh test-oldest`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 from collections.abc import Callable
 from typing import Any
 
+import _equivalence as E
 import jax
 import pytest
 
@@ -42,14 +40,9 @@ for _name in _READERS:
     setattr(jax.stages.Compiled, _name, _recording(_name, getattr(jax.stages.Compiled, _name)))
 
 
-def _readers_file() -> pathlib.Path | None:
-    path = os.environ.get("GRADACCUM_HLO_READERS", "")
-    return pathlib.Path(path) if path else None
-
-
 # Quick-tier cases measured over the `slow` marker's 5 s, moved to the slow tier.
 SLOW_CASES = frozenset(
-    line.split()[1]
+    line.split(None, 1)[1]
     for line in (pathlib.Path(__file__).parent / "slow_cases.txt").read_text().splitlines()
     if line.strip() and not line.startswith("#")
 )
@@ -57,21 +50,10 @@ SLOW_CASES = frozenset(
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Before `-m` selects: marks `slow` the cases of slow_cases.txt, and `hlo` the tests an
-    earlier run saw reading a compiled program."""
-    path = _readers_file()
-    readers = set()
-    if path is not None and path.exists():
-        readers = {line.split("\t")[0] for line in path.read_text().splitlines()}
+    """Before `-m` selects: marks `slow` the cases of slow_cases.txt."""
     for item in items:
-        slow_in_source = item.get_closest_marker("slow") is not None
-        if item.nodeid in SLOW_CASES and not slow_in_source:
+        if item.nodeid in SLOW_CASES:
             item.add_marker(pytest.mark.slow)
-        # A test marked slow in its source and noted there (an example run end to end) is
-        # left to its marker: under XLA's defaults it would take minutes, and it never ran
-        # there before this record.
-        if item.nodeid in readers and not slow_in_source:
-            item.add_marker(pytest.mark.hlo)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -84,10 +66,6 @@ def pytest_runtest_call(item: pytest.Item):
         if read:
             item.user_properties.append(("reads_compiled", ",".join(read)))
             item.user_properties.append(("marked_hlo", item.get_closest_marker("hlo") is not None))
-            path = _readers_file()
-            if path is not None:
-                with open(path, "a") as out:  # appends from the xdist workers stay whole lines
-                    out.write(f"{item.nodeid}\t{','.join(read)}\n")
 
 
 # ---------------------------------------------------------------------------
@@ -112,10 +90,10 @@ def x64() -> Callable[[], Any]:
 @pytest.fixture(scope="session")
 def explicit_mesh() -> jax.sharding.Mesh:
     """The 8 forced host devices as one `"data"` axis of `AxisType.Explicit` (0.10's default)."""
-    return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    return E.data_mesh(E.EXPLICIT)
 
 
 @pytest.fixture(scope="session")
 def auto_mesh() -> jax.sharding.Mesh:
     """The 8 forced host devices as one `"data"` axis of `AxisType.Auto`."""
-    return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    return E.data_mesh(E.AUTO)

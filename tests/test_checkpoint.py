@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _equivalence as E
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +14,7 @@ import gradaccum_jax as ga
 P = jax.P
 EXPLICIT = jax.sharding.AxisType.Explicit
 K = 4
+TOL = {"rtol": 1e-5, "atol": 1e-7}
 SPECS = {"w": P("fsdp", None), "b": P()}
 
 pytestmark = pytest.mark.requires("unreduced windows and scalars", jax="0.9.1")
@@ -77,11 +79,6 @@ def save_and_restore(tree, target, path):
     return checkpointer.restore(path, abstract)
 
 
-def assert_close(got, want):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
-
-
 @pytest.mark.slow
 def test_hsdp_state_mid_window_through_orbax_resumes_the_run(tmp_path):
     mesh = mesh_of((2, 4), ("data", "fsdp"))
@@ -105,7 +102,7 @@ def test_hsdp_state_mid_window_through_orbax_resumes_the_run(tmp_path):
         for batch in data[K + 2 :]:
             params, state = step(params, state, batch)
         assert step._cache_size() == compiled
-    assert_close(params, want)
+    E.assert_close(params, want, **TOL)
     assert int(ga.optimizer_step(state)) == 2
 
 
@@ -137,7 +134,7 @@ def test_a_checkpoint_from_8_devices_resumes_on_4(tmp_path):
         state=restored["opt_state"],
         params=restored["params"],
     )
-    assert_close(got, want)
+    E.assert_close(got, want, **TOL)
     assert int(ga.optimizer_step(state)) == 2
 
 

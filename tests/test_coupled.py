@@ -3,6 +3,7 @@
 import functools
 import re
 
+import _equivalence as E
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,8 @@ REL = 1e-5
 N, DX, DY, D = 64, 6, 5, 8
 
 
+# Kept here, not tests/_equivalence.py's entrywise rule: the error of a leaf is one norm,
+# measured against the leaf's norm, the rule this file's tolerances were set for.
 def assert_close(got, want, rel=REL, atol=0.0):
     """Each leaf within `rel` of its norm (plus `atol` per element, where stated)."""
     pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
@@ -444,7 +447,7 @@ def sharded_clip(params, reps):
 @pytest.mark.slow
 @pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
 def test_global_view_sharded_batch(axis_type):
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    mesh = E.data_mesh(axis_type)
     batch = jax.device_put(BATCH, NamedSharding(mesh, P("data")))
     params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
     with jax.set_mesh(mesh):
@@ -480,7 +483,7 @@ def test_global_view_reduces_once_per_step(axis_type):
     # micro-batches' parameter gradients and one all-reduce, after the scans, reduces
     # the devices' sums (XLA's partitioner alone reduced every micro-batch's): the
     # step has the collectives of jax.value_and_grad on the whole batch, none in a loop.
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    mesh = E.data_mesh(axis_type)
     params, batch = _on_mesh(mesh)
     with jax.set_mesh(mesh):
         f = jax.jit(ga.coupled_value_and_grad(sharded_clip, embed, 4))
@@ -663,10 +666,6 @@ def test_unreduced_route_sums_the_devices_once_per_window(gather, explicit_mesh)
 # --- doors a new user walks through (issue 35) ------------------------------------
 
 
-def _mesh8():
-    return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-
-
 def _on_mesh(mesh, params=PARAMS, batch=BATCH):
     return (
         jax.device_put(params, NamedSharding(mesh, P())),
@@ -679,7 +678,7 @@ def test_replicated_key_draws_each_devices_own_masks():
     # Under shard_map a key passed the same to every device is folded with the
     # device's position, then with the micro-batch index: device d's shard is
     # embedded as one device would with jax.random.fold_in(key, d).
-    mesh, k, key = _mesh8(), 2, jax.random.key(7)
+    mesh, k, key = E.data_mesh(), 2, jax.random.key(7)
     f = ga.coupled_value_and_grad(clip_loss, embed_dropout, k, axis_name="data")
     step = jax.jit(
         jax.shard_map(
@@ -709,7 +708,7 @@ def _per_device_dropout_reference(key, k):
 
 def _gathered(per_device, params=PARAMS):
     """`per_device(params, batch)` under shard_map on 8 devices, outputs stacked by device."""
-    mesh = _mesh8()
+    mesh = E.data_mesh()
     step = jax.shard_map(
         lambda p, b: jax.tree.map(lambda x: x[None], per_device(p, b)),
         mesh=mesh,
@@ -772,7 +771,7 @@ def test_global_view_route_folds_keys_and_plans_its_program():
     k, key = 2, jax.random.key(7)
     want = _per_device_dropout_reference(key, k)
     for axis_type in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
-        mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+        mesh = E.data_mesh(axis_type)
         with jax.set_mesh(mesh):
             f = jax.jit(ga.coupled_value_and_grad(sharded_clip, embed_dropout, k))
             assert_close(f(*_on_mesh(mesh), key), want)
@@ -804,7 +803,7 @@ def test_a_leaf_the_same_on_every_device():
 def test_gathered_loss_is_typed_invariant():
     # The gathered batch's loss is the same on every device and typed so:
     # out_specs=P() takes it without a pmean.
-    mesh = _mesh8()
+    mesh = E.data_mesh()
     f = ga.coupled_value_and_grad(clip_loss, embed, 2, axis_name="data")
     step = jax.jit(
         jax.shard_map(lambda p, b: f(p, b)[0], mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
@@ -920,7 +919,7 @@ def test_nnx_module_under_shard_map():
     # Eval mode (no dropout, running statistics): the mean of the devices' gradients
     # is the global batch's, as an nnx.State. Train mode: each device folds its
     # position into the dropout stream, and the module keeps its own key.
-    mesh, model = _mesh8(), NnxTowers(nnx.Rngs(0))
+    mesh, model = E.data_mesh(), NnxTowers(nnx.Rngs(0))
     f = ga.coupled_value_and_grad(nnx_loss, nnx_embed, 2, axis_name="data")
 
     def step(graphdef, state):

@@ -17,13 +17,14 @@ import sys
 import time
 from pathlib import Path
 
+import _equivalence as E
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _dp_common import D_HID, D_IN, D_OUT, B, grad_step, init_params, loss, predict, shard_map_fns
+from _dp_common import D_HID, D_IN, D_OUT, B, grad_step, init_params, predict, shard_map_fns
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -49,7 +50,7 @@ def _data(windows: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def _large_batch(inner, xs, ys, accepted=None):
     """One device, one inner step per window on every accepted micro-batch at once."""
     params, state = PARAMS, inner.init(PARAMS)
-    grad = jax.jit(jax.grad(loss))
+    grad = jax.jit(jax.grad(E.mlp_loss))
     for w in range(xs.shape[0]):
         keep = np.ones(xs.shape[1:3], bool) if accepted is None else accepted[w]
         g = grad(params, xs[w][keep].reshape(-1, D_IN), ys[w][keep].reshape(-1, D_OUT))
@@ -378,7 +379,7 @@ def test_gradients_of_replicated_params_raise_inside_shard_map():
     # The same program without accumulate: XLA really reduces each micro-step.
     hlo = jax.jit(
         jax.shard_map(
-            lambda p, x, y: jax.grad(loss)(p, x, y),
+            lambda p, x, y: jax.grad(E.mlp_loss)(p, x, y),
             mesh=MESH,
             in_specs=(P(), P("data"), P("data")),
             out_specs=P(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 
+import _equivalence as E
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,11 +29,6 @@ def init_params():
     }
 
 
-def loss_fn(params, x, y):
-    h = jnp.tanh(x @ params["w1"] + params["b1"])
-    return jnp.mean((h @ params["w2"] - y) ** 2)
-
-
 def batch(step, size=16):
     rng = np.random.default_rng(step)
     x = rng.normal(size=(size, 4)).astype(np.float32)
@@ -53,7 +49,7 @@ def run(tx, step_fn, weights=None, first=0):
 
     @jax.jit
     def step(params, state, x, y, w):
-        grads = jax.grad(loss_fn)(params, x, y)
+        grads = jax.grad(E.mlp_loss)(params, x, y)
         extra = {} if w is None else {"weight": w}
         return step_fn(tx, grads, state, params, **extra)
 
@@ -186,7 +182,7 @@ def test_static_window_of_one_holds_no_accumulator():
     for i in range(STEPS):
         if i == 1:
             continue
-        grads = jax.grad(loss_fn)(params, *batch(i))
+        grads = jax.grad(E.mlp_loss)(params, *batch(i))
         params, adam_state = jax.jit(lambda p, s, g: optax_path(adam, g, s, p))(
             params, adam_state, grads
         )
@@ -251,7 +247,7 @@ def _pmap_run(step_fn):
     state = jax.pmap(tx.init, axis_name="data")(stacked)
 
     def body(params, state, x, y):
-        return step_fn(tx, jax.grad(loss_fn)(params, x, y), state, params)
+        return step_fn(tx, jax.grad(E.mlp_loss)(params, x, y), state, params)
 
     step = jax.pmap(body, axis_name="data")
     for i in range(STEPS):
@@ -273,7 +269,7 @@ def _global_view_run(step_fn, **kwargs):
         params = init_params()
         state = jax.jit(tx.init)(params)
         grad_fn = ga.unreduced_value_and_grad(
-            lambda p, b: loss_fn(p, b[0], b[1]), "data", batch_argnums=1
+            lambda p, b: E.mlp_loss(p, b[0], b[1]), "data", batch_argnums=1
         )
 
         @jax.jit

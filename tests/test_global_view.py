@@ -2,6 +2,7 @@
 
 import collections
 import contextlib
+import functools
 import os
 import pathlib
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import _equivalence as E
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -43,9 +45,7 @@ def every_step_and_all_collectives(compiled) -> tuple[dict[str, int], dict[str, 
 
 @pytest.fixture
 def mesh():
-    mesh = jax.make_mesh(
-        (jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,)
-    )
+    mesh = E.data_mesh()
     with jax.set_mesh(mesh):
         yield mesh
 
@@ -81,12 +81,7 @@ def make_batch(seed, size=32):
     }
 
 
-def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
-    jax.tree.map(
-        lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol, atol),
-        actual,
-        expected,
-    )
+assert_trees_close = functools.partial(E.assert_close, rtol=RTOL, atol=ATOL)
 
 
 def replicated(tree):
@@ -471,14 +466,14 @@ def test_errors_name_the_fix():
     params, batch = init_params(), make_batch(0)
     with pytest.raises(ValueError, match=r"needs a mesh.*jax\.set_mesh"):
         jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS))(params, batch)
-    mesh = jax.make_mesh((8,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = E.data_mesh()
     with jax.set_mesh(mesh):
         with pytest.raises(ValueError, match=r"no axis 'batch'.*\('data',\)"):
             jax.jit(ga.unreduced_value_and_grad(loss_fn, "batch"))(params, batch)
         odd = make_batch(0, size=12)
         with pytest.raises(ValueError, match=r"argument 1\['x'\] has shape \(12, 6\)"):
             jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS))(params, odd)
-    auto = jax.make_mesh((8,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    auto = E.data_mesh(E.AUTO)
     with jax.set_mesh(auto):
         with pytest.raises(ValueError, match=r"AxisType.Explicit"):
             jax.jit(ga.unreduced_value_and_grad(loss_fn, AXIS))(params, batch)
@@ -1286,7 +1281,7 @@ def test_a_batch_on_an_explicit_mesh_needs_no_context_mesh(door, context, x64):
         params = {"w": jax.random.normal(jax.random.key(1), (16, 4)) * 0.3}
         x = jax.random.normal(jax.random.key(0), (64, 16))
         want = jax.jit(fn)(params, x)
-        mesh = jax.make_mesh((8,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+        mesh = E.data_mesh()
         on = contextlib.nullcontext() if context.startswith("types") else jax.set_mesh(mesh)
         with on:
             xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P(AXIS)))
@@ -1309,7 +1304,4 @@ def test_a_batch_on_an_explicit_mesh_needs_no_context_mesh(door, context, x64):
                 }
                 in_loops = inside.collective_counts(inside.reachable(loops))
                 assert in_loops["all-reduce"] == in_loops["reduce-scatter"] == 0, in_loops
-    for (path, w), g in zip(
-        jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got), strict=True
-    ):
-        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14, err_msg=jax.tree_util.keystr(path))
+    E.assert_close(got, want, rtol=1e-12, atol=1e-14)

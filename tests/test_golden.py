@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import pathlib
 
+import _equivalence as E
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,11 +51,6 @@ def init_params():
         "b1": jnp.full((8,), 0.1),
         "w2": jax.random.normal(k2, (8, 2)) / 3.0,
     }
-
-
-def loss_fn(params, x, y):
-    h = jnp.tanh(x @ params["w1"] + params["b1"])
-    return jnp.mean((h @ params["w2"] - y) ** 2)
 
 
 def batch(step, size=16, poison_rows=None, poison=True):
@@ -125,7 +121,7 @@ def run_local(tx, weights=None, poison=True):
 
     @jax.jit
     def step(params, state, x, y, weight):
-        grads = jax.grad(loss_fn)(params, x, y)
+        grads = jax.grad(E.mlp_loss)(params, x, y)
         kwargs = {} if weight is None else {"weight": weight}
         updates, state = tx.update(grads, state, params, **kwargs)
         return optax.apply_updates(params, updates), state
@@ -145,7 +141,7 @@ def run_pmap(tx):
     state = jax.pmap(tx.init, axis_name="data")(jax.tree.map(lambda p: jnp.stack([p] * n), params))
 
     def body(params, state, x, y):
-        grads = jax.grad(loss_fn)(params, x, y)
+        grads = jax.grad(E.mlp_loss)(params, x, y)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
@@ -160,13 +156,13 @@ def run_pmap(tx):
 
 
 def run_shard_map(tx):
-    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = E.data_mesh(E.AUTO)
     params = init_params()
     specs = ga.replica_state_specs(jax.eval_shape(tx.init, params), "data")
 
     def body(params, state, x, y):
         varying = _compat.pcast_to_varying(params, ("data",))
-        grads = jax.grad(loss_fn)(varying, x, y)
+        grads = jax.grad(E.mlp_loss)(varying, x, y)
         updates, state = tx.update(grads, ga.remove_replica_axis(state), params)
         return optax.apply_updates(params, updates), ga.add_replica_axis(state)
 
@@ -193,8 +189,7 @@ def run_shard_map(tx):
 
 
 def run_global_view(tx, param_spec=None):
-    explicit = (jax.sharding.AxisType.Explicit,)
-    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=explicit)
+    mesh = E.data_mesh()
     out = []
     with jax.set_mesh(mesh):
         params = init_params()
@@ -202,7 +197,7 @@ def run_global_view(tx, param_spec=None):
             params = jax.device_put(params, param_spec(params))
         state = jax.jit(tx.init)(params)
         grad_fn = ga.unreduced_value_and_grad(
-            lambda p, b: loss_fn(p, b[0], b[1]), "data", batch_argnums=1
+            lambda p, b: E.mlp_loss(p, b[0], b[1]), "data", batch_argnums=1
         )
 
         @jax.jit

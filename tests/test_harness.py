@@ -2,7 +2,12 @@
 
 import gc
 import importlib.util
+import json
+import os
 import pathlib
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -210,3 +215,105 @@ def test_the_suite_frees_compiled_programs_before_the_kernels_map_limit():
     assert conftest._mapped_regions()[0] >= before
     assert conftest._release_when_crowded((40000, 65530)) is True
     assert conftest._mapped_regions()[0] < before - 20, (before, conftest._mapped_regions())
+
+
+def test_every_slow_case_names_a_test_of_the_suite():
+    # tests/slow_cases.txt moves cases to the slow tier by node id; an id that names no
+    # test (a renamed test, or one cut at a space of its parameters' id) would leave its
+    # case in the quick tier without a word.
+    import conftest  # tests/conftest.py, which reads the file
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert conftest.SLOW_CASES
+    for nodeid in conftest.SLOW_CASES:
+        path, _, name = nodeid.partition("::")
+        function, bracket, params = name.partition("[")
+        assert (root / path).is_file(), nodeid
+        # A test function, or a doctest (`module.function`), defined or assigned there.
+        name = function.rsplit(".", 1)[-1]
+        assert re.search(rf"\b{name}\b", (root / path).read_text()), nodeid
+        assert not bracket or (params.endswith("]") and params.count("[") < params.count("]")), (
+            nodeid
+        )
+
+
+# A micro-step of accumulate(adam) and a shard_map window with its all-reduce: programs
+# whose optimised HLO differs between the suite's fast settings and XLA's defaults.
+AHEAD_OF_TIME = """
+import hashlib, json, re
+import jax, jax.numpy as jnp, optax
+import gradaccum_jax as ga
+from jax.sharding import PartitionSpec as P
+
+def facts(compiled):
+    memory = compiled.memory_analysis()
+    # The program without its source locations (the stack frames' tables and each op's
+    # metadata) and without the names' numeric suffixes.
+    lines = [
+        re.sub(r", metadata=[{][^}]*[}]", "", line)
+        for line in compiled.as_text().splitlines()
+        if not re.match(r"(\\d+ |FileNames|FunctionNames|FileLocations|StackFrames)", line)
+    ]
+    text = re.sub(r"[.]\\d+", "", "\\n".join(lines))
+    return {
+        "hlo": hashlib.sha1(text.encode()).hexdigest(),
+        "fusions": text.count(" fusion("),
+        "bytes": [memory.temp_size_in_bytes, memory.argument_size_in_bytes,
+                  memory.output_size_in_bytes, memory.alias_size_in_bytes],
+    }
+
+def programs(compile):
+    params = {"w1": jnp.ones((64, 128)), "b1": jnp.ones(128), "w2": jnp.ones((128, 64))}
+    tx = ga.accumulate(optax.adam(1e-3), 4)
+    step = lambda state, g: tx.update(g, state, params)[::-1]
+    grads = jax.tree.map(jnp.ones_like, params)
+    yield compile(jax.jit(step, donate_argnums=0).lower(tx.init(params), grads))
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = ga.accumulate(optax.sgd(0.1), 4, axis_name="data")
+    def local(p, s, x):
+        g = jax.grad(lambda p, x: jnp.mean(jnp.tanh(x @ p["w1"]) ** 2))(p, x)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+    p = {"w1": jnp.ones((16, 8))}
+    specs = dict(in_specs=(P(), P(), P("data")), out_specs=(P(), P()), check_vma=False)
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, **specs))
+    yield compile(fn.lower(p, tx.init(p), jnp.ones((64, 16))))
+"""
+
+
+@pytest.mark.slow  # a second process with jax, and eight programs: about 10 s
+@pytest.mark.hlo
+def test_programs_compiled_ahead_of_time_are_those_of_xla_defaults():
+    # conftest.py compiles the programs a test runs with faster settings, and every program
+    # compiled ahead of time, the one each check of a compiled program reads, with XLA's
+    # defaults (`XLA_DEFAULTS`): here the same program from a process that never set the
+    # faster ones is the same, op for op and byte for byte.
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    if not conftest.FAST:
+        pytest.skip("GRADACCUM_XLA_DEFAULTS=1: every program is compiled with XLA's defaults")
+    scope: dict = {}
+    exec(AHEAD_OF_TIME, scope)
+    here = [scope["facts"](c) for c in scope["programs"](lambda lowered: lowered.compile())]
+    fast = {key: not value for key, value in conftest.XLA_DEFAULTS.items()}
+    fast["xla_backend_optimization_level"] = 0
+    ran_fast = [scope["facts"](c) for c in scope["programs"](lambda low: low.compile(fast))]
+
+    script = AHEAD_OF_TIME + (
+        "print(json.dumps([facts(c) for c in programs(lambda lowered: lowered.compile())]))"
+    )
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "JAX_DISABLE_MOST_OPTIMIZATIONS"},
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_COMPILATION_CACHE_DIR": "",
+        "GRADACCUM_XLA_DEFAULTS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    defaults = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert here == defaults
+    # The comparison can tell: the faster settings give other programs.
+    assert all(f["hlo"] != d["hlo"] for f, d in zip(ran_fast, defaults, strict=True))

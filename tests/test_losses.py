@@ -11,6 +11,7 @@ import json
 import pathlib
 import re
 
+import _equivalence as E
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,11 +107,8 @@ def _embeddings(n, d, m=None, dtype=jnp.float32, seed=0, aligned=True):
     return x.astype(dtype), y.astype(dtype)
 
 
-def _assert_close(got, want, rtol=RTOL, atol=0.0):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        scale = max(float(np.abs(w).max()), 1e-30)
-        np.testing.assert_allclose(g, w, rtol=0, atol=rtol * scale + atol)
+# Each entry within RTOL of its leaf's largest: entries near zero get the leaf's scale.
+_assert_close = functools.partial(E.assert_close, rtol=RTOL, per="leaf")
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -301,7 +299,7 @@ def test_value_and_grad_never_holds_an_n_by_n_matrix(name):
 
 # ----------------------------------------------------------------------------- sharded
 
-MESH = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+MESH = E.data_mesh(AxisType.Auto, "d")
 
 
 def _towers(seed=3, d=12):
@@ -464,7 +462,7 @@ EXPLICIT_NEEDS = pytest.mark.requires(
 )
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_global_view_jit_with_a_sharded_batch(name, axis_type):
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(axis_type,))
+    mesh = E.data_mesh(axis_type, "d")
     n, d = 8 * 10, 12
     m = n + 16 if name == "info_nce" else None
     x, y = _embeddings(n, d, m, seed=7)
@@ -542,7 +540,7 @@ def test_bad_input_names_the_argument_and_the_fix(call, error, match):
 @EXPLICIT_NEEDS
 def test_global_view_extra_keys_that_do_not_split_evenly():
     # 4 extra keys over 8 devices: every device computes the whole loss (replicated rows).
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    mesh = E.data_mesh(AxisType.Explicit, "d")
     q, k = _embeddings(48, 12, 52, seed=8)
     sq = jax.device_put(q, NamedSharding(mesh, P("d")))
     sk = jax.device_put(k, NamedSharding(mesh, P()))
@@ -690,7 +688,7 @@ def test_global_view_each_device_runs_only_its_rows_tiles(name, axis_type):
     # 256 rows in tiles of 16 on 8 devices: each device runs 2 row tiles against all 16
     # column tiles (20 with info_nce's 64 extra keys), forward and backward. Before,
     # Auto axes ran all 16 x 16 tiles on every device.
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(axis_type,))
+    mesh = E.data_mesh(axis_type, "d")
     n, d = 256, 8
     m = n + 64 if name == "info_nce" else n
     x, y = _embeddings(n, d, m, seed=12)
@@ -710,7 +708,7 @@ def test_global_view_each_device_runs_only_its_rows_tiles(name, axis_type):
 def test_global_view_auto_mesh_spreads_unsharded_rows_too():
     # Replicated inputs under an Auto mesh (or sharded ones without a mesh context) are
     # spread over the devices as well; the result is the one-device loss.
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    mesh = E.data_mesh(AxisType.Auto, "d")
     x, y = _embeddings(256, 8, seed=13)
     fn = jax.value_and_grad(lambda x, y: losses.clip_loss(x, y, 3.0, block_size=16), (0, 1))
     with jax.set_mesh(mesh):

@@ -15,10 +15,9 @@ import importlib.util
 import pathlib
 import traceback
 
+import _equivalence as E
 import _matrix as M
 import _matrix_run as run
-import jax
-import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -62,22 +61,6 @@ def _kind(err: BaseException) -> str:
     return "a crash inside the library"
 
 
-def assert_close(got, want, start, *, rtol, atol):
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    moved = max(
-        float(np.max(np.abs(np.asarray(w, np.float64) - np.asarray(s, np.float64))))
-        for w, s in zip(jax.tree.leaves(want), jax.tree.leaves(start), strict=True)
-    )
-    # The reference moves far beyond the tolerance: a cell that did nothing would fail.
-    assert moved > 100 * atol, moved
-    for (path, w), g in zip(
-        jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got), strict=True
-    ):
-        np.testing.assert_allclose(
-            np.asarray(g), np.asarray(w), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
-        )
-
-
 @pytest.mark.parametrize(("capability", "route", "style"), list(_cell_params()))
 def test_cell(capability, route, style):
     declared = M.outcome(capability, route, style)
@@ -95,7 +78,7 @@ def test_cell(capability, route, style):
         got, want, start = program.run(style, route)
     except Exception as err:
         pytest.fail(f"{type(err).__name__} from {_where(err)} ({_kind(err)}): {err}")
-    assert_close(got, want, start, **M.TOLERANCES[capability])
+    E.assert_close(got, want, start=start, **M.TOLERANCES[capability])
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import tomllib
 
 import jax
 import jax.numpy as jnp
+import jax.stages
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -158,9 +159,11 @@ def test_compat_inside_shard_map_reads_and_widens_varying_axes():
 
 
 def test_compiler_settings_follow_gradaccum_xla_defaults():
-    # conftest.py compiles with faster XLA:CPU settings unless GRADACCUM_XLA_DEFAULTS=1,
-    # which dev.sh test-wheel and test-oldest set: there every quick test runs with the
-    # settings a user has.
+    # conftest.py runs programs with faster XLA:CPU settings unless GRADACCUM_XLA_DEFAULTS=1,
+    # which dev.sh test-wheel sets: there every test runs with the settings a user has.
+    # Programs compiled ahead of time get XLA's defaults either way (tests/test_harness.py
+    # compares them with a process's that never set the faster ones).
     fast = os.environ.get("GRADACCUM_XLA_DEFAULTS", "") in ("", "0")
     assert jax.config.read("jax_disable_most_optimizations") is fast
     assert ("--xla_cpu_use_fusion_emitters=false" in os.environ["XLA_FLAGS"]) is fast
+    assert hasattr(jax.stages.Lowered.compile, "xla_defaults") is fast

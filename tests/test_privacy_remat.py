@@ -10,6 +10,9 @@ step's under the same remat; and the promises of the fast path (padding, non-fin
 examples, the norms, shard_map, global-view meshes) on a remat stack.
 """
 
+import functools
+
+import _equivalence as E
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -73,9 +76,7 @@ def setup(model=None, n=N, dtype=F64, length=T):
     return loss, params, x, y
 
 
-def close(a, b, rtol=1e-10, atol=1e-12):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol)
+close = functools.partial(E.assert_close, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("remat", ["auto", "recompute", "save"])

@@ -8,6 +8,7 @@ the compiled step, and reads the accumulator's bytes per device.
 
 from __future__ import annotations
 
+import _equivalence as E
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -96,11 +97,6 @@ def train(tx, data, axis_name="data", mesh=None, poison=None):
         return params, state, compiled
 
 
-def assert_close(got, want, rtol=RTOL):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=ATOL)
-
-
 def by_axis(compiled, mesh):
     found = harness.Hlo(compiled).collectives_by_axis(dict(mesh.shape))
     return {key: count for key, (count, _) in found.items()}
@@ -139,7 +135,7 @@ def test_hsdp_window_is_a_shard_per_device_reduced_over_data_once_per_window():
     data = batches()
     tx = ga.accumulate(optax.adam(1e-2), K)
     params, state, compiled = train(tx, data)
-    assert_close(params, reference(data, optax.adam(1e-2)))
+    E.assert_close(params, reference(data, optax.adam(1e-2)), rtol=RTOL, atol=ATOL)
     assert str(jax.typeof(state.acc_grads["w"])) == "float32[32@fsdp,16]{U:data}"
     assert str(jax.typeof(state.acc_grads["v"])) == "float32[16,8@fsdp]{U:data}"
     # 1/4 of each sharded leaf per device, the replicated bias whole.
@@ -161,7 +157,7 @@ def test_hsdp_drops_a_partial_sum_whole_when_one_of_its_shards_is_not_finite():
     params, state, _ = train(tx, data, poison=nan_in_one_shard)
     # Replica 0 holds rows 0..7 of each micro-batch (the batch is split data-major).
     keep = lambda i, b: (b[0][8:], b[1][8:]) if i == 1 else b  # noqa: E731
-    assert_close(params, reference(data, optax.adam(1e-2), keep=keep))
+    E.assert_close(params, reference(data, optax.adam(1e-2), keep=keep), rtol=RTOL, atol=ATOL)
     with jax.set_mesh(mesh2x4()):
         skipped = jax.jit(lambda s: _compat.reshard(s, P()))(state.num_skipped)
     assert int(skipped) == 1  # one partial sum (replica 0's), held by its four devices
@@ -172,7 +168,7 @@ def test_hsdp_zero1_shards_the_inner_state_over_both_axes():
     data = batches()
     tx = ga.accumulate(optax.adam(1e-2), K, shard_inner_state="data")
     params, state, compiled = train(tx, data)
-    assert_close(params, reference(data, optax.adam(1e-2)))
+    E.assert_close(params, reference(data, optax.adam(1e-2)), rtol=RTOL, atol=ATOL)
     mu = state.inner_state[0].mu
     assert str(jax.typeof(mu["w"])) == "float32[32@(fsdp,data),16]"
     assert mu["w"].addressable_shards[0].data.size * 8 == mu["w"].size  # 1/8 per device
@@ -188,7 +184,7 @@ def test_unreduced_over_every_axis_holds_a_full_size_window_per_device():
     data = batches()
     tx = ga.accumulate(optax.adam(1e-2), K)
     params, state, compiled = train(tx, data, axis_name=("data", "fsdp"))
-    assert_close(params, reference(data, optax.adam(1e-2)))
+    E.assert_close(params, reference(data, optax.adam(1e-2)), rtol=RTOL, atol=ATOL)
     assert str(jax.typeof(state.acc_grads["w"])) == "float32[32,16]{U:(data,fsdp)}"
     assert per_device_bytes(state.acc_grads) == (32 * 16 + 16 * 8 + 8) * 4
     counts = by_axis(compiled, mesh2x4())
@@ -240,7 +236,7 @@ def test_fsdp_params_with_plain_gradients_on_every_route(kind):
 
             for batch in data:
                 params, state = step(params, state, jax.device_put(batch, BATCH))
-            assert_close(params, want)
+            E.assert_close(params, want, rtol=RTOL, atol=ATOL)
             assert params["w"].addressable_shards[0].data.shape == (8, 16), name
 
 

@@ -1,98 +1,142 @@
-"""Breaks the library on purpose and runs a rewritten test beside the version it replaced.
+"""Breaks the library on purpose and runs rewritten tests beside the versions they replaced.
 
-A test made cheaper (traced values instead of baked-in ones, fewer but stronger cases)
-must still fail on the bugs the old version failed on. For each mutant below this script
-patches one line of the package, runs the old test (taken from git at `--before`, written
-beside the new one as `tests/test_before_<name>.py`) and the new one, restores the line,
-and prints whether each failed:
+A test made cheaper (traced values instead of baked-in ones, fewer but stronger cases,
+a reference computed once, runners shared between files) must still fail on the bugs
+the old version failed on. For each mutant below this script patches one line of the
+package, runs the selected tests twice, restores the line, and prints whether each run
+failed:
 
-    python tools/mutants.py --before 850568f
+- before: the tests as they were at `--before` (`git archive` of tests/, conftest.py
+  and pyproject.toml into a temporary directory; the package is this checkout's,
+  mutated, found through PYTHONPATH), so helper modules change with their tests;
+- after: the tests of this checkout.
 
-Both columns must say "fails" for every mutant; the unmutated package must pass both.
+    python tools/mutants.py --before 850568f [--only NAME]
+
+Every line must say "before fails, after fails" for a mutant, and "before passes,
+after passes" for the unmutated package ("none"): both versions run against the same
+package, so a difference between them is the tests' own.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# (name, file, the line as it is, the line broken, the tests: (module, -k expression))
+# The tests each rewrite touched: (file, -k expression, -m expression).
+NONFINITE = ("tests/test_accumulation.py", "nonfinite_micro_gradient_is_dropped", "")
+LARGE_BATCH = ("tests/test_accumulation.py", "test_equals_large_batch", "")
+MATRIX = ("tests/test_matrix.py", "test_cell and (accumulate or microbatch)", "not slow")
+ROUTES = ("tests/test_routes.py", "every_route or hsdp_window", "not slow")
+GOLDEN = ("tests/test_golden.py", "recorded_outputs", "")
+GLOBAL_VIEW = (
+    "tests/test_global_view.py",
+    "large_batch or global_gradient or weighted_windows",
+    "not slow",
+)
+DISTRIBUTED = (
+    "tests/test_distributed.py",
+    "large_batch or weighted_mean or sum_over_all",
+    "not slow",
+)
+PRIVACY_X64 = ("tests/test_privacy_fast.py", "float64", "not slow")
+
+# (name, file, the line as it is, the line broken, the tests)
 MUTANTS = [
     (
         "no finite check",
         "gradaccum_jax/_window/routes.py",
         "        return valid & trees.all_finite_by_squares(grads) if check else valid",
         "        return valid",
-        [("test_accumulation", "nonfinite_micro_gradient_is_dropped")],
+        [NONFINITE],
     ),
     (
         "infinities pass the finite check",
         "gradaccum_jax/_base/trees.py",
         "    return jnp.all(jnp.isfinite(jnp.stack(list(scalars))))",
         "    return jnp.all(~jnp.isnan(jnp.stack(list(scalars))))",
-        [("test_accumulation", "nonfinite_micro_gradient_is_dropped")],
+        [NONFINITE],
     ),
     (
         "window one micro-step too long",
         "gradaccum_jax/_window/stages.py",
         "        closes = counted & (step >= (jnp.int32(1) if plan.bare else state.window_length))",
         "        closes = counted & (step > (jnp.int32(1) if plan.bare else state.window_length))",
-        [("test_accumulation", "test_equals_large_batch")],
+        [LARGE_BATCH, MATRIX, GOLDEN],
+    ),
+    (
+        "the window's mean over one weight too many",
+        "gradaccum_jax/_window/stages.py",
+        "        reciprocal = 1 / window.weight",
+        "        reciprocal = 1 / (window.weight + 1)",
+        [LARGE_BATCH, MATRIX, ROUTES, GOLDEN, GLOBAL_VIEW, DISTRIBUTED],
+    ),
+    (
+        "replicas' weights not summed at the close",
+        "gradaccum_jax/_window/engine.py",
+        "        return Window(total=total, weight=weight, unit=jnp.ones([], jnp.float32), "
+        "stats=stats)",
+        "        return Window(total=total, weight=window.weight * window.unit, "
+        "unit=jnp.ones([], jnp.float32), stats=stats)",
+        [MATRIX, ROUTES, DISTRIBUTED],
     ),
 ]
 
 
-def run(module: str, expression: str) -> bool:
-    """Whether the selected tests pass."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
-         f"tests/{module}.py", "-k", expression],
-        cwd=ROOT, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+def passes(cwd: pathlib.Path, test: tuple[str, str, str]) -> bool:
+    """Whether the selected tests pass, run from `cwd` against this checkout's package."""
+    file, keyword, marks = test
+    argv = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", file]
+    argv += ["-k", keyword] if keyword else []
+    argv += ["-m", marks] if marks else []
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRADACCUM_HLO_READERS": ""}
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode not in (0, 1):  # 1: tests failed; anything else: no test ran
+        raise RuntimeError(f"{file} [{keyword}] in {cwd}: exit {proc.returncode}\n{proc.stdout}")
     return proc.returncode == 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="the commit with the old tests")
+    parser.add_argument("--only", help="run this mutant (and the unmutated control) only")
     args = parser.parse_args(argv)
-    modules = {module for *_, tests in MUTANTS for module, _ in tests}
-    old = {}
-    for module in modules:
-        text = subprocess.run(
-            ["git", "show", f"{args.before}:tests/{module}.py"],
-            cwd=ROOT, capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-        path = ROOT / "tests" / f"test_before_{module.removeprefix('test_')}.py"
-        path.write_text(text)
-        old[module] = path.stem
+    mutants = [m for m in MUTANTS if args.only in (None, m[0])]
+    if not mutants:
+        parser.error(f"--only: no mutant {args.only!r}; known: {[m[0] for m in MUTANTS]}")
     ok = True
-    try:
-        every = sorted({test for *_, tests in MUTANTS for test in tests})
-        for name, file, line, broken, tests in [("none", "", "", "", every), *MUTANTS]:
+    with tempfile.TemporaryDirectory() as tmp:
+        before = pathlib.Path(tmp)
+        archive = subprocess.run(
+            ["git", "archive", args.before, "tests", "conftest.py", "pyproject.toml", "docs"],
+            cwd=ROOT, capture_output=True, check=True,
+        ).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        every = sorted({test for *_, tests in mutants for test in tests})
+        for name, file, line, broken, tests in [("none", "", "", "", every), *mutants]:
             path = ROOT / file if file else None
             source = path.read_text() if path else ""
             if path:
-                assert source.count(line) == 1, f"{name}: the line is not in {file} once"
+                if source.count(line) != 1:
+                    raise SystemExit(f"{name}: the line is not in {file} exactly once")
                 path.write_text(source.replace(line, broken))
             try:
-                for module, expression in tests:
-                    before, after = run(old[module], expression), run(module, expression)
+                for test in tests:
+                    old, new = passes(before, test), passes(ROOT, test)
                     want = path is None
-                    ok &= before == want and after == want
+                    ok &= old == want and new == want
                     say = {True: "passes", False: "fails"}
-                    print(f"{name:34s} {module}[{expression}]: before {say[before]}, "
-                          f"after {say[after]}", flush=True)  # fmt: skip
+                    print(f"{name:44s} {test[0]} [{test[1]}]: before {say[old]}, "
+                          f"after {say[new]}", flush=True)  # fmt: skip
             finally:
                 if path:
                     path.write_text(source)
-    finally:
-        for stem in old.values():
-            (ROOT / "tests" / f"{stem}.py").unlink()
     return 0 if ok else 1
 
 
