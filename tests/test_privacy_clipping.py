@@ -319,6 +319,22 @@ def test_trace_errors_name_the_fix():
         privacy.clipped_grad(loss, C)(params)
 
 
+def test_a_chunk_size_that_does_not_divide_a_devices_share_says_it_is_a_share(explicit_mesh):
+    # Issue 50, item 6: under global-view jit on 8 devices a batch of 64 is 8 examples per
+    # device, and microbatch_size counts one device's examples: the error said "must divide
+    # the batch size 8", which a global-view user reads as a wrong count of their batch.
+    params = init()
+    x = jnp.ones((64, *data()[0].shape[1:]))
+    y = jnp.ones((64, *data()[1].shape[1:]))
+    fn = jax.jit(privacy.clipped_grad(loss, C, microbatch_size=16))
+    with jax.set_mesh(explicit_mesh):
+        batch = jax.device_put((x, y), jax.sharding.NamedSharding(explicit_mesh, P("data")))
+        with pytest.raises(ValueError, match=r"microbatch_size=16 must divide the batch size 8 "
+                           r"\(8 examples: each device's share of the batch, which is split over "
+                           r"the mesh axes \('data',\)"):  # fmt: skip
+            fn(params, batch)
+
+
 @pytest.mark.parametrize("extra", ["huge", "nan_in_one_leaf", "inf", "zero", "ordinary"])
 @METHOD
 def test_one_example_moves_the_sum_by_at_most_the_clip_norm(extra, method):

@@ -188,7 +188,8 @@ def test_wrt_lora_params_clips_only_the_adapters(method, wrt):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
-    _, _, all_norms = privacy.clipped_grad(loss, C, return_grad_norms=True)(model, batch)
+    every = privacy.clipped_grad(loss, C, wrt=nnx.Param, return_grad_norms=True)
+    _, _, all_norms = every(model, batch)
     assert np.all(np.asarray(all_norms) > np.asarray(norms) * 1.01)
 
 
@@ -219,9 +220,13 @@ def _dp(wrt):
 @pytest.mark.parametrize(
     ("clip_wrt", "optimizer", "match"),
     [
-        (None, _dp(nnx.LoRAParam), r"dp_accumulate updates 4 of the 8 leaves.*wrt=nnx\.LoRAParam"),
         (
-            None,
+            nnx.Param,
+            _dp(nnx.LoRAParam),
+            r"dp_accumulate updates 4 of the 8 leaves.*wrt=nnx\.LoRAParam",
+        ),
+        (
+            nnx.Param,
             lambda m: ga.flax.Optimizer(m, optax.sgd(0.1), wrt=nnx.LoRAParam),
             r"Optimizer\(wrt=.*LoRAParam.*\) updates 4 of the 8 leaves.*clipped_grad\(loss, C,",
         ),
@@ -237,6 +242,21 @@ def test_an_optimizer_updating_other_leaves_than_were_clipped_is_refused(
 ):
     with pytest.raises(ValueError, match=match):
         _lora_step(clip_wrt, optimizer)
+
+
+def test_a_lora_module_without_wrt_is_asked_which_params_to_clip():
+    # Issue 50, item 7: "an nnx.Module goes where the params go", then a plain
+    # nnx.Optimizer(model, optax.sgd(...), wrt=nnx.LoRAParam), where nothing of ours runs at
+    # the update: every nnx.Param (LoRAParam is one) was differentiated, so the frozen base
+    # weights' gradients went into each example's norm (all examples clipped, the LoRA sum
+    # off). Without wrt= a module holding params of two kinds is asked which.
+    model, batch = LoraNet(nnx.Rngs(0)), data()
+    with pytest.raises(ValueError, match=r"position 0 holding params of 2 kinds \(LoRAParam, "
+                       r"Param\) and no wrt=.*wrt=nnx\.LoRAParam.*wrt=nnx\.Param"):  # fmt: skip
+        privacy.clipped_grad(loss, C)(model, batch)
+    # A module of one kind of params needs no wrt=, as before.
+    plain = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    privacy.clipped_grad(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), C)(plain, batch)
 
 
 def test_matching_filters_train():

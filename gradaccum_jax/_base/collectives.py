@@ -44,10 +44,12 @@ def check_grads_vary(name: str, tree: Any, axis_names: tuple[Any, ...]) -> None:
             axes = missing[0] if len(missing) == 1 else tuple(missing)
             raise ValueError(
                 f"{name} leaf {jax.tree_util.keystr(path)!r} has a replica-invariant type "
-                f"along {axes!r}, so it was already summed across replicas (an all-reduce "
-                "on every micro-step) and accumulate would sum it again. Differentiating "
-                "with respect to replicated params inside shard_map does that; mark them "
-                "varying first: "
+                f"along {axes!r}, so it was already reduced across replicas (an all-reduce "
+                "on every micro-step) and accumulate would sum it again. A "
+                "jax.lax.pmean or psum of the gradients in your step does that: drop the "
+                "pmean, accumulate averages across replicas once per window. So does "
+                "differentiating with respect to replicated params inside shard_map; mark "
+                "them varying first: "
                 f"jax.grad(loss)(jax.lax.pcast(params, {axes!r}, to='varying'), batch) "
                 "(jax.lax.pvary(params, axes) before JAX 0.8.2)."
             )

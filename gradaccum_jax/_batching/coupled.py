@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._base import compat, reduce_rules, trees, validation
+from gradaccum_jax._base import compat, equinox, reduce_rules, trees, validation
 from gradaccum_jax._base.compat import varying_axes
 from gradaccum_jax._batching import combining, devices, embedding, nnx_modules, planning, splitting
 from gradaccum_jax._sharding import global_view
@@ -623,6 +623,7 @@ class CoupledValueAndGrad:
         state, differentiated, and the rest, carried through the micro-batches.
         """
         spec = self._spec
+        equinox.refuse_modules(args, spec.options.grad_nums, "coupled_value_and_grad")
         if not nnx_modules.module_positions(args, spec.options):
             return spec, args, lambda out: out
         axis_name = spec.axis_name

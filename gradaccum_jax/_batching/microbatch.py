@@ -16,8 +16,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._base import validation
-from gradaccum_jax._batching import combining, nnx_modules, planning, seeding, statistics
+from gradaccum_jax._base import equinox, validation
+from gradaccum_jax._batching import (
+    combining,
+    equinox_modules,
+    nnx_modules,
+    planning,
+    seeding,
+    statistics,
+)
 from gradaccum_jax._batching.splitting import (
     _batch_size,
     _carried,
@@ -246,6 +253,11 @@ def microbatch_value_and_grad(
       the micro-batches as a carry and written back into the module, so each
       micro-batch draws its own dropout mask. `weight_fn` then receives the
       params' state in the module's place. Not with `carry_argnums`.
+    * An `equinox.Module` at a differentiated position is taken as
+      `eqx.filter_value_and_grad` takes it: its floating-point arrays are
+      differentiated (the gradient is the module with `None` in the other
+      leaves' places), and the rest (activation functions, Python numbers,
+      integer arrays) reaches `fun`, `weight_fn` and `statistics_fn` as it came in.
     * Flax fp8 metadata (scales and amax histories, the "gradients" of `flax.linen.fp8_ops`
       layers, also under `nnx.bridge`) come back as on the full batch. See `max_leaves`.
 
@@ -385,6 +397,12 @@ def microbatch_value_and_grad(
             return on_plain_trees(args, kwargs)
 
     def on_plain_trees(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        equinox_at = equinox.positions(args, options.grad_nums)
+        if equinox_at:
+            pure_fun, pure_options, pure_args = equinox_modules.split(
+                fun, options, equinox_at, args
+            )
+            return _built(pure_fun, k, memory_budget, pure_options)(*pure_args, **kwargs)
         modules = nnx_modules.module_positions(args, options)
         if not modules:
             return plain(*args, **kwargs)

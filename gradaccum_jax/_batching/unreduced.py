@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._base import compat, reduce_rules, validation
+from gradaccum_jax._base import compat, equinox, reduce_rules, validation
 from gradaccum_jax._base.compat import (
     pcast_to_varying,
     reshard,
@@ -479,6 +479,7 @@ def unreduced_value_and_grad(
             [args[i] for i in grad_nums], "unreduced_value_and_grad", _FP8
         )
         _refuse_modules(args, grad_nums)
+        equinox.refuse_modules(args, grad_nums, "unreduced_value_and_grad")
         mesh_axes_size(axes, f"unreduced_value_and_grad(..., axis_name={axis_name!r})")
         _check_params(args, grad_nums)
         split = _split_axes(args, grad_nums, batch_nums, axes)

@@ -1,8 +1,9 @@
-"""Adaptive gradient clipping (AGC) with per-leaf units for every Flax layout."""
+"""Adaptive gradient clipping (AGC) with per-leaf units for every Flax and Equinox layout."""
 
 from __future__ import annotations
 
 import numbers
+import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax._base import validation
+from gradaccum_jax._base import equinox, validation
 from gradaccum_jax._clipping.measures import (
     L2,
     Size,
@@ -23,10 +24,31 @@ from gradaccum_jax._clipping.measures import (
 # A per-leaf unit specification: the axes one unit spans (an int or a tuple of
 # ints; `()` makes every element its own unit), `None` for the whole leaf,
 # or the name of a built-in rule.
-AxesSpec = int | tuple[int, ...] | Literal["flax", "optax"] | None
+AxesSpec = int | tuple[int, ...] | Literal["flax", "optax", "equinox"] | None
 UnitAxes = AxesSpec | Callable[[jax.tree_util.KeyPath, jax.Array], AxesSpec] | Any
 
-_RULES = ("flax", "optax")
+_RULES = ("flax", "optax", "equinox")
+# The top-level `unit_axes=None`: the layout's own rule, read from the layer holding each leaf.
+_DEFAULT = object()
+# Equinox's layers (and their subclasses) hold weights output axis first, as PyTorch does:
+# Linear (out, in), Conv and ConvTranspose (out, in, *kernel), the recurrent cells' (n * hidden,
+# in), Embedding (vocab, size), WeightNorm's g (out, 1). MultiheadAttention and MLP hold
+# Linears; the norms and PReLU hold vectors and scalars.
+_EQUINOX_LAYERS = (
+    "Linear",
+    "Conv",
+    "ConvTranspose",
+    "Embedding",
+    "GRUCell",
+    "LSTMCell",
+    "LayerNorm",
+    "RMSNorm",
+    "GroupNorm",
+    "BatchNorm",
+    "PReLU",
+    "WeightNorm",
+    "SpectralNorm",
+)
 # Flax's MultiHeadDotProductAttention (linen) and MultiHeadAttention (nnx)
 # project inputs with kernels (in, heads, head_dim) held under these names.
 _ATTENTION_PROJECTIONS = frozenset({"query", "key", "value"})
@@ -88,6 +110,67 @@ def _flax_axes(path: jax.tree_util.KeyPath, shape: tuple[int, ...]) -> tuple[int
     return tuple(range(ndim - 1))
 
 
+def _equinox_axes(path: jax.tree_util.KeyPath, shape: tuple[int, ...]) -> tuple[int, ...]:
+    ndim = len(shape)
+    names = _path_names(path)
+    if ndim <= 1 or (names and names[-1] == "bias"):
+        return tuple(range(ndim))
+    # Linear (out, in), Conv (out, in, *kernel): one unit per output feature.
+    return tuple(range(1, ndim))
+
+
+def _equinox_layer(owner: Any) -> str | None:
+    """The name of the Equinox layer type `owner` is an instance of, or None."""
+    if owner is None:
+        return None
+    nn = sys.modules["equinox"].nn
+    for name in _EQUINOX_LAYERS:
+        layer = getattr(nn, name, None)
+        if layer is not None and isinstance(owner, layer):
+            return name
+    return None
+
+
+def _default_rule(path: jax.tree_util.KeyPath, shape: tuple[int, ...], owner: Any) -> str:
+    """The rule `unit_axes=None` takes for a leaf held by `owner` (an Equinox module or None)."""
+    if owner is None:
+        return "flax"
+    if _equinox_layer(owner) is not None:
+        return "equinox"
+    if len(shape) <= 1 or _path_names(path)[-1:] == ["bias"]:
+        return "flax"  # the whole leaf is one unit under every rule
+    raise ValueError(
+        f"adaptive_grad_clip cannot tell the layout of the leaf at "
+        f"{jax.tree_util.keystr(path)!r} (shape {shape}), held by the Equinox module "
+        f"{type(owner).__name__} (not one of equinox.nn's layers): pass "
+        "unit_axes='equinox' if its output axis comes first (Equinox's and PyTorch's "
+        "layout), 'flax' if it comes last, or a callable (path, leaf) -> axes."
+    )
+
+
+def _check_layout(
+    rule: str,
+    axes: tuple[int, ...],
+    path: jax.tree_util.KeyPath,
+    shape: tuple[int, ...],
+    owner: Any,
+) -> None:
+    """Refuses a Flax-layout rule whose units cut an Equinox layer's weight into input columns."""
+    layer = _equinox_layer(owner)
+    if layer is None:
+        return
+    # Size-1 axes do not change which elements share a unit.
+    wanted = _equinox_axes(path, shape)
+    if {a for a in axes if shape[a] != 1} != {a for a in wanted if shape[a] != 1}:
+        raise ValueError(
+            f"unit_axes={rule!r} reads the leaf at {jax.tree_util.keystr(path)!r} (shape "
+            f"{shape}) as a Flax layout, output axis last, but an equinox.nn.{layer} holds "
+            "it output axis first: each unit would be an input column. Pass unit_axes=None "
+            "(the default: one unit per output feature for Equinox layers) or 'equinox'; for "
+            "these units anyway, give the axes explicitly."
+        )
+
+
 def _optax_axes(path: jax.tree_util.KeyPath, shape: tuple[int, ...]) -> tuple[int, ...]:
     ndim = len(shape)
     # optax.adaptive_grad_clip decides by rank alone, after ignoring size-1 axes
@@ -105,14 +188,20 @@ def _optax_axes(path: jax.tree_util.KeyPath, shape: tuple[int, ...]) -> tuple[in
     )
 
 
-def _resolve(spec: Any, path: jax.tree_util.KeyPath, shape: tuple[int, ...]) -> tuple[int, ...]:
+def _resolve(
+    spec: Any, path: jax.tree_util.KeyPath, shape: tuple[int, ...], owner: Any = None
+) -> tuple[int, ...]:
+    if spec is _DEFAULT:
+        spec = _default_rule(path, shape, owner)
     where = f"unit_axes for the leaf at {jax.tree_util.keystr(path)!r} (shape {shape})"
     _check_spec(where, spec)
     ndim = len(shape)
-    if spec == "flax":
-        return _flax_axes(path, shape)
-    if spec == "optax":
-        return _optax_axes(path, shape)
+    if spec == "equinox":
+        return _equinox_axes(path, shape)
+    if spec in ("flax", "optax"):
+        by_rule = _flax_axes(path, shape) if spec == "flax" else _optax_axes(path, shape)
+        _check_layout(spec, by_rule, path, shape, owner)
+        return by_rule
     if spec is None:
         return tuple(range(ndim))
     axes = (spec,) if isinstance(spec, numbers.Integral) else spec
@@ -146,11 +235,21 @@ def _max_norm(clipping: Any, p_size: Size, eps: Any) -> jax.Array:
 def _leaf_axes(unit_axes: UnitAxes, params: optax.Params) -> list[tuple[int, ...]]:
     """Returns the reduction axes of every leaf of `params`, in flattening order."""
     with_path = jax.tree_util.tree_leaves_with_path(params)
+    owners = equinox.owners(params)
     if unit_axes is None or isinstance(unit_axes, str):
-        rule = "flax" if unit_axes is None else unit_axes
-        return [_resolve(rule, path, jnp.shape(leaf)) for path, leaf in with_path]
-    if callable(unit_axes):
-        return [_resolve(unit_axes(path, leaf), path, jnp.shape(leaf)) for path, leaf in with_path]
+        specs = [_DEFAULT if unit_axes is None else unit_axes] * len(with_path)
+    elif callable(unit_axes):
+        specs = [unit_axes(path, leaf) for path, leaf in with_path]
+    else:
+        specs = _broadcast(unit_axes, params)
+    return [
+        _resolve(spec, path, jnp.shape(leaf), owner)
+        for spec, (path, leaf), owner in zip(specs, with_path, owners, strict=True)
+    ]
+
+
+def _broadcast(unit_axes: Any, params: optax.Params) -> list[Any]:
+    """The spec of every leaf of `params`, from the tree (or tree prefix) `unit_axes`."""
     specs: list[Any] = []
 
     def broadcast(spec: Any, subtree: Any) -> None:
@@ -164,10 +263,7 @@ def _leaf_axes(unit_axes: UnitAxes, params: optax.Params) -> list[tuple[int, ...
             f"it) whose leaves are axes specs; it does not match: {err}. Use a callable "
             "(path, leaf) -> axes for anything more selective."
         ) from None
-    return [
-        _resolve(spec, path, jnp.shape(leaf))
-        for spec, (path, leaf) in zip(specs, with_path, strict=True)
-    ]
+    return specs
 
 
 def adaptive_grad_clip(
@@ -212,6 +308,19 @@ def adaptive_grad_clip(
     do not reveal (DenseGeneral with several output axes, Einsum, custom
     modules) pass `unit_axes`.
 
+    **Equinox.** Equinox's layers hold their weights output axis first, as
+    PyTorch does: `eqx.nn.Linear` `(out, in)`, `eqx.nn.Conv` and
+    `ConvTranspose` `(out, in, *kernel)`. By default a leaf held by one of
+    `equinox.nn`'s layers (or a subclass; those inside `MultiheadAttention`
+    and `MLP` included) gets the `"equinox"` rule, one unit per output
+    feature, reducing over all axes but the first; vectors, scalars and
+    biases stay whole units. A leaf of rank ≥ 2 held directly by a module
+    of your own is refused with a `ValueError` naming the rules, since its
+    layout cannot be read, and so are `"flax"` and `"optax"` where they
+    would cut an Equinox layer's weight into input columns. Give AGC the
+    model (or `eqx.filter(model, eqx.is_inexact_array)`) as `params`: the
+    layer types are read from it.
+
     **From optax.** `adaptive_grad_clip(clipping, eps, axis)` takes optax's
     arguments with optax's meaning: `axis` names the axes the norms reduce
     over, the same for every leaf. One difference remains, pinned by a test:
@@ -231,12 +340,17 @@ def adaptive_grad_clip(
       unit_axes: Which axes of each leaf one unit spans (the axes the norms
         reduce over). One of
 
-        - `None` or `"flax"`: the Flax rule above;
+        - `None`: the `"equinox"` rule for leaves of Equinox layers, the
+          `"flax"` rule for all others (see above);
+        - `"flax"`: the Flax rule above;
         - `"optax"`: `optax.adaptive_grad_clip`'s rank rule;
+        - `"equinox"`: output axis first (Equinox and PyTorch layouts): one
+          unit per index of the first axis of every leaf of rank ≥ 2 not
+          named `bias`;
         - a tree with the structure of the params, or a prefix of it, whose
           leaves are specs: an int or a tuple of ints (negative counts from the
           end; `()` makes each element a unit), `None` (the whole leaf is
-          one unit), `"flax"` or `"optax"`. A tuple of ints is always one
+          one unit), `"flax"`, `"optax"` or `"equinox"`. A tuple of ints is always one
           spec, so for tuple-structured params give per-leaf specs with a
           callable;
         - a callable `(path, leaf) -> spec`, called at trace time with the
@@ -250,7 +364,9 @@ def adaptive_grad_clip(
     Raises:
       ValueError: If `clipping <= 0`, `eps < 0`, a rule name is unknown,
         an axis is out of range or repeated, both `axis` and `unit_axes` are
-        given, or `update` is called without `params`.
+        given, `update` is called without `params`, or (at trace time) the
+        units of an Equinox leaf are unknown or cut into input columns
+        (see above).
       TypeError: If a spec is of the wrong type.
 
     Examples:
@@ -315,6 +431,9 @@ def adaptive_grad_clip(
                 "unit's weight norm. Call update(updates, state, params); optax.chain and "
                 "gradaccum_jax.accumulate pass params on to it."
             )
+        if equinox.holds_module(params):
+            # The whole model, as eqx.apply_updates takes it: its arrays are the params.
+            params = equinox.partition(params)[0]
         validation.check_same_structure("updates", updates, "params", params)
         grad_leaves, treedef = jax.tree.flatten(updates)
         param_leaves = jax.tree.leaves(params)

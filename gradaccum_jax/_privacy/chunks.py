@@ -136,15 +136,23 @@ def padding_mask(is_padding_example: Any, n: int) -> jax.Array:
     return mask
 
 
-def num_chunks(chunking: Chunking, n: int) -> int:
+def num_chunks(chunking: Chunking, n: int, axes: Any = ()) -> int:
+    """The number of chunks of `n` examples; `axes`, the mesh axes the batch is split over
+    (then `n` is one device's share, and so are the chunks)."""
     if not isinstance(chunking, tuple):  # AUTO is planned before a call comes here
         return 1
     name, value = chunking
     chunks = value if name == "num_microbatches" else n // value
     if n % value:
         other = "microbatch_size" if name == "num_microbatches" else "num_microbatches"
+        share = ""
+        if axes:
+            share = (
+                f" ({n} examples: each device's share of the batch, which is split over the "
+                f"mesh axes {tuple(sorted(axes))}; the chunks are cut from each device's share)"
+            )
         raise ValueError(
-            f"{name}={value} must divide the batch size {n}. Pad the batch to a multiple "
+            f"{name}={value} must divide the batch size {n}{share}. Pad the batch to a multiple "
             f"(mark the padding with is_padding_example=; all-padding chunks are skipped), "
             f"or pick another {name} or {other}."
         )

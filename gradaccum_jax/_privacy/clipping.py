@@ -523,7 +523,7 @@ def _local_sums(
     # shard_map's transpose rule: each "example" would mix one example of every device,
     # before clipping. Differentiated at a varying copy, each gradient stays local.
     args = tuple(vary(arg) if i in options.diff else arg for i, arg in enumerate(args))
-    count = chunks.num_chunks(options.chunking, n)
+    count = chunks.num_chunks(options.chunking, n, axes)
     mapped = {i: args[i] for i in options.batched}
     if keys is not None and options.prng_argnum is not None:
         mapped[options.prng_argnum] = keys

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax._base import compat
+from gradaccum_jax._base import compat, equinox
 from gradaccum_jax._sharding import global_view
 
 
@@ -48,7 +48,8 @@ class Split(NamedTuple):
 
 
 def module_positions(args: tuple[Any, ...], diff: tuple[int, ...]) -> tuple[int, ...]:
-    """The differentiated positions that hold a `flax.nnx.Module`."""
+    """The differentiated positions that hold a `flax.nnx.Module` (an Equinox one is refused)."""
+    equinox.refuse_modules(args, diff, "privacy.clipped_grad")
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return ()
@@ -84,6 +85,24 @@ def filters(wrt: Any, modules: tuple[int, ...]) -> dict[int, Any]:
     return chosen
 
 
+def _refuse_ambiguous_params(module: Any, position: int) -> None:
+    """Raises if `module` holds params of more than one kind (`nnx.Param` and its subclass
+    `nnx.LoRAParam`): without `wrt=` all of them are differentiated, and each example's
+    norm counts the frozen ones' gradients too when the optimizer trains only some."""
+    nnx = sys.modules["flax.nnx"]
+    kinds = sorted(
+        {type(v).__name__ for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Param)}
+    )
+    if len(kinds) > 1:
+        raise ValueError(
+            f"clipped_grad got a flax.nnx module at argnums position {position} holding "
+            f"params of {len(kinds)} kinds ({', '.join(kinds)}) and no wrt=: it would "
+            "differentiate and clip them all, while an optimizer built with "
+            "wrt=nnx.LoRAParam trains the adapters alone. Pass the optimizer's wrt: "
+            "wrt=nnx.LoRAParam (the adapters' norms) or wrt=nnx.Param (every param)."
+        )
+
+
 def _is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -100,6 +119,9 @@ def split(
     `batch_leaf`, a leaf of the batch, says how the examples' indices are sharded, and
     `wrt` (see `filters`) what of each module is differentiated."""
     nnx = sys.modules["flax.nnx"]
+    if wrt is None:
+        for i in modules:
+            _refuse_ambiguous_params(args[i], i)
     chosen = filters(wrt, modules)
     parts = {i: nnx.split(args[i], chosen[i], nnx.RngState, ...) for i in modules}
     for i, (_, params, _, _) in parts.items():

@@ -165,7 +165,14 @@ def accumulate(
     `update` gets a `weight=` extra argument, such as the micro-batch's
     token count), runs `inner.update` once on `ḡ`, resets the accumulator
     and returns the inner update. With the mean, `K` micro-batches give the
-    same parameters as one batch `K` times larger, for any inner optimizer.
+    same parameters as one batch `K` times larger, for any inner optimizer
+    that reads the gradient. One that reads the loss
+    (`optax.contrib.reduce_on_plateau`, `momo`, `momo_adam`, recognised by
+    their state) receives the window's loss as `value=`: the values passed on
+    every micro-step, weighted like the gradients (`AccumulateState.acc_value`).
+    A line search (`optax.lbfgs`), which calls `value_fn` at trial params, is
+    refused. `optax.lookahead` goes inside, with `optax.LookaheadParams` as
+    the params of `init` and `update` and the gradients of `params.fast`.
 
     Gradients typed unreduced over mesh axes (from `unreduced_value_and_grad`
     in a global-view `jax.jit` step) are accumulated unreduced, with no
@@ -209,8 +216,9 @@ def accumulate(
 
     Args:
       inner: The optimizer to apply once per window, any
-        `optax.GradientTransformation` (extra arguments such as `value=`
-        are passed through to it).
+        `optax.GradientTransformation` without a line search (extra
+        arguments reach it as given on the closing micro-step; `value=` as the
+        window's loss where its state shows it reads the loss).
       every_k_schedule: The window length `K`: an int `>= 1`, or a callable
         mapping `gradient_step` (an `int32` scalar) to an integer scalar,
         so that `K` can change between windows without recompiling.
@@ -301,12 +309,14 @@ def accumulate(
       argument to `inner`.
 
     Raises:
-      TypeError: If `inner` is not a gradient transformation,
+      TypeError: If `inner` is not a gradient transformation, or (at trace
+        time) `update` gets no `value=` while `inner` reads the loss,
         `every_k_schedule` is neither an int nor a callable, or
         `accumulator_dtype` is not a floating-point dtype, or `axis_name`
         is neither a name nor a tuple of names, or `shard_inner_state` is
         neither a name, a callable nor a tree of specs.
-      ValueError: If `every_k_schedule` is an int below 1, or
+      ValueError: If `every_k_schedule` is an int below 1, or `inner` holds a
+        line search (at `init`), or
         `compensated=True` without a 16-bit `accumulator_dtype` or with
         `shard_inner_state`, or `should_skip_update_fn`,
         `count_skipped_steps=False` or `shard_inner_state` is combined

@@ -423,9 +423,14 @@ def close(
             return params
         spec = specs[0] if specs else spec_of()
         leaves, treedef = jax.tree.flatten(like)
+        spec_leaves, spec_def = jax.tree.flatten(spec)
+        if spec_def != treedef:
+            # The inner optimizer returns another tree than the gradients (optax.lookahead:
+            # fast and slow updates): its own output gives the zeros their shapes.
+            leaves, treedef = spec_leaves, spec_def
         zeros = [
             _typed_like(gate.zeros_like(g, s.dtype, distinct_zero(seed, i)), s)
-            for i, (g, s) in enumerate(zip(leaves, treedef.flatten_up_to(spec), strict=True))
+            for i, (g, s) in enumerate(zip(leaves, spec_leaves, strict=True))
         ]
         return treedef.unflatten(zeros)
 

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import optax
 
+from gradaccum_jax._base import equinox
 from gradaccum_jax._window import placement
 from gradaccum_jax._window.state import AccumulateState
 
@@ -145,11 +146,17 @@ def apply_gradients(
     (`optax.masked`, accumulate followed by another transformation, a
     custom wrapper) takes the optax path.
 
+    An `equinox.Module` as `params` is taken as `eqx.apply_updates` takes
+    it: its floating-point arrays are what `tx` sees and updates (initialise
+    the state with `tx.init(eqx.filter(model, eqx.is_inexact_array))`, the
+    structure of `eqx.filter_grad`'s gradients), and the rest (activation
+    functions, Python numbers, integer arrays) comes back as it went in.
+
     Args:
       tx: Any optax gradient transformation.
       grads: The gradients, a tree like `params`.
       opt_state: `tx`'s state.
-      params: The params to update.
+      params: The params to update: a pytree of arrays or an `equinox.Module`.
       **extra_args: Passed to `tx.update` (`weight=`, `value=`, ...).
 
     Returns:
@@ -174,6 +181,21 @@ def apply_gradients(
       Array([0.8, 1.8], dtype=float32)
     """
     placement.check_state(opt_state)
+    if equinox.holds_module(params):
+        arrays, rest = equinox.partition(params)
+        new_arrays, new_state = _apply(tx, grads, opt_state, arrays, extra_args)
+        return equinox.combine(new_arrays, rest), new_state
+    return _apply(tx, grads, opt_state, params, extra_args)
+
+
+def _apply(
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+    params: optax.Params,
+    extra_args: dict[str, Any],
+) -> tuple[optax.Params, optax.OptState]:
+    """`apply_gradients` on a pytree of arrays."""
     if _ends_in_accumulate(opt_state):
         receipt = Receipt()
         try:

@@ -195,6 +195,21 @@ def _injected(node: Any, scale_type: type) -> list[_Kind]:
     return [_Kind("state", f"optax.inject_hyperparams(...)({hypers})"), *kinds]
 
 
+def _refuse_lookahead_around(kinds: list[_Kind]) -> None:
+    """Raises if `optax.lookahead`'s fast optimizer (`kinds`) holds a window."""
+    windows = [kind.window for kind in kinds if kind.window]
+    if windows:
+        inside = windows[0].inside.format(element="optax.lookahead(inner, sync_period, ...)")
+        raise ValueError(
+            f"optax.lookahead is around {windows[0].name}: it counts its update calls, "
+            "micro-steps, so its slow weights sync every sync_period micro-steps instead of "
+            "every sync_period optimizer steps, and they move on the windows' zeros. Put it "
+            f"inside the window, where it runs once per window: {inside}, with "
+            "optax.LookaheadParams as the params of init and update (the gradients are "
+            "those of params.fast)."
+        )
+
+
 def _element(state_type: type) -> str:
     """The factory of `state_type` where its name says it (`ScaleByAdamState`:
     `optax.scale_by_adam`), else the state type."""
@@ -224,6 +239,8 @@ def _walk(node: Any, scale_type: type) -> list[_Kind]:
         return [_Kind("scale", _SCALE)]
     if isinstance(node, _INJECTED):
         return _injected(node, scale_type)
+    if isinstance(node, optax.LookaheadState):
+        _refuse_lookahead_around(_walk(node.fast_state, scale_type))
     children = list(node.values()) if isinstance(node, dict) else node
     if not isinstance(children, tuple | list):
         # A leaf: an array is state (EmptyState, () and None have no leaves).
@@ -299,7 +316,8 @@ def _refuse_noise_before_window(opt_state: Any) -> None:
 
 @functools.cache
 def _combinator_codes() -> dict[types.CodeType, str]:
-    """The code of the `update` of `optax.chain`, `named_chain` and `inject_hyperparams`.
+    """The code of the `update` of `optax.chain`, `named_chain`, `inject_hyperparams` and
+    `lookahead`.
 
     Every chain shares its factory's `update_fn` code object, so a frame running one is
     recognised by its code, whatever the chain holds.
@@ -310,6 +328,7 @@ def _combinator_codes() -> dict[types.CodeType, str]:
         optax.chain(identity).update.__code__: "chain",
         optax.named_chain(("only", identity)).update.__code__: "named_chain",
         injected.update.__code__: "inject_hyperparams",
+        optax.lookahead(identity, 1, 0.5).update.__code__: "lookahead",
     }
 
 

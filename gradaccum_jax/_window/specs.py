@@ -32,7 +32,7 @@ from gradaccum_jax._window.state import AccumulateState, AxisName
 
 # The rounding error of a replica's `acc_grads` is its own, like `acc_grads`; the
 # noise-scale window sums are the replica's own too (its averages are equal on
-# every replica, held per replica with them).
+# every replica, held per replica with them), and so is the sum of its losses.
 _PER_REPLICA = (
     "acc_grads",
     "acc_weight",
@@ -40,6 +40,7 @@ _PER_REPLICA = (
     "num_skipped",
     "acc_compensation",
     "noise_scale",
+    "acc_value",
 )
 
 
@@ -105,7 +106,7 @@ def replica_state_specs(opt_state: optax.OptState, axis_name: AxisName) -> Any:
 
     The per-replica fields of every `AccumulateState` in `opt_state`
     (`acc_grads`, `acc_weight`, `weight_unit`, `num_skipped`,
-    `acc_compensation` and `noise_scale`) get `P(axis_name)`: they
+    `acc_compensation`, `noise_scale` and `acc_value`) get `P(axis_name)`: they
     carry a leading replica axis (see `add_replica_axis`), one slot per
     replica. Every other leaf gets `P()`, replicated, like the params of
     data-parallel training. Use the result as the state's entry in both
@@ -185,8 +186,8 @@ def add_replica_axis(opt_state: optax.OptState) -> optax.OptState:
 
     Returns:
       `opt_state` with its per-replica fields (`acc_grads`, `acc_weight`,
-      `weight_unit`, `num_skipped`, `acc_compensation`, `noise_scale`)
-      expanded to shape `(1, *shape)`.
+      `weight_unit`, `num_skipped`, `acc_compensation`, `noise_scale`,
+      `acc_value`) expanded to shape `(1, *shape)`.
 
     Raises:
       ValueError: If `opt_state` contains no `AccumulateState`.

@@ -27,7 +27,7 @@ from jax.experimental import checkify
 
 from gradaccum_jax._base import trees, validation
 from gradaccum_jax._sharding import partials
-from gradaccum_jax._window import engine, loss_scale, noise_scale, placement, routes
+from gradaccum_jax._window import engine, loss_scale, loss_value, noise_scale, placement, routes
 from gradaccum_jax._window.fused import FUSE_KEY, SURVEY_KEY
 from gradaccum_jax._window.state import AccumulateState, refuse_outermost_inside
 
@@ -78,6 +78,7 @@ class Micro(NamedTuple):
     vouched: jax.Array | None  # the finiteness flag the receipt holds for `grads`, or None
     extra_args: dict[str, Any]  # passed on to the inner transformation
     ends: jax.Array | None = None  # bool[]: the caller ends the window here (None: the count)
+    value: jax.Array | None = None  # the loss (value=), where the window holds their sum
 
 
 class Accepted(NamedTuple):
@@ -108,6 +109,7 @@ class Added(NamedTuple):
     num_skipped: jax.Array  # the drop count including this micro-step
     micro_step: jax.Array  # int32[]: micro-steps counted in the window, this one included
     closes: jax.Array  # bool[]: this micro-step ends the window
+    value: jax.Array | None = None  # the window's sum of values, this one included
 
 
 class Closed(NamedTuple):
@@ -167,11 +169,17 @@ def route_for(plan: Plan, grads: Any, like: Any) -> Any:
     return routes.UnreducedRoute(axes, specs)
 
 
+def gradient_tree(params: optax.Params) -> optax.Params:
+    """The part of `params` that the gradients are taken of: the fast params of
+    `optax.LookaheadParams` (whose slow params only `optax.lookahead` moves), else all."""
+    return params.fast if isinstance(params, optax.LookaheadParams) else params
+
+
 def init(plan: Plan, params: optax.Params) -> AccumulateState:
     """The state at the start of the first window."""
     params = trees.as_arrays(params)
     validation.check_float_tree("params", params)
-    acc = trees.zeros(params, plan.accumulator_dtype)
+    acc = trees.zeros(gradient_tree(params), plan.accumulator_dtype)
     if plan.compensated:
         validation.check_compensable("params", acc)
     acc_weight, num_skipped = jnp.zeros([], trees.weight_dtype(acc)), trees.counter()
@@ -187,10 +195,11 @@ def init(plan: Plan, params: optax.Params) -> AccumulateState:
         acc = None
     inner_state = plan.inner.init(inner_params)
     loss_scale.refuse_inside_accumulate(inner_state)
+    loss_value.refuse_line_search(inner_state, plan.window.name)
     refuse_outermost_inside(inner_state, "gradaccum_jax.accumulate")
     skip_state = ()
     if plan.should_skip_update_fn is not None:
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(jnp.zeros_like, gradient_tree(params))
         _, skip_state = skip_decision(plan, zeros, trees.counter(), params)
     return plan.state_type(
         micro_step=trees.counter(),
@@ -206,6 +215,7 @@ def init(plan: Plan, params: optax.Params) -> AccumulateState:
         acc_compensation=jax.tree.map(jnp.zeros_like, acc) if plan.compensated else None,
         skip_state=skip_state,
         noise_scale=noise_scale.init() if plan.track_noise_scale else None,
+        acc_value=loss_value.initial(inner_state, acc_weight.dtype),
     )
 
 
@@ -234,9 +244,16 @@ def receive(
                 "is passed. Build accumulate with micro_batch_size=None."
             )
         probe = noise_scale.Probe(plan.noise_scale_decay, plan.micro_batch_size)
+    value = loss_value.receive(extra, state.acc_value)
+    if value is not None and route.per_device:
+        raise ValueError(
+            "an inner optimizer that reads value= (reduce_on_plateau, momo) is not supported "
+            "with gradients unreduced over mesh axes: the window's loss would be a per-device "
+            "partial. Take the gradients with jax.shard_map and axis_name=, or drop the reader."
+        )
     # The receipt vouches for the very leaves it was handed, so it reads `updates`.
     vouched = None if receipt is None else receipt.finite(updates)
-    return Micro(grads, params, like, route, probe, receipt, vouched, extra)
+    return Micro(grads, params, like, route, probe, receipt, vouched, extra, value=value)
 
 
 def check_weight(weight: Any) -> jax.Array:
@@ -273,6 +290,8 @@ def accept(plan: Plan, micro: Micro, state: AccumulateState, weight: Any) -> Acc
         accepted = valid & micro.vouched
     else:
         accepted = micro.route.accept(micro.grads, valid, plan.skip_nonfinite)
+    if micro.value is not None and plan.skip_nonfinite:
+        accepted = accepted & jnp.isfinite(micro.value)
     skip_state = state.skip_state
     if plan.should_skip_update_fn is not None:
         should_skip, skip_state = skip_decision(
@@ -347,19 +366,23 @@ def add(plan: Plan, micro: Micro, state: AccumulateState, acc: Accepted, w: Weig
     else:
         # The caller ends the window (a Poisson-sampled logical batch of any length).
         closes = counted & micro.ends
+    value, held_value = None, state.acc_value
+    if micro.value is not None and held_value is not None:  # receive took it for this sum
+        held_value = jnp.zeros_like(held_value) if plan.bare else held_value
+        value = loss_value.add(held_value, micro.value, acc.accepted, acc.weight)
     if plan.bare:
 
         def window_of(grads):
             zeros = trees.zeros(route.zeros_like(grads, micro.params), plan.accumulator_dtype)
             return route.read(route.add((zeros, None), grads, acc.accepted, w.scale))
 
-        return Added(micro.grads, window_of, None, weight, num_skipped, step, closes)
+        return Added(micro.grads, window_of, None, weight, num_skipped, step, closes, value)
     held = route.add(route.held(state), micro.grads, acc.accepted, w.scale, w.keep)
 
     def empty(held, reset):
         return route.emptied(held, reset, acc.accepted)
 
-    return Added(held, route.read, empty, weight, num_skipped, step, closes)
+    return Added(held, route.read, empty, weight, num_skipped, step, closes, value)
 
 
 def reduce_window(plan: Plan, window: engine.Window) -> Any:
@@ -396,16 +419,25 @@ def close(
             noise = noise._replace(acc_sq_norm=noise.acc_sq_norm * w.keep)  # type: ignore[union-attr]
         stats = probe.stats(noise, acc.accepted, w.term, w.unit)  # type: ignore[arg-type]
         inner_operand = (state.inner_state, state.noise_scale)
+    if added.value is not None:
+        # The window's sum of values travels with its sums, in the same reduction.
+        stats = (stats, added.value)
 
     def apply(window: engine.Window, inner_operand: Any, params: Any = params):
         inner_state = inner_operand if probe is None else inner_operand[0]
+        extra_args = micro.extra_args
+        if added.value is not None:
+            stats, value = window.stats
+            window = window._replace(stats=stats)
+            value = loss_value.of_window(value, window.weight * window.unit, plan.use_grad_mean)
+            extra_args = {**extra_args, "value": value}
         new_updates, new_inner = engine.inner_update(
             plan.inner,
             reduce_window(plan, window),
             inner_state,
             micro.grads,
             route.inner_params(params),
-            micro.extra_args,
+            extra_args,
         )
         new_updates = route.back(new_updates, micro.like)
         if micro.receipt is not None:
@@ -473,6 +505,7 @@ def write(
         acc_compensation=new_comp,
         skip_state=acc.skip_state,
         noise_scale=closed.noise,
+        acc_value=None if added.value is None else jnp.where(reset, 0.0, added.value).astype(dtype),
     )
 
 

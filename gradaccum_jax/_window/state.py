@@ -82,6 +82,12 @@ class AccumulateState(NamedTuple):
         `NoiseScaleState` (float32 scalars) holding the window's sum of the
         micro-gradients' squared norms and the averages that
         `gradient_noise_scale` reads.
+      acc_value: `None` unless the inner state holds an optimizer that reads the
+        loss as `value=` (`optax.contrib.reduce_on_plateau`, `momo`, `momo_adam`);
+        then a scalar of `acc_weight`'s dtype, `Σ w · value` over the micro-steps
+        accepted in the current window (`w = 1` without `weight=`), in absolute
+        units: the inner optimizer receives its weighted mean (or, with
+        `use_grad_mean=False`, the sum) as `value=`.
     """
 
     micro_step: jax.Array
@@ -97,6 +103,20 @@ class AccumulateState(NamedTuple):
     acc_compensation: optax.Updates | None = None
     skip_state: Any = ()
     noise_scale: NoiseScaleState | None = None
+    acc_value: jax.Array | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names that are not fields: an optimizer's state read through the
+        # window's (`schedule_free_eval_params(opt_state)`, `opt_state.hyperparams`).
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"AccumulateState has no attribute {name!r}: it is accumulate's state, the inner "
+            "optimizer's is opt_state.inner_state. Pass that to what reads it, e.g. "
+            "optax.contrib.schedule_free_eval_params(opt_state.inner_state, params) or "
+            "opt_state.inner_state.hyperparams, or let optax search the whole state: "
+            f"optax.tree_utils.tree_get(opt_state, {name!r})."
+        )
 
 
 class UncountedAccumulateState(AccumulateState):
