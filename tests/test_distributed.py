@@ -664,7 +664,8 @@ def test_documented_per_replica_fields_are_those_add_replica_axis_expands():
     # hand; the list must be every field that add_replica_axis and replica_state_specs
     # treat per replica, with every optional field switched on.
     tx = ga.accumulate(
-        optax.adam(1e-3),
+        # reduce_on_plateau reads the loss: the window holds the sum of the losses too.
+        optax.chain(optax.adam(1e-3), optax.contrib.reduce_on_plateau()),
         4,
         axis_name="data",
         compensated=True,
@@ -693,6 +694,7 @@ def test_documented_per_replica_fields_are_those_add_replica_axis_expands():
         "num_skipped",
         "acc_compensation",
         "noise_scale",
+        "acc_value",
     }
     page = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
     section = page[page.index("**Hold the per-replica accumulators on a replica axis.**") :]
