@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import gradaccum_jax as ga
+from gradaccum_jax._base.compat import pcast_to_varying
 
 K, B, D = 4, 8, 3
 WINDOWS = 12
@@ -231,7 +232,7 @@ def test_replicas_read_the_loss_of_the_whole_window():
 
     def body(state, x, y, mask):
         state = ga.remove_replica_axis(state)
-        local = jax.lax.pcast(PARAMS, "data", to="varying")  # local gradients
+        local = pcast_to_varying(PARAMS, "data")  # local gradients
         value, grads = value_and_grad(local, x, y, mask)
         _, state = tx.update(grads, state, PARAMS, value=value, weight=jnp.sum(mask))
         return ga.add_replica_axis(state)

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import gradaccum_jax as ga
+from gradaccum_jax._base.compat import pcast_to_varying
 
 PARAMS = {"w": jnp.ones(3)}
 
@@ -37,7 +38,7 @@ def test_a_users_pmean_is_named_as_the_fix():
     tx = ga.accumulate(optax.sgd(0.1), 2, axis_name="data")
 
     def body(x):
-        local = jax.lax.pcast(PARAMS, "data", to="varying")
+        local = pcast_to_varying(PARAMS, "data")
         grads = jax.grad(lambda p: jnp.sum(p["w"] * x))(local)
         grads = jax.lax.pmean(grads, "data")  # the user's own reduction
         return tx.update(grads, tx.init(PARAMS), PARAMS)[0]
