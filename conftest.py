@@ -39,8 +39,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # compiled with XLA's defaults all the same (`XLA_DEFAULTS`, given as its
 # `compiler_options`): a check reads the program a user gets, on every run
 # (tests/test_harness.py compares it with the program of a process without these
-# settings). `GRADACCUM_XLA_DEFAULTS=1` keeps XLA's defaults for every program
-# (`dev.sh test-wheel` runs the wheel's tests that way).
+# settings). This holds during the tests marked `hlo`, the checks of a compiled program;
+# during the others (tests/conftest.py switches it per test) a program compiled ahead of
+# time, such as a planner's candidates inside an example, gets the fast settings like the
+# programs the test runs (XLA's defaults doubled the time of examples/dp_lm.py's test).
+# `GRADACCUM_XLA_DEFAULTS=1` keeps XLA's defaults for every program (`dev.sh test-wheel`
+# runs the wheel's tests that way).
 XLA_DEFAULTS = {
     "xla_backend_optimization_level": 3,
     "xla_llvm_disable_expensive_passes": False,
@@ -62,9 +66,12 @@ if FAST:
 
         @functools.wraps(_compile)
         def _compile_as_xla_defaults(self, compiler_options=None, **kwargs):
+            if not _compile_as_xla_defaults.active:
+                return _compile(self, compiler_options, **kwargs)
             return _compile(self, {**XLA_DEFAULTS, **(compiler_options or {})}, **kwargs)
 
         _compile_as_xla_defaults.xla_defaults = XLA_DEFAULTS
+        _compile_as_xla_defaults.active = True  # tests/conftest.py: False outside `hlo` tests
         jax.stages.Lowered.compile = _compile_as_xla_defaults
 
 # Hypothesis (the property tests) draws the same examples on every run and machine: the seed

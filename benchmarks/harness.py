@@ -11,7 +11,18 @@ One place answers the questions both ask of a compiled step:
   (`Hlo.ops`), split into what runs on every step (`Hlo.every_step`) and what
   runs only inside a conditional's branches, once per window; `Hlo.runs`: how many ops of a
   kind one call runs, with the loops' trip counts (`Hlo.in_loops`: what runs inside loops);
+  `Hlo.collectives`: each collective with its mesh axes, its place (every step or in a
+  branch, in a loop or not) and whether it runs asynchronously; `Hlo.fusions`: the kernels;
 * `benchmark_parser`: the command line every benchmark takes (`--quick`, `--reps`).
+
+`Hlo` reads the programs of XLA:CPU and of the TPU compiler (a program compiled for a TPU
+topology without a TPU, docs/tpu.md): the TPU's layouts name a memory space
+(`f32[8,128]{1,0:T(8,128)S(1)}`: `S(1)` is the on-chip VMEM), its copies between memory
+spaces are prefetches and evictions, not copies (`Hlo.memory_moves`), its asynchronous ops
+come as `-start`/`-done` pairs (the op's result is its `-done`'s), a collective may run
+inside an `async-start`'s wrapped computation or be split into the steps of one chain
+(`chain_id`, "async collective fusion": one op here), and its loops carry no
+`known_trip_count` (`Hlo.trip_count` reads the counter instead).
 
 Tests import it as `benchmarks.harness` (the repository root is on `sys.path`
 under pytest); the benchmark scripts, run from `benchmarks/`, as `harness`.
@@ -109,7 +120,10 @@ _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
 # `%name = TYPE opcode(`: TYPE may be a tuple with spaces and `/*index=5*/` comments,
 # so it is the shortest text before the first ` opcode(`.
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
-_ARRAY_TYPE = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+# An array type and its layout: `f32[8,128]{1,0:T(8,128)S(1)}` (TPU: tiles, memory space 1).
+_ARRAY_TYPE = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\](?:\{([^}]*)\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+_CHAIN = re.compile(r'\bchain_id="([^"]+)"')
 _CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition)=\{?([^,}\s]+(?:, *%[\w.\-]+)*)\}?")
 _CALLS = re.compile(r"\bcalls=\{?([^,}\s]+(?:, *%[\w.\-]+)*)\}?")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -131,10 +145,21 @@ class Instruction:
     computation: str
     name: str
     opcode: str
-    types: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, dims) of every array in the result
+    # (dtype, dims) of every array in the result; for an asynchronous `-start`, those of its
+    # `-done`: what the op produces (the start's own tuple also holds operands and contexts).
+    types: tuple[tuple[str, tuple[int, ...]], ...]
     operands: tuple[str, ...]
     attributes: str
     line: str
+    # The memory space of each array of `types` (the layout's `S(n)`; 0, the default memory,
+    # where the layout names none: every array on CPU, HBM on TPU).
+    memory_spaces: tuple[int, ...] = ()
+
+    @property
+    def chain(self) -> str | None:
+        """The `chain_id` of a collective split into steps (TPU async collective fusion)."""
+        found = _CHAIN.search(self.attributes)
+        return found.group(1) if found else None
 
     @property
     def elements(self) -> int:
@@ -143,6 +168,42 @@ class Instruction:
     @property
     def nbytes(self) -> int:
         return sum(math.prod(dims) * _itemsize(dtype) for dtype, dims in self.types)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled program (`Hlo.collectives`)."""
+
+    op: str  # one of COLLECTIVES
+    axes: tuple[Hashable, ...]  # the mesh axes its groups span
+    place: str  # "every step" (outside conditional branches) or "once" (inside a branch)
+    in_loop: bool  # inside a `while` loop's body or condition
+    asynchronous: bool  # a `-start`/`-done` pair, a chain's step or an async-wrapped op
+    nbytes: int  # bytes of its result
+    instruction: Instruction
+
+
+def _tuple_index(inst: Instruction | None) -> int | None:
+    """The index of a `get-tuple-element`, or None for any other instruction."""
+    if inst is None or inst.opcode != "get-tuple-element":
+        return None
+    found = re.search(r"\bindex=(\d+)", inst.attributes)
+    return int(found.group(1)) if found else None
+
+
+def _constant(inst: Instruction | None) -> int | None:
+    """The value of an integer scalar `constant` (`s32[] constant(8)`), or None."""
+    if inst is None or inst.opcode != "constant":
+        return None
+    found = re.search(r"constant\((-?\d+)\)", inst.line)
+    return int(found.group(1)) if found else None
+
+
+def _permute_pairs(attributes: str) -> list[tuple[int, ...]]:
+    """The (source, target) pairs of a `collective-permute`."""
+    found = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attributes)
+    pairs = re.findall(r"\{(\d+),(\d+)\}", found.group(1)) if found else []
+    return [(int(a), int(b)) for a, b in pairs] or [()]
 
 
 def _itemsize(hlo_dtype: str) -> int:
@@ -160,6 +221,19 @@ def _split_call(rest: str) -> tuple[str, str]:
         if depth == 0:
             return rest[:i], rest[i + 1 :]
     return rest, ""
+
+
+def _give_starts_their_results(insts: list[Instruction]) -> None:
+    """Gives each asynchronous `-start` of a computation the result of its `-done`."""
+    position = {inst.name: i for i, inst in enumerate(insts)}
+    for done in insts:
+        if not done.opcode.endswith("-done") or not done.operands:
+            continue
+        i = position.get(done.operands[0])
+        if i is not None and insts[i].opcode.endswith("-start"):
+            insts[i] = dataclasses.replace(
+                insts[i], types=done.types, memory_spaces=done.memory_spaces
+            )
 
 
 class Hlo:
@@ -183,6 +257,7 @@ class Hlo:
             match = _INSTRUCTION.match(line) if current is not None else None
             if match:
                 operands, attributes = _split_call(match.group(4))
+                arrays = _ARRAY_TYPE.findall(match.group(2))
                 current.append(
                     Instruction(
                         computation=name,
@@ -190,20 +265,47 @@ class Hlo:
                         opcode=match.group(3),
                         types=tuple(
                             (dtype, tuple(int(d) for d in dims.split(",") if d))
-                            for dtype, dims in _ARRAY_TYPE.findall(match.group(2))
+                            for dtype, dims, _ in arrays
                         ),
                         operands=tuple(re.findall(r"%([\w.\-]+)", operands)),
                         attributes=attributes,
                         line=line.strip(),
+                        memory_spaces=tuple(
+                            int(space.group(1)) if (space := _MEMORY_SPACE.search(layout)) else 0
+                            for _, _, layout in arrays
+                        ),
                     )
                 )
         if not self.entry:
             raise ValueError("no ENTRY computation in the HLO text")
+        for insts in self.computations.values():
+            _give_starts_their_results(insts)
         self._by_name = {
             (inst.computation, inst.name): inst
             for insts in self.computations.values()
             for inst in insts
         }
+        # Who calls each computation (the first caller: XLA gives every fused, wrapped or
+        # branch computation its own copy), and which computations run inside one kernel.
+        self._caller: dict[str, Instruction] = {}
+        for inst in self.instructions():
+            for callee in self._callees(inst) + self.branches(inst):
+                self._caller.setdefault(callee, inst)
+        self._fused = self.reachable(
+            callee
+            for inst in self.instructions()
+            if inst.opcode == "fusion"
+            for callee in self._callees(inst)
+        )
+        # A collective split into the steps of one chain counts once, as its first step.
+        self._steps: set[tuple[str, str]] = set()
+        seen: set[tuple[str, str, str]] = set()
+        for inst in self.instructions():
+            if inst.chain is not None:
+                key = (inst.opcode, inst.chain, self.place(inst))
+                if key in seen:
+                    self._steps.add((inst.computation, inst.name))
+                seen.add(key)
 
     # -- structure --
 
@@ -234,6 +336,34 @@ class Hlo:
                 if into_branches:
                     todo += self.branches(inst)
         return seen
+
+    def place(self, inst: Instruction) -> str:
+        """The computation that runs `inst` as one of its steps: its own, or for an op inside
+        a fusion or an asynchronous wrapper, the computation of the kernel that holds it."""
+        name = inst.computation
+        while name in self._caller and (
+            name in self._fused or self._caller[name].opcode.startswith("async-")
+        ):
+            name = self._caller[name].computation
+        return name
+
+    def is_async(self, inst: Instruction) -> bool:
+        """Whether `inst` runs asynchronously: a `-start` (done later by its `-done`), a step
+        of a chain, or an op inside an `async-start`'s wrapped computation."""
+        if inst.opcode.endswith("-start") or inst.chain is not None:
+            return True
+        caller = self._caller.get(inst.computation)
+        return caller is not None and caller.opcode.startswith("async-")
+
+    def fusions(self, within: Iterable[str] | None = None) -> list[Instruction]:
+        """The kernels (`fusion` instructions) of `within` (default: every computation), not
+        counting the fusions nested inside another fusion's computation."""
+        names = self.computations if within is None else within
+        return [
+            inst
+            for inst in self.instructions([n for n in names if n not in self._fused])
+            if inst.opcode == "fusion"
+        ]
 
     def every_step(self) -> set[str]:
         """Computations that run whenever the program runs: all but conditional branches."""
@@ -273,9 +403,14 @@ class Hlo:
     # -- questions --
 
     def ops(self, opcode: str, within: Iterable[str] | None = None) -> list[Instruction]:
-        """Instructions of `opcode` or its `-start` form in `within` (default: everywhere)."""
+        """Instructions of `opcode` or its `-start` form in `within` (default: everywhere).
+
+        A collective split into the steps of one chain is one op, its first step."""
         return [
-            inst for inst in self.instructions(within) if inst.opcode in (opcode, f"{opcode}-start")
+            inst
+            for inst in self.instructions(within)
+            if inst.opcode in (opcode, f"{opcode}-start")
+            and (inst.computation, inst.name) not in self._steps
         ]
 
     def copies(self, min_elements: int, within: Iterable[str] | None = None) -> list[Instruction]:
@@ -284,11 +419,72 @@ class Hlo:
         Read `source(copy)` to tell a copy of a state buffer from one of fresh
         zeros (`"broadcast"`): XLA merges identical zero broadcasts of
         equal-shaped leaves into one buffer and copies it into each output.
+        A copy into another memory space is not one (`memory_moves`).
         """
-        return [inst for inst in self.ops("copy", within) if inst.elements >= min_elements]
+        return [
+            inst
+            for inst in self.ops("copy", within)
+            if inst.elements >= min_elements and not self._moves(inst)
+        ]
+
+    def memory_moves(
+        self, min_elements: int, within: Iterable[str] | None = None
+    ) -> list[Instruction]:
+        """Copies of at least `min_elements` elements from one memory space into another.
+
+        On TPU the compiler prefetches buffers from HBM into the on-chip VMEM and evicts
+        them back (`copy-start`/`copy-done` whose layouts name different spaces): bytes
+        moved, but no second buffer in HBM. XLA:CPU has one memory space: none.
+        """
+        return [
+            inst
+            for inst in self.ops("copy", within)
+            if inst.elements >= min_elements and self._moves(inst)
+        ]
+
+    def _moves(self, copy: Instruction) -> bool:
+        producer = self._by_name.get((copy.computation, copy.operands[0]))
+        if producer is None or not producer.memory_spaces or not copy.memory_spaces:
+            return False
+        return producer.memory_spaces[0] != copy.memory_spaces[0]
 
     def collective_counts(self, within: Iterable[str] | None = None) -> dict[str, int]:
         return {op: len(self.ops(op, within)) for op in COLLECTIVES}
+
+    def collectives(self, mesh_shape: Mapping[Hashable, int]) -> list[Collective]:
+        """Every collective of the program with its mesh axes, place and mode (`Collective`).
+
+        `axes` are the mesh axes along which the members of a replica group differ, read
+        from `replica_groups` (`replica_groups` lists the spellings), with device ids the
+        positions in the mesh (`mesh_shape`, as `dict(mesh.shape)`, in order); a
+        `collective-permute` has pairs, not groups: the axes its pairs cross.
+        """
+        every, loops = self.every_step(), self.in_loops()
+        names, dims = tuple(mesh_shape), tuple(mesh_shape.values())
+        found = []
+        for op in COLLECTIVES:
+            for inst in self.ops(op):
+                if op == "collective-permute":
+                    groups = _permute_pairs(inst.attributes)
+                else:
+                    groups = replica_groups(inst.attributes, math.prod(dims))
+                axes = tuple(
+                    name
+                    for i, name in enumerate(names)
+                    if any(len({np.unravel_index(d, dims)[i] for d in g}) > 1 for g in groups)
+                )
+                found.append(
+                    Collective(
+                        op=op,
+                        axes=axes,
+                        place="every step" if inst.computation in every else "once",
+                        in_loop=inst.computation in loops,
+                        asynchronous=self.is_async(inst),
+                        nbytes=inst.nbytes,
+                        instruction=inst,
+                    )
+                )
+        return found
 
     def collectives_by_axis(
         self, mesh_shape: Mapping[Hashable, int]
@@ -296,26 +492,14 @@ class Hlo:
         """Collectives per place, opcode and mesh axes: `{(place, op, axes): (count, bytes)}`.
 
         `place` is `"every step"` (outside conditional branches) or `"once"` (inside
-        a branch: once per window in `accumulate`). `axes` are the mesh axes along
-        which the members of a replica group differ, read from `replica_groups`
-        (explicit `{{0,1},{2,3}}` or iota `[G,S]<=[dims]T(perm)`), with device ids
-        the positions in the mesh (`mesh_shape`, as `dict(mesh.shape)`, in order).
+        a branch: once per window in `accumulate`); `axes` as in `collectives`.
         An empty group list means every device: all axes.
         """
-        every = self.every_step()
-        names, dims = tuple(mesh_shape), tuple(mesh_shape.values())
         out: dict[tuple[str, str, tuple[Hashable, ...]], tuple[int, int]] = {}
-        for op in COLLECTIVES:
-            for inst in self.ops(op):
-                groups = replica_groups(inst.attributes, math.prod(dims))
-                axes = tuple(
-                    name
-                    for i, name in enumerate(names)
-                    if len({np.unravel_index(d, dims)[i] for d in groups[0]}) > 1
-                )
-                key = ("every step" if inst.computation in every else "once", op, axes)
-                count, nbytes = out.get(key, (0, 0))
-                out[key] = (count + 1, nbytes + inst.nbytes)
+        for found in self.collectives(mesh_shape):
+            key = (found.place, found.op, found.axes)
+            count, nbytes = out.get(key, (0, 0))
+            out[key] = (count + 1, nbytes + found.nbytes)
         return out
 
     def per_window(self, opcode: str, k: int) -> tuple[int, int]:
@@ -335,13 +519,61 @@ class Hlo:
     def trip_count(self, inst: Instruction) -> int:
         """The `known_trip_count` XLA proved for a `while` instruction.
 
-        Raises `ValueError` when the loop has none (a `while_loop` whose bound
-        is data): a count of what such a loop runs would be a guess.
+        The TPU compiler prints none; there the count is read from the loop itself when it
+        is a counted loop (`counted_trips`: a scan's or a `fori_loop`'s). Raises
+        `ValueError` when the loop is neither (a `while_loop` whose bound is data): a
+        count of what such a loop runs would be a guess.
         """
         found = _TRIP_COUNT.search(inst.attributes)
-        if found is None:
+        if found is not None:
+            return int(found.group(1))
+        counted = self.counted_trips(inst)
+        if counted is None:
             raise ValueError(f"while loop {inst.name!r} has no known_trip_count: {inst.line[:200]}")
-        return int(found.group(1))
+        return counted
+
+    def counted_trips(self, inst: Instruction) -> int | None:
+        """The trips of a counted `while` loop, read from its condition, body and start.
+
+        A counted loop's condition is `i < N` on a counter `i` of the loop's tuple and a
+        constant `N`, its body adds the constant 1 to `i`, and `i` starts from a constant
+        `s`: `N - s` trips. Copies and bitcasts between them (the TPU moves scalars into
+        its scalar memory) are looked through. None for any other loop.
+        """
+        parts = {m.group(1): m.group(2) for m in _LOOP_PART.finditer(inst.attributes)}
+        condition = self.computations.get(parts.get("condition", ""))
+        body = self.computations.get(parts.get("body", ""))
+        start = self._producer(inst, 0)
+        if not condition or not body or start is None or start.opcode != "tuple":
+            return None
+        compare = condition[-1]  # ROOT is printed last
+        if compare.opcode != "compare" or "direction=LT" not in compare.attributes:
+            return None
+        i = _tuple_index(self._producer(compare, 0))
+        bound = _constant(self._producer(compare, 1))
+        if i is None or bound is None or body[-1].opcode != "tuple":
+            return None
+        first = _constant(self._producer(start, i))
+        step = self._producer(body[-1], i)
+        if first is None or step is None or step.opcode != "add":
+            return None
+        # The step adds the constant 1 to the counter, in either order.
+        terms = {
+            (_constant(t), _tuple_index(t))
+            for t in (self._producer(step, 0), self._producer(step, 1))
+        }
+        if terms != {(1, None), (None, i)}:
+            return None
+        return max(0, bound - first)
+
+    def _producer(self, inst: Instruction, operand: int) -> Instruction | None:
+        """What computes an operand of `inst`, looking through copies and bitcasts."""
+        if operand >= len(inst.operands):
+            return None
+        found = self._by_name.get((inst.computation, inst.operands[operand]))
+        while found is not None and found.opcode in ("copy", "bitcast", "copy-done", "copy-start"):
+            found = self._by_name.get((found.computation, found.operands[0]))
+        return found
 
     def runs(self, opcode: str) -> int:
         """Ops of `opcode` (or its `-start` form) run by one call of the program.
@@ -362,6 +594,8 @@ class Hlo:
             memo[name] = 0  # HLO has no recursion; this only guards malformed text
             total = 0
             for inst in self.computations.get(name, []):
+                if (inst.computation, inst.name) in self._steps:
+                    continue
                 if inst.opcode in (opcode, f"{opcode}-start"):
                     total += 1
                 if inst.opcode == "while":
@@ -380,10 +614,13 @@ class Hlo:
     @staticmethod
     def _runs_once(inst: Instruction) -> list[str]:
         """What an instruction runs once per run of its own: a `call`'s callee, a fusion's
-        or an async op's `calls=`; not the `to_apply` of a reduction, sort or scatter,
-        which is applied per element."""
+        or an `async-start`'s `calls=`; not the `to_apply` of a reduction, sort or scatter,
+        which is applied per element, nor the wrapped computation that an `async-done` or
+        `async-update` names again."""
         if inst.opcode == "call":
             return Hlo._callees(inst)
+        if inst.opcode in ("async-done", "async-update"):
+            return []
         found = _CALLS.search(inst.attributes)
         return _names(found.group(1)) if found else []
 
@@ -445,7 +682,8 @@ def replica_groups(attributes: str, devices: int) -> list[tuple[int, ...]]:
 
     `{{0,1},{2,3}}`; iota `[G,S]<=[dims]T(perm)`; or a mesh,
     `mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}` (groups along the named
-    axes). No groups (`{}`) means one group of all `devices`.
+    axes; without `device_ids`, as the TPU compiler prints it, the devices in order).
+    No groups (`{}`) means one group of all `devices`.
     """
     listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attributes)
     if listed:
@@ -463,15 +701,18 @@ def replica_groups(attributes: str, devices: int) -> list[tuple[int, ...]]:
         ids = iota([int(d) for d in found.group(3).split(",")], found.group(4))
         return sorted(tuple(int(d) for d in row) for row in ids.reshape(shape))
     found = re.search(
-        r"replica_groups=mesh\[([^\]]*)\], "
-        r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\) \{([^}]*)\}",
+        r"replica_groups=mesh\[([^\]]*)\]"
+        r"(?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}",
         attributes,
     )
     if not found:
         return [tuple(range(devices))]
     axes = re.findall(r"'([^']+)'=(\d+)", found.group(1))
     names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-    ids = iota([int(d) for d in found.group(2).split(",")], found.group(3)).reshape(sizes)
+    if found.group(2):
+        ids = iota([int(d) for d in found.group(2).split(",")], found.group(3)).reshape(sizes)
+    else:  # no device ids: the mesh's devices in order
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
     along = [names.index(a) for a in re.findall(r"'([^']+)'", found.group(4))]
     ids = np.moveaxis(ids, along, list(range(len(sizes) - len(along), len(sizes))))
     size = math.prod(sizes[i] for i in along)

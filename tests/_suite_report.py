@@ -117,7 +117,7 @@ class _Collector:
         unmarked = [n for n in readers if not self.tests[n]["marked_hlo"]]
         write(
             f"tests that read a compiled program: {len(readers)}, {len(unmarked)} of them "
-            "without the `hlo` marker (tests/conftest.py; mark these):"
+            "without the `hlo` or `plans` marker (tests/conftest.py; mark these):"
         )
         for nodeid in sorted(unmarked):
             write(f"  {nodeid}")

@@ -2,11 +2,13 @@
 
 The `hlo` marker names the tests that read a compiled program (its optimised HLO,
 `memory_analysis()` or `cost_analysis()`, directly or through the library's planners).
-Every such program is compiled ahead of time, and conftest.py at the repository root
-compiles those with XLA's default settings in every run, so each check reads the
-program a user gets. Each run notes the tests that read one (`reads_compiled` in the
-test's report); the end-of-run report lists those that lack the marker, to be marked
-(the marker takes slow ones into `dev.sh test-oldest`).
+Every such program is compiled ahead of time, and during the tests with this marker
+conftest.py at the repository root compiles those with XLA's default settings, in every
+run, so each check reads the program a user gets. The `plans` marker names the tests that
+read one only through a library planner's choice, checked for its own consistency (an
+example that plans its chunks): their programs get the fast settings. Each run notes the
+tests that read one (`reads_compiled` in the test's report); the end-of-run report lists
+those with neither marker, to be marked.
 """
 
 from __future__ import annotations
@@ -57,6 +59,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """XLA's defaults for what a test marked `hlo` compiles ahead of time, from its setup to
+    its teardown; the fast settings for the others' (conftest.py at the root)."""
+    compile_ = jax.stages.Lowered.compile
+    if not hasattr(compile_, "active"):  # GRADACCUM_XLA_DEFAULTS=1: defaults everywhere
+        return (yield)
+    compile_.active = item.get_closest_marker("hlo") is not None
+    try:
+        return (yield)
+    finally:
+        compile_.active = True
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     _reads.clear()
     try:
@@ -65,7 +81,8 @@ def pytest_runtest_call(item: pytest.Item):
         read = sorted(set(_reads))
         if read:
             item.user_properties.append(("reads_compiled", ",".join(read)))
-            item.user_properties.append(("marked_hlo", item.get_closest_marker("hlo") is not None))
+            marked = any(item.get_closest_marker(name) for name in ("hlo", "plans"))
+            item.user_properties.append(("marked_hlo", marked))
 
 
 # ---------------------------------------------------------------------------

@@ -358,6 +358,7 @@ def _mlp_loss(params, x, y):
     return jnp.mean((x @ params[-1]["w"] + params[-1]["b"] - y) ** 2)
 
 
+@pytest.mark.hlo
 @pytest.mark.parametrize("row", ACCUMULATING, ids=lambda r: r.name)
 def test_donated_train_step_copies_no_parameter(row):
     tx = row.make()

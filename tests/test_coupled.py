@@ -765,6 +765,7 @@ def test_auto_plans_inside_shard_map_and_shows_its_k():
 
 @pytest.mark.requires("jax.reshard, new in JAX 0.9", jax="0.9.0")
 @pytest.mark.slow
+@pytest.mark.plans
 def test_global_view_route_folds_keys_and_plans_its_program():
     # Global-view jit with the batch split over the mesh runs both passes per device:
     # the same per-device masks as the axis_name route, and "auto" plans that program.

@@ -6,7 +6,8 @@ from _examples import load_example
 
 from gradaccum_jax import privacy
 
-pytestmark = pytest.mark.slow  # runs an example end to end
+# Runs an example end to end, and checks facts of the programs it compiles.
+pytestmark = [pytest.mark.slow, pytest.mark.hlo]
 
 
 def test_quick_run(capsys):

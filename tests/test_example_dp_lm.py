@@ -5,7 +5,8 @@ from _examples import load_example
 
 from gradaccum_jax import privacy
 
-pytestmark = pytest.mark.slow  # runs an example end to end
+# Runs an example end to end; reads compiled programs only through its chunk planner.
+pytestmark = [pytest.mark.slow, pytest.mark.plans]
 
 
 def test_dp_lm_quick_plans_its_chunks_and_reports_epsilon(capsys):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from _examples import load_example
 
-pytestmark = pytest.mark.slow  # runs an example end to end
+# Runs an example end to end, and checks facts of the programs it compiles.
+pytestmark = [pytest.mark.slow, pytest.mark.hlo]
 
 
 def test_pipeline_lm_quick_equals_the_large_batch(capsys):

@@ -3,7 +3,8 @@
 import pytest
 from _examples import load_example
 
-pytestmark = pytest.mark.slow  # runs an example end to end
+# Runs an example end to end, and checks facts of the programs it compiles.
+pytestmark = [pytest.mark.slow, pytest.mark.hlo]
 
 
 def test_pmap_pod_matches_large_batch_and_reduces_at_window_ends(capsys):

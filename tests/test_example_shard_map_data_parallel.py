@@ -3,7 +3,8 @@
 import pytest
 from _examples import load_example
 
-pytestmark = pytest.mark.slow  # runs an example end to end
+# Runs an example end to end, and checks facts of the programs it compiles.
+pytestmark = [pytest.mark.slow, pytest.mark.hlo]
 
 
 @pytest.mark.requires("the example uses jax.lax.pcast, new in JAX 0.8.2", jax="0.8.2")

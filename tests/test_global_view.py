@@ -1270,6 +1270,7 @@ def _typed_mesh_doors():
     }
 
 
+@pytest.mark.hlo  # the coupled door's loops read from its program; microbatch_auto plans
 @pytest.mark.parametrize("door", list(_typed_mesh_doors()))
 @pytest.mark.parametrize("context", ["set_mesh", "types only", "types only, not jitted"])
 def test_a_batch_on_an_explicit_mesh_needs_no_context_mesh(door, context, x64):

@@ -11,8 +11,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
+import gradaccum_jax as ga
 from benchmarks import harness
 from gradaccum_jax._base import compat
 
@@ -104,6 +106,147 @@ def test_compiled_program_and_memory():
     assert memory.alias_bytes == 2 * 8 * 8 * 4 <= memory.output_bytes
     assert memory.peak_bytes < memory.argument_bytes + memory.output_bytes
     assert harness.Hlo(compiled).copies(1) == []
+
+
+# A hand-written module in the printed form of the TPU compiler (libtpu 0.0.42.1, compiled
+# for a topology without a TPU): tiled layouts with memory spaces, a prefetch into VMEM
+# (`S(1)`), an all-gather split into the steps of one chain (async collective fusion), a
+# reduce-scatter wrapped by async-start/async-done, an asynchronous collective-permute, a
+# counted loop without `known_trip_count` whose counter lives in scalar memory (`S(6)`),
+# and a mesh's replica groups without device ids.
+TPU_HLO = """\
+HloModule jit_step, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[]{:T(128)} parameter(0)
+  %y = f32[]{:T(128)} parameter(1)
+  ROOT %sum = f32[]{:T(128)} add(%x, %y)
+}
+
+%bitcast_fusion (b: f32[256,128]) -> f32[256,128] {
+  %b = f32[256,128]{1,0:T(8,128)} parameter(0)
+  ROOT %c = f32[256,128]{1,0:T(8,128)} bitcast(%b)
+}
+
+%gather_first (p: f32[256,128]) -> (f32[256,128], f32[1024,128], u32[]) {
+  %p = f32[256,128]{1,0:T(8,128)} parameter(0)
+  %all-gather.1 = f32[1024,128]{1,0:T(8,128)} all-gather(%p), channel_id=1, \
+replica_groups={{0,1,2,3}}, dimensions={0}, frontend_attributes={chain_id="0"}
+  %ctx = u32[]{:S(2)} constant(0)
+  ROOT %t = (f32[256,128]{1,0:T(8,128)}, f32[1024,128]{1,0:T(8,128)S(1)}, u32[]{:S(2)}) \
+tuple(%p, %all-gather.1, %ctx)
+}
+
+%gather_last (p: f32[256,128], g: f32[1024,128]) -> f32[1024,128] {
+  %p = f32[256,128]{1,0:T(8,128)} parameter(0)
+  %inner = f32[256,128]{1,0:T(8,128)} fusion(%p), kind=kLoop, calls=%bitcast_fusion
+  ROOT %all-gather.2 = f32[1024,128]{1,0:T(8,128)} all-gather(%inner), channel_id=1, \
+replica_groups={{0,1,2,3}}, dimensions={0}, frontend_attributes={chain_id="0"}
+}
+
+%wrapped_reduce_scatter (w: f32[1024,128]) -> f32[256,128] {
+  %w = f32[1024,128]{1,0:T(8,128)} parameter(0)
+  ROOT %rs = f32[256,128]{1,0:T(8,128)} reduce-scatter(%w), replica_groups={{0,1,2,3}}, \
+dimensions={0}, to_apply=%add
+}
+
+%body (arg: (s32[], f32[256,128])) -> (s32[], f32[256,128]) {
+  %arg = (s32[]{:T(128)}, f32[256,128]{1,0:T(8,128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%arg), index=0
+  %i.1 = s32[]{:T(128)S(6)} copy(%i)
+  %one = s32[]{:T(128)} constant(1)
+  %next = s32[]{:T(128)} add(%i.1, %one)
+  %v = f32[256,128]{1,0:T(8,128)} get-tuple-element(%arg), index=1
+  %ar = f32[256,128]{1,0:T(8,128)} all-reduce(%v), channel_id=2, \
+replica_groups=mesh['data'=2,'model'=2] {'data'}, use_global_device_ids=true, to_apply=%add
+  ROOT %out = (s32[]{:T(128)}, f32[256,128]{1,0:T(8,128)}) tuple(%next, %ar)
+}
+
+%cond (arg: (s32[], f32[256,128])) -> pred[] {
+  %arg = (s32[]{:T(128)}, f32[256,128]{1,0:T(8,128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%arg), index=0
+  %n = s32[]{:T(128)} constant(5)
+  ROOT %lt = pred[]{:T(512)} compare(%i, %n), direction=LT
+}
+
+ENTRY %main (p0: f32[256,128], big: f32[1024,128]) -> (f32[256,128], f32[1024,128]) {
+  %p0 = f32[256,128]{1,0:T(8,128)} parameter(0)
+  %big = f32[1024,128]{1,0:T(8,128)} parameter(1)
+  %copy-start = (f32[256,128]{1,0:T(8,128)S(1)}, f32[256,128]{1,0:T(8,128)}, u32[]{:S(2)}) \
+copy-start(%p0)
+  %in_vmem = f32[256,128]{1,0:T(8,128)S(1)} copy-done(%copy-start)
+  %transposed = f32[256,128]{0,1:T(8,128)} copy(%p0)
+  %gather-start = (f32[256,128]{1,0:T(8,128)}, f32[1024,128]{1,0:T(8,128)S(1)}, \
+u32[]{:S(2)}) fusion(%p0), kind=kCustom, calls=%gather_first
+  %part = f32[1024,128]{1,0:T(8,128)S(1)} get-tuple-element(%gather-start), index=1
+  %gathered = f32[1024,128]{1,0:T(8,128)} fusion(%p0, %part), kind=kCustom, calls=%gather_last
+  %rs-start = ((f32[1024,128]{1,0:T(8,128)}), f32[256,128]{1,0:T(8,128)}, s32[]{:S(2)}) \
+async-start(%big), calls=%wrapped_reduce_scatter
+  %rs-done = f32[256,128]{1,0:T(8,128)} async-done(%rs-start), calls=%wrapped_reduce_scatter
+  %cp-start = (f32[256,128]{1,0:T(8,128)S(1)}, f32[256,128]{1,0:T(8,128)}, u32[]{:S(2)}, \
+u32[]{:S(2)}) collective-permute-start(%in_vmem), channel_id=3, \
+source_target_pairs={{0,2},{2,0},{1,3},{3,1}}
+  %cp-done = f32[256,128]{1,0:T(8,128)} collective-permute-done(%cp-start)
+  %zero = s32[]{:T(128)} constant(0)
+  %zero.1 = s32[]{:T(128)S(6)} copy(%zero)
+  %init = (s32[]{:T(128)}, f32[256,128]{1,0:T(8,128)}) tuple(%zero.1, %cp-done)
+  %loop = (s32[]{:T(128)}, f32[256,128]{1,0:T(8,128)}) while(%init), condition=%cond, \
+body=%body
+  %result = f32[256,128]{1,0:T(8,128)} get-tuple-element(%loop), index=1
+  ROOT %t = (f32[256,128]{1,0:T(8,128)}, f32[1024,128]{1,0:T(8,128)}) tuple(%result, %gathered)
+}
+"""
+TILE = 256 * 128
+
+
+def test_tpu_programs_layouts_prefetches_and_asynchronous_ops():
+    hlo = harness.Hlo(TPU_HLO)
+    assert hlo.entry == "main"
+    (prefetch,) = hlo.memory_moves(TILE)
+    assert prefetch.name == "copy-start" and prefetch.memory_spaces == (1,)
+    # The start's result is its done's: one tile, not the pair of buffers and a context.
+    assert prefetch.types == (("f32", (256, 128)),) and prefetch.nbytes == 4 * TILE
+    assert [c.name for c in hlo.copies(TILE)] == ["transposed"]  # a relayout in HBM
+    # The chain's two all-gathers are one op, its first step; the async-done that names
+    # the wrapped reduce-scatter again does not run it twice.
+    (gather,) = hlo.ops("all-gather")
+    assert gather.name == "all-gather.1" and hlo.place(gather) == "main"
+    assert hlo.runs("all-gather") == hlo.runs("reduce-scatter") == 1
+    permute = hlo.ops("collective-permute")[0]
+    assert permute.nbytes == 4 * TILE
+    # Kernels: the entry's two fusions, not the one nested in a fusion's computation.
+    assert [f.name for f in hlo.fusions()] == ["gather-start", "gathered"]
+
+
+def test_tpu_loops_are_counted_from_their_counter():
+    hlo = harness.Hlo(TPU_HLO)
+    (loop,) = hlo.ops("while")
+    assert "known_trip_count" not in loop.attributes
+    assert hlo.trip_count(loop) == 5 and hlo.runs("all-reduce") == 5
+    # A loop whose bound is not a constant is not counted: no guess.
+    unbounded = TPU_HLO.replace(
+        "%n = s32[]{:T(128)} constant(5)", "%n = s32[]{:T(128)} add(%i, %i)"
+    )
+    hlo = harness.Hlo(unbounded)
+    with pytest.raises(ValueError, match="no known_trip_count"):
+        hlo.trip_count(hlo.ops("while")[0])
+
+
+def test_tpu_collectives_by_axes_place_and_mode():
+    hlo = harness.Hlo(TPU_HLO)
+    found = {
+        c.op: (c.axes, c.place, c.in_loop, c.asynchronous, c.nbytes)
+        for c in hlo.collectives({"data": 2, "model": 2})
+    }
+    assert found == {
+        # mesh['data'=2,'model'=2] {'data'}: devices {0,2} and {1,3}.
+        "all-reduce": (("data",), "every step", True, False, 4 * TILE),
+        "all-gather": (("data", "model"), "every step", False, True, 4 * 4 * TILE),
+        "reduce-scatter": (("data", "model"), "every step", False, True, 4 * TILE),
+        # The pairs {0,2}, {1,3} cross "data" only.
+        "collective-permute": (("data",), "every step", False, True, 4 * TILE),
+    }
+    assert harness.replica_groups("replica_groups=mesh['a'=2,'b'=2] {'b'}", 4) == [(0, 1), (2, 3)]
 
 
 def test_interleaved_medians_alternate_the_order():
@@ -317,3 +460,40 @@ def test_programs_compiled_ahead_of_time_are_those_of_xla_defaults():
     assert here == defaults
     # The comparison can tell: the faster settings give other programs.
     assert all(f["hlo"] != d["hlo"] for f, d in zip(ran_fast, defaults, strict=True))
+
+
+def _compiles_with_xla_defaults() -> bool:
+    """Whether a program compiled ahead of time now gets XLA's defaults (conftest.py)."""
+    compile_ = jax.stages.Lowered.compile
+    return not hasattr(compile_, "xla_defaults") or compile_.active
+
+
+def _fast_settings() -> bool:
+    return os.environ.get("GRADACCUM_XLA_DEFAULTS", "") in ("", "0")
+
+
+@pytest.mark.hlo
+def test_a_check_of_a_compiled_program_compiles_it_with_xla_defaults():
+    assert _compiles_with_xla_defaults()
+
+
+def test_other_tests_compile_ahead_of_time_with_the_fast_settings():
+    # A planner's candidates inside a behavioural test or an example: the fast settings, as
+    # for the programs the test runs (tests/conftest.py switches per test).
+    assert _compiles_with_xla_defaults() is not _fast_settings()
+    if _fast_settings():
+        # A micro-step of accumulate: its optimised HLO differs between the two settings.
+        params = {"w": jnp.ones((64, 128))}
+        tx = ga.accumulate(optax.sgd(0.1), 4)
+        step = jax.jit(lambda state, g: tx.update(g, state, params))
+        lowered = step.lower(tx.init(params), params)
+        # Read past the suite's record of readers (tests/conftest.py): this test reads a
+        # program of the fast settings on purpose.
+        text = getattr(jax.stages.Compiled.as_text, "__wrapped__", jax.stages.Compiled.as_text)
+        compile_ = jax.stages.Lowered.compile
+        compile_.active = True  # what the wrapper adds, and only then
+        try:
+            with_defaults = text(lowered.compile())
+        finally:
+            compile_.active = False
+        assert text(lowered.compile()) != with_defaults

@@ -101,6 +101,7 @@ def test_batch_of_1024_takes_at_most_four_compilations_and_a_second_plan_none(mo
     assert not compiled
 
 
+@pytest.mark.plans
 def test_auto_equals_full_batch_and_the_planned_k():
     budget = _full_peak() // 3
     plan = ga.plan_microbatches(loss_fn, PARAMS, BATCH, memory_budget=budget)
@@ -159,6 +160,7 @@ def test_errors():
 
 
 @pytest.mark.slow
+@pytest.mark.plans
 def test_docs_page_code_runs():
     # Every Python block of docs/choosing_k.md, in order, in one namespace.
     page = pathlib.Path(__file__).parents[1] / "docs" / "choosing_k.md"
@@ -171,6 +173,7 @@ def test_docs_page_code_runs():
 
 
 @pytest.mark.slow
+@pytest.mark.plans
 def test_example_plan_microbatches(capsys):
     result = load_example("plan_microbatches").main([])
     printed = capsys.readouterr().out

@@ -196,6 +196,7 @@ def test_under_global_view_the_sizes_divide_each_devices_shard(explicit_mesh):
 
 
 @pytest.mark.slow
+@pytest.mark.plans
 def test_an_nnx_module_is_planned_on_its_split_state():
     nnx = pytest.importorskip("flax.nnx")
 
