@@ -274,7 +274,9 @@ def test_keys_draw_the_masks_of_the_microbatched_unstaged_model(schedule, v):
     put = {k: jax.device_put(x, jax.NamedSharding(m, specs[k])) for k, x in params.items()}
     got = jax.jit(mapped)(put, jax.device_put(batch, jax.NamedSharding(m, P("data"))), key)
     # Data shard r is micro-batched with the key folded with r, as the docs say.
-    reference = ga.microbatch_value_and_grad(grad_fn.sequential, n)
+    # One compiled program for the 2 x D reference calls below (eagerly, each call compiled
+    # its scan again).
+    reference = jax.jit(ga.microbatch_value_and_grad(grad_fn.sequential, n))
     rows = 2 * n
 
     def shard(r):
