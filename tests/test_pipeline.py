@@ -532,9 +532,21 @@ def test_1f1b_temp_is_flat_in_n_and_below_gpipe_at_large_n():
     assert temp("1f1b", 8 * S) < temp("gpipe", 8 * S)
 
 
+def _window_specs(tx, params):
+    """accumulate's state specs: per-replica fields on a "data" axis, stage sums split too."""
+    shapes = jax.eval_shape(tx.init, params)
+    stage_shapes = {x.shape for x in jax.tree.leaves(params["stages"])}
+    return jax.tree.map(
+        lambda spec, x: P(*spec, "stage") if x.shape in stage_shapes else spec,
+        ga.replica_state_specs(shapes, "data"),
+        shapes,
+    )
+
+
 @pytest.mark.hlo
 @pytest.mark.slow
-def test_with_accumulate_across_calls_the_data_reduction_runs_once_per_window():
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_with_accumulate_across_calls_the_data_reduction_runs_once_per_window(check_vma):
     # axis_name=None: each data shard's own gradient; accumulate reduces once per window.
     n, k = S, 2
     params = make_params()
@@ -543,46 +555,83 @@ def test_with_accumulate_across_calls_the_data_reduction_runs_once_per_window():
     tx = ga.accumulate(optax.sgd(0.1), k, axis_name="data")
     specs = {"stages": P("stage"), "emb": P()}
     m = mesh(AUTO)
-    # The window's param-shaped leaves (the gradient sums) are split like the params.
-    stage_shapes = {x.shape for x in jax.tree.leaves(params["stages"])}
-    state_specs = jax.tree.map(
-        lambda x: P("stage") if x.shape in stage_shapes else P(), jax.eval_shape(tx.init, params)
-    )
+    # The window's sums are each data shard's own, and the stage sums split like the params.
+    state_specs = _window_specs(tx, params)
 
     def step(params, state, batch):
         _, grads = grad_fn(params, batch)
-        return ga.apply_gradients(tx, grads, state, params)
+        params, state = ga.apply_gradients(tx, grads, ga.remove_replica_axis(state), params)
+        return params, ga.add_replica_axis(state)
 
-    mapped = jax.jit(
-        jax.shard_map(
-            step,
-            mesh=m,
-            in_specs=(specs, state_specs, P("data")),
-            out_specs=(specs, state_specs),
-            # With types checked, accumulate's gate (the window's finite check) reads the
-            # stage-varying gradients and its state would vary over "stage"; accumulate
-            # knows only its own axis_name (docs/pipeline.md says so).
-            check_vma=False,
+    # With types checked (the default) the gradients vary over "stage" as well: the
+    # window's finite check agrees over it, so the counters and the tied embedding
+    # stay invariant; without, each stage decides alone (the same on finite values).
+    def shard_map(fn, in_specs, out_specs):
+        return jax.jit(
+            jax.shard_map(fn, mesh=m, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
         )
-    )
-    state = tx.init(params)
+
+    mapped = shard_map(step, (specs, state_specs, P("data")), (specs, state_specs))
+    state = shard_map(lambda p: ga.add_replica_axis(tx.init(p)), (specs,), state_specs)(params)
+    compiled = mapped.lower(params, state, batches[0]).compile()  # run, and read, once
     p = params
-    hlo = None
     for batch in batches:
-        if hlo is None:
-            hlo = harness.Hlo(mapped.lower(p, state, batch).compile())
-        p, state = mapped(p, state, batch)
+        p, state = compiled(p, state, batch)
     whole = jax.tree.map(lambda *xs: jnp.concatenate(xs), *batches)
     want = jax.tree.map(
         lambda a, g: a - 0.1 * g, params, jax.grad(grad_fn.sequential)(params, whole)
     )
     assert rel_error(p, want) < 1e-5
     # The all-reduce over data sits in the window's closing branch only (every call sums
-    # the embedding's two uses over "stage", the first and last stages, and nothing more).
-    places = hlo.collectives_by_axis(dict(m.shape))
+    # the embedding's two uses over "stage", the first and last stages, and with types
+    # checked the stages' finite checks over "stage": nothing over "data").
+    places = harness.Hlo(compiled).collectives_by_axis(dict(m.shape))
     every_step = [key for key in places if key[0] == "every step" and key[1] == "all-reduce"]
     assert every_step and all("data" not in axes for _, _, axes in every_step)
     assert any(key[0] == "once" and "data" in key[2] for key in places)
+
+
+def test_with_accumulate_one_stages_non_finite_gradient_drops_the_micro_batch_on_all():
+    # Each data shard's gradient lies in parts on the stages; a NaN in one stage's part
+    # (data shard 0, stage 1, first micro-step) drops that micro-batch on every stage,
+    # the tied embedding's part included, and every stage divides by the same weight.
+    k = 2
+    rng = np.random.default_rng(3)
+    params = {"stages": jnp.zeros((S, H)), "emb": jnp.zeros(H)}
+    g_stages = rng.normal(size=(k, D, S, H)).astype(np.float32)
+    g_emb = rng.normal(size=(k, D, H)).astype(np.float32)
+    g_stages[0, 0, 1, 3] = np.nan
+    tx = ga.accumulate(optax.sgd(1.0), k, axis_name="data")
+    specs = {"stages": P("stage"), "emb": P()}
+    state_specs = _window_specs(tx, params)
+
+    def step(params, state, g_stages, g_emb):
+        grads = {"stages": g_stages[0], "emb": g_emb[0]}  # this data shard's own
+        updates, state = tx.update(grads, ga.remove_replica_axis(state), params)
+        return optax.apply_updates(params, updates), ga.add_replica_axis(state)
+
+    m = mesh(AUTO)
+    mapped = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=m,
+            in_specs=(specs, state_specs, P("data", "stage"), P("data")),
+            out_specs=(specs, state_specs),
+        )
+    )
+    init = jax.shard_map(
+        lambda p: ga.add_replica_axis(tx.init(p)), mesh=m, in_specs=(specs,), out_specs=state_specs
+    )
+    p, state = params, jax.jit(init)(params)
+    for t in range(k):
+        p, state = mapped(p, state, g_stages[t], g_emb[t])
+    kept = [(0, 1), (1, 0), (1, 1)]  # (micro-step, data shard)
+    want = {
+        "stages": -np.mean([g_stages[i] for i in kept], 0),
+        "emb": -np.mean([g_emb[i] for i in kept], 0),
+    }
+    assert rel_error(p, want) < 1e-6
+    assert state.num_skipped.tolist() == [1, 0]
 
 
 # ----------------------------------------------------------------------------- FSDP

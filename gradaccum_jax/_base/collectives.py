@@ -79,6 +79,26 @@ def pmax(tree: Any, axis_names: tuple[Any, ...], typed: bool) -> Any:
     return jax.lax.pmax(tree, axis_names)
 
 
+def agree(flag: jax.Array, axis_names: tuple[Any, ...], typed: bool) -> jax.Array:
+    """`flag` and-ed across the mesh axes it varies along other than `axis_names`.
+
+    A model split over other mesh axes as well (pipeline stages, tensor shards)
+    holds each replica's micro-gradient in parts; a finite check of one part
+    would let the devices holding the others disagree. One scalar all-reduce
+    over those axes (none when the flag varies along no other axis) makes the
+    flag the same on all of them. Without types (`jax.pmap`,
+    `check_vma=False`) the other axes are unknown and `flag` is returned as is.
+    """
+    if not typed:
+        return flag
+    # Sorted, so that the traced program does not depend on a set's order.
+    others = tuple(sorted(varying_axes(flag) - set(axis_names), key=str))
+    if not others:
+        return flag
+    # A min of 0s and 1s is their and (int32, as the unreduced route's agreement).
+    return jax.lax.pmin(flag.astype(jnp.int32), others).astype(jnp.bool_)
+
+
 def zeros_without_axes(leaf: jax.Array, dtype: Any = None, zero: Any = None) -> jax.Array:
     """Zeros shaped like `leaf` that vary along no axis (`zeros_like` would keep them).
 

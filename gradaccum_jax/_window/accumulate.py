@@ -247,12 +247,17 @@ def accumulate(
         micro-gradients, and the sums and weights are summed across replicas
         once per window, inside the conditional, so the mean is over every
         replica's accepted micro-gradients (weighted by the global weight) and
-        micro-steps run no collective. Under `shard_map` the gradients must
-        vary between replicas: take them with respect to
+        micro-steps run no collective over `axis_name`. Under `shard_map` the
+        gradients must vary between replicas: take them with respect to
         `jax.lax.pcast(params, axis_name, to='varying')`, not the replicated
         params, whose gradient is already summed; the returned updates are
-        replica-invariant. Hold the state across calls with
-        `replica_state_specs`. See the distributed-training guide.
+        replica-invariant. Gradients typed varying along other mesh axes as
+        well (pipeline stages, tensor shards) hold one replica's
+        micro-gradient in parts: their devices agree on dropping it, with one
+        scalar all-reduce over those axes per micro-step (under `jax.pmap`
+        or `check_vma=False` there are no types, and each device decides
+        alone). Hold the state across calls with `replica_state_specs`. See
+        the distributed-training guide.
       should_skip_update_fn: `None`, or optax's
         `should_skip_update_fn(updates, gradient_step, params) ->
         (should_skip, metrics)` (`optax.skip_not_finite`,

@@ -54,6 +54,11 @@ class LocalRoute:
     def accept(self, grads: Any, valid: jax.Array, check: bool) -> jax.Array:
         return valid & trees.all_finite_by_squares(grads) if check else valid
 
+    def agree(self, accepted: jax.Array) -> jax.Array:
+        """The acceptance flag as it is: on one device, or over global arrays, where XLA
+        reduces the finite check across the devices that hold parts of the gradient."""
+        return accepted
+
     def starts_unit(self, accepted: jax.Array, valid: jax.Array, state: Any) -> jax.Array:
         """Whether this micro-step's weight becomes the window's unit: the first accepted one."""
         del valid
@@ -125,6 +130,17 @@ class ReplicaRoute(LocalRoute):
     def gate(self) -> engine.Gate:
         return engine.replica_gate(self.axes, self.typed)
 
+    def agree(self, accepted: jax.Array) -> jax.Array:
+        """The flag and-ed over the mesh axes other than `axes` that it varies along.
+
+        Each replica decides alone; the devices holding parts of its gradient (pipeline
+        stages, tensor shards, other axes of the mesh) agree with one scalar all-reduce,
+        so that the gate, the counters and the updates of replicated params stay invariant
+        along them and a micro-gradient is dropped whole. Untyped (`pmap`, `check_vma=False`)
+        each device decides alone.
+        """
+        return collectives.agree(accepted, self.axes, self.typed)
+
 
 class UnreducedRoute:
     """A window of per-device partial sums in global-view `jit` (unreduced over `axes`).
@@ -150,6 +166,10 @@ class UnreducedRoute:
 
     def accept(self, grads: Any, valid: jax.Array, check: bool) -> jax.Array:
         return partials.local_accept(grads, valid, self.axes, check=check)
+
+    def agree(self, accepted: jax.Array) -> jax.Array:
+        """The per-device flags, agreed already by `accept` where shards share a partial sum."""
+        return accepted
 
     def starts_unit(self, accepted: jax.Array, valid: jax.Array, state: Any) -> jax.Array:
         """The unit must be the same on every device: the first micro-step's usable weight."""

@@ -272,7 +272,8 @@ def accept(plan: Plan, micro: Micro, state: AccumulateState, weight: Any) -> Acc
 
     Per device on the unreduced route. The finite check is the probe's squared
     norm when the noise scale is measured, the flag a global clip vouched for
-    when there is one, and the route's own pass otherwise.
+    when there is one, and the route's own pass otherwise; the route then makes
+    the devices that hold parts of one gradient agree (`agree`).
     """
     w = None if weight is None else check_weight(weight).astype(state.acc_weight.dtype)
     valid = jnp.array(True)
@@ -299,7 +300,7 @@ def accept(plan: Plan, micro: Micro, state: AccumulateState, weight: Any) -> Acc
         )
         skip_state = engine.keep_state_types(skip_state, state.skip_state, "skip")
         accepted = accepted & ~should_skip
-    return Accepted(accepted, valid, w, skip_state)
+    return Accepted(micro.route.agree(accepted), valid, w, skip_state)
 
 
 def weigh(plan: Plan, micro: Micro, state: AccumulateState, acc: Accepted) -> Weighed:
