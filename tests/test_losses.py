@@ -96,6 +96,15 @@ LOSSES = {
 ARGNUMS = (0, 1, 2, 3)
 
 
+@functools.cache
+def dense_value_and_grad(dense):
+    """The dense reference's value and gradients, compiled once per loss (run eagerly, each
+    of its operations was a program of its own: about 40 per call)."""
+    return jax.jit(jax.value_and_grad(dense, ARGNUMS))
+
+
+# One compiled program per shape (run eagerly, each of its operations was one).
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 5))
 def _embeddings(n, d, m=None, dtype=jnp.float32, seed=0, aligned=True):
     kx, ky = jax.random.split(jax.random.key(seed))
     x = jax.random.normal(kx, (n, d))
@@ -126,7 +135,7 @@ def test_value_and_grads_equal_the_dense_loss(name, n, block, scale):
     x, y = _embeddings(n, 24, m)
     fn = jax.jit(jax.value_and_grad(functools.partial(tiled, block_size=block), ARGNUMS))
     got = fn(x, y, jnp.float32(scale), jnp.float32(-3.0))
-    want = jax.value_and_grad(dense, ARGNUMS)(x, y, jnp.float32(scale), jnp.float32(-3.0))
+    want = dense_value_and_grad(dense)(x, y, jnp.float32(scale), jnp.float32(-3.0))
     _assert_close(got[0], want[0])
     # Where the softmax saturates (scale 100) a gradient is p - 1 with p within float32's
     # epsilon of 1: its rounding, times scale and the unit-norm rows, is an absolute floor.
@@ -162,7 +171,7 @@ def test_16_bit_inputs_use_float32_statistics(name, dtype):
     fn = jax.jit(jax.value_and_grad(functools.partial(tiled, block_size=64), ARGNUMS))
     value, grads = fn(x, y, jnp.float32(30.0), jnp.float32(-5.0))
     x32, y32 = x.astype(jnp.float32), y.astype(jnp.float32)
-    want_value, want_grads = jax.value_and_grad(dense, ARGNUMS)(x32, y32, 30.0, -5.0)
+    want_value, want_grads = dense_value_and_grad(dense)(x32, y32, 30.0, -5.0)
     assert value.dtype == jnp.float32
     _assert_close(value, want_value)
     assert grads[0].dtype == grads[1].dtype == dtype
@@ -182,7 +191,7 @@ def test_float64_inputs_keep_float64(name):
         s, c = jnp.float64(7.0), jnp.float64(-3.0)
         fn = jax.jit(jax.value_and_grad(functools.partial(tiled, block_size=16), ARGNUMS))
         got = fn(x, y, s, c)
-        want = jax.value_and_grad(dense, ARGNUMS)(x, y, s, c)
+        want = dense_value_and_grad(dense)(x, y, s, c)
         assert got[0].dtype == got[1][0].dtype == jnp.float64
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             scale = max(float(np.abs(np.asarray(w)).max()), 1e-30)
@@ -215,7 +224,7 @@ def test_masked_rows_are_as_if_absent(name):
     py = jnp.concatenate([junk.at[where].set(y[:n]), y[n:]])
     fn = jax.jit(jax.value_and_grad(functools.partial(tiled, block_size=16), ARGNUMS))
     value, grads = fn(px, py, 5.0, -2.0, mask=mask)
-    want_value, want_grads = jax.value_and_grad(dense, ARGNUMS)(x, y, 5.0, -2.0)
+    want_value, want_grads = dense_value_and_grad(dense)(x, y, 5.0, -2.0)
     _assert_close(value, want_value)
     _assert_close(grads[0][where], want_grads[0])
     _assert_close(grads[1][where], want_grads[1][:n])
@@ -254,7 +263,7 @@ def test_labels_make_equal_labelled_pairs_positives(name):
     mask = jnp.arange(n) % 9 != 4
     fn = jax.jit(jax.value_and_grad(functools.partial(tiled, block_size=16), ARGNUMS))
     got = fn(x, y, 6.0, -2.0, labels=labels, mask=mask)
-    want = jax.value_and_grad(dense, ARGNUMS)(x, y, 6.0, -2.0, labels=labels, mask=mask)
+    want = dense_value_and_grad(dense)(x, y, 6.0, -2.0, labels=labels, mask=mask)
     _assert_close(got, want)
     # Distinct labels are the diagonal positives.
     plain = jax.jit(functools.partial(tiled, block_size=16))(x, y, 6.0, -2.0)

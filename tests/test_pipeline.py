@@ -99,7 +99,7 @@ def test_every_schedule_equals_the_whole_batch_in_float64(schedule, v, n, x64):
             schedule=schedule,
             num_chunks=v,
         )
-        want = jax.value_and_grad(grad_fn.sequential)(params, batch)
+        want = jax.jit(jax.value_and_grad(grad_fn.sequential))(params, batch)
         got = global_view(grad_fn, params, batch)
         assert rel_error(got, want) < 1e-12
 
@@ -116,7 +116,7 @@ def test_every_schedule_equals_the_whole_batch_in_float32(schedule, v):
         schedule=schedule,
         num_chunks=v,
     )
-    want = jax.value_and_grad(grad_fn.sequential)(params, batch)
+    want = jax.jit(jax.value_and_grad(grad_fn.sequential))(params, batch)
     got = global_view(grad_fn, params, batch)
     assert rel_error(got, want) < 1e-5
     # The stage gradients come back split over the stage axis, like the params.
@@ -174,7 +174,7 @@ def test_every_route_equals_the_whole_batch(route, schedule, v):
         schedule=schedule,
         num_chunks=v,
     )
-    want = jax.value_and_grad(grad_fn.sequential)(params, batch)
+    want = jax.jit(jax.value_and_grad(grad_fn.sequential))(params, batch)
     assert rel_error(_route(route, grad_fn, params, batch), want) < 1e-5
 
 
@@ -199,7 +199,7 @@ def test_sum_and_weight_normalises_once_by_the_whole_batch_weight():
         total, weight = grad_fn.sequential(params, batch)
         return total / weight
 
-    want = jax.value_and_grad(whole)(params, batch)
+    want = jax.jit(jax.value_and_grad(whole))(params, batch)
     got = global_view(grad_fn, params, batch)
     assert rel_error(got, want) < 1e-5
     # A mean of micro-batch means is a different number here: the check can fail.
@@ -229,17 +229,17 @@ def test_aux_comes_back_as_on_the_whole_batch():
         stage_fn, loss, embed_fn=embed_fn, num_microbatches=n, has_aux=True
     )
     (value, aux), grads = global_view(grad_fn, params, batch)
-    (want_value, want_aux), want_grads = jax.value_and_grad(grad_fn.sequential, has_aux=True)(
-        params, batch
-    )
+    reference = jax.jit(jax.value_and_grad(grad_fn.sequential, has_aux=True))
+    (want_value, want_aux), want_grads = reference(params, batch)
     assert rel_error((value, grads), (want_value, want_grads)) < 1e-5
     # Per example: in batch order; other leaves: the mean over micro-batches.
     np.testing.assert_allclose(aux["per_example"], want_aux["per_example"], rtol=1e-5)
     rows = 2 * n  # per data shard; shard r's micro-batch m holds its rows m, m + n, ...
+    sequential = jax.jit(grad_fn.sequential)
     shard = lambda r, m: jax.tree.map(lambda x: x[r * rows : (r + 1) * rows][m::n], batch)  # noqa: E731
     mean_of_maxes = np.mean(
         [
-            float(grad_fn.sequential(params, shard(r, m))[1]["max_abs"])
+            float(sequential(params, shard(r, m))[1]["max_abs"])
             for r in range(D)
             for m in range(n)
         ]
@@ -335,7 +335,7 @@ def test_bubble_slots_never_reach_the_gradients(schedule, v, monkeypatch):
     )
     got = global_view(grad_fn, params, batch)
     assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(got))
-    assert rel_error(got, jax.value_and_grad(grad_fn.sequential)(params, batch)) < 1e-5
+    assert rel_error(got, jax.jit(jax.value_and_grad(grad_fn.sequential))(params, batch)) < 1e-5
 
 
 def test_sequential_takes_the_stage_params_as_the_pipeline_does():
@@ -350,7 +350,7 @@ def test_sequential_takes_the_stage_params_as_the_pipeline_does():
     grad_fn = ga.pipeline_value_and_grad(stage_fn, tied_loss, embed_fn=embed_fn, num_microbatches=S)
     with jax.set_mesh(m):
         got = jax.jit(jax.value_and_grad(grad_fn.sequential))(put, shards)
-    assert rel_error(got, jax.value_and_grad(grad_fn.sequential)(params, batch)) < 1e-6
+    assert rel_error(got, jax.jit(jax.value_and_grad(grad_fn.sequential))(params, batch)) < 1e-6
 
 
 def test_embed_fn_none_takes_the_first_element_of_a_tuple_batch():
@@ -367,7 +367,7 @@ def test_embed_fn_none_takes_the_first_element_of_a_tuple_batch():
     batch = (jnp.asarray(rng.normal(size=(2 * D * n, H)), jnp.float32), jnp.ones((2 * D * n, 1)))
     grad_fn = ga.pipeline_value_and_grad(stage_fn, loss, num_microbatches=n)
     got = global_view(grad_fn, params, batch)
-    assert rel_error(got, jax.value_and_grad(grad_fn.sequential)(params, batch)) < 1e-5
+    assert rel_error(got, jax.jit(jax.value_and_grad(grad_fn.sequential))(params, batch)) < 1e-5
 
 
 # ----------------------------------------------------------------------------- errors
@@ -579,7 +579,7 @@ def test_with_accumulate_across_calls_the_data_reduction_runs_once_per_window(ch
         p, state = compiled(p, state, batch)
     whole = jax.tree.map(lambda *xs: jnp.concatenate(xs), *batches)
     want = jax.tree.map(
-        lambda a, g: a - 0.1 * g, params, jax.grad(grad_fn.sequential)(params, whole)
+        lambda a, g: a - 0.1 * g, params, jax.jit(jax.grad(grad_fn.sequential))(params, whole)
     )
     assert rel_error(p, want) < 1e-5
     # The all-reduce over data sits in the window's closing branch only (every call sums
@@ -665,7 +665,7 @@ def test_fsdp_params_gathered_once_and_gradients_reduce_scattered_once():
     with jax.set_mesh(m):
         compiled = jax.jit(grad_fn).lower(put, shards).compile()
         got = compiled(put, shards)
-    assert rel_error(got, jax.value_and_grad(grad_fn.sequential)(params, batch)) < 1e-5
+    assert rel_error(got, jax.jit(jax.value_and_grad(grad_fn.sequential))(params, batch)) < 1e-5
     # Gradients come back sharded like the params.
     for g, s in zip(jax.tree.leaves(got[1]), jax.tree.leaves(specs), strict=True):
         entries = tuple(jax.typeof(g).sharding.spec)
