@@ -1,7 +1,8 @@
-"""Optimizers that read the loss (`value=`) inside `accumulate` (`_window/loss_value.py`).
+"""Optimizers that read the loss (`value=`) inside a window (`_window/loss_value.py`).
 
-The window's value is the large batch's loss: the micro-batches' values weighted like their
-gradients. A line search, which calls `value_fn` at trial params, is refused.
+`accumulate` and `conditional_accumulate` give the inner optimizer the large batch's loss:
+the micro-batches' values reduced like their gradients. A line search, which calls
+`value_fn` at trial params, is refused.
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ def data(seed=0):
     return x, y
 
 
-def make_step(tx, weighted):
+def make_step(tx, weighted, fresh=False):
     @jax.jit
     def step(params, state, x, y, mask):
         value, grads = value_and_grad(params, x, y, mask)
-        weight = {"weight": jnp.sum(mask)} if weighted else {}
-        updates, state = tx.update(grads, state, params, value=value, **weight)
+        extra = {"weight": jnp.sum(mask)} if weighted else {}
+        if fresh:  # conditional_accumulate: the gradient is taken at the current step
+            extra["local_step"] = state.accumulator.global_step
+        updates, state = tx.update(grads, state, params, value=value, **extra)
         return optax.apply_updates(params, updates), state, value
 
     return step
@@ -64,10 +67,10 @@ LARGE_STEP = make_step(LARGE, weighted=False)
 PARAMS = {"w": jnp.zeros(D)}
 
 
-def run(masks):
+def run(masks, tx=ACCUMULATED, micro_step=MICRO_STEP):
     """Both runs over the same windows: the large batch and its `K` micro-batches."""
     x, y = data()
-    big, big_state, micro, state = PARAMS, LARGE.init(PARAMS), PARAMS, ACCUMULATED.init(PARAMS)
+    big, big_state, micro, state = PARAMS, LARGE.init(PARAMS), PARAMS, tx.init(PARAMS)
     big_scales, scales, values = [], [], []
     for i in range(WINDOWS):
         mask = masks[i]
@@ -76,7 +79,7 @@ def run(masks):
         window = []
         for j in range(K):
             rows = slice(j * B, (j + 1) * B)
-            micro, state, v = MICRO_STEP(micro, state, x[i][rows], y[i][rows], mask[rows])
+            micro, state, v = micro_step(micro, state, x[i][rows], y[i][rows], mask[rows])
             window.append(float(v))
         scales.append(float(state.inner_state[1].scale))
         values.append(window)
@@ -211,14 +214,50 @@ def test_the_alternative_to_an_accumulated_line_search_is_the_large_batch():
         (optax.contrib.momo_adam(), True),
         (optax.inject_hyperparams(optax.contrib.reduce_on_plateau)(factor=0.5), True),
         (optax.adam(0.1), False),
-        # Stateless: not recognised, it receives the closing micro-step's value (docs).
-        (optax.polyak_sgd(), False),
+        # Stateless readers: recognised by what their update reads.
+        (optax.polyak_sgd(), True),
+        (optax.inject_hyperparams(optax.polyak_sgd)(max_learning_rate=0.5), True),
+        (optax.chain(optax.adam(0.1), optax.scale_by_polyak()), True),
+        (optax.lbfgs(linesearch=None), False),
     ],
-    ids=["momo", "momo_adam", "injected_plateau", "adam", "polyak_sgd"],
+    ids=[
+        "momo",
+        "momo_adam",
+        "injected_plateau",
+        "adam",
+        "polyak_sgd",
+        "injected_polyak",
+        "adam_then_polyak",
+        "lbfgs_no_search",
+    ],
 )
-def test_readers_are_recognised_by_their_state(inner, holds):
+def test_readers_are_recognised(inner, holds):
     state = ga.accumulate(inner, K).init(PARAMS)
     assert (state.acc_value is not None) == holds
+    state = ga.conditional_accumulate(inner, K).init(PARAMS)
+    assert (state.accumulator.acc_value is not None) == holds
+
+
+def _reads_extra(value_key):
+    """A stateless element of the user's that scales the updates by an extra argument."""
+
+    def update(updates, state, params=None, **extra_args):
+        return jax.tree.map(lambda u: u * extra_args[value_key], updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def test_a_reader_of_the_users_own_is_recognised():
+    state = ga.accumulate(optax.chain(optax.sgd(0.1), _reads_extra("value")), K).init(PARAMS)
+    assert state.acc_value is not None
+
+
+def test_an_inner_that_needs_other_extra_arguments_is_recognised_by_its_state_only():
+    # Its update cannot run on value= alone, so what it reads is not known at init.
+    needs_temperature = optax.chain(optax.sgd(0.1), _reads_extra("temperature"))
+    assert ga.accumulate(needs_temperature, K).init(PARAMS).acc_value is None
+    with_plateau = optax.chain(needs_temperature, optax.contrib.reduce_on_plateau())
+    assert ga.accumulate(with_plateau, K).init(PARAMS).acc_value is not None
 
 
 def test_replicas_read_the_loss_of_the_whole_window():
@@ -255,3 +294,153 @@ def test_replicas_read_the_loss_of_the_whole_window():
         state = step(state, x[rows], y[rows], mask[rows])
     want = masked_loss(PARAMS, x, y, mask)
     np.testing.assert_allclose(state.inner_state.best_value, want, rtol=RTOL)
+
+
+# --- conditional_accumulate ---------------------------------------------------------------
+
+CONDITIONAL = ga.conditional_accumulate(plateau(), K)
+CONDITIONAL_STEP = make_step(CONDITIONAL, weighted=False, fresh=True)
+
+
+def test_conditional_reduce_on_plateau_reads_the_window_mean_loss():
+    masks = np.ones((WINDOWS, K * B), np.float32)
+    big, micro, big_scales, scales, values = run(masks, CONDITIONAL, CONDITIONAL_STEP)
+    assert abs(values[0][-1] - np.mean(values[0])) > 1.0
+    assert scales == big_scales
+    assert min(big_scales) < 1.0
+    np.testing.assert_allclose(micro["w"], big["w"], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("reduction, want", [("mean", (3.0 + 0.5 * 1.0) / 2), ("sum", 3.5)])
+def test_conditional_value_is_reduced_like_the_gradient(reduction, want):
+    # Staleness weights 1 / (1 + tau): the value of the function whose gradient is taken.
+    tx = ga.conditional_accumulate(
+        optax.contrib.reduce_on_plateau(accumulation_size=1),
+        2,
+        reduction=reduction,
+        max_staleness=1,
+        staleness_weight=lambda tau: 1.0 / (1.0 + tau),
+    )
+    state = ga.conditional_set_global_step(tx.init(PARAMS), 2)
+    update = jax.jit(tx.update)
+    g = {"w": jnp.ones(D)}
+    for local_step, value in ((2, 3.0), (0, 100.0), (1, 1.0)):  # the second is stale: dropped
+        _, state = update(g, state, PARAMS, local_step=local_step, value=jnp.float32(value))
+    assert int(state.accumulator.num_stale) == 1 and int(state.accumulator.global_step) == 3
+    np.testing.assert_allclose(state.inner_state.best_value, want, rtol=1e-6)
+    assert float(state.accumulator.acc_value) == 0.0
+
+
+def test_conditional_drops_a_non_finite_value_with_its_gradient():
+    tx = ga.conditional_accumulate(optax.contrib.reduce_on_plateau(accumulation_size=1), 2)
+    state, update, g = tx.init(PARAMS), jax.jit(tx.update), {"w": jnp.ones(D)}
+    for value in (3.0, np.nan, 1.0):
+        _, state = update(g, state, PARAMS, local_step=0, value=jnp.float32(value))
+    assert int(state.accumulator.num_skipped) == 1
+    np.testing.assert_allclose(state.inner_state.best_value, 2.0, rtol=1e-6)
+
+
+def test_conditional_pure_functions_carry_the_value():
+    tx = ga.conditional_accumulate(optax.contrib.reduce_on_plateau(accumulation_size=1), 2)
+    g = {"w": jnp.ones(D)}
+    state = tx.init(PARAMS)
+    with pytest.raises(TypeError, match=r"conditional_apply_grad got no value=.*every micro"):
+        ga.conditional_apply_grad(state, g, 0)
+    with pytest.raises(TypeError, match=r"got value=.*holds no sum of values"):
+        ga.conditional_apply_grad(ga.conditional_accumulator_init(PARAMS), g, 0, value=1.0)
+    apply = jax.jit(lambda s, step, v: ga.conditional_apply_grad(s, g, step, value=v))
+    state = apply(state, 0, jnp.float32(3.0))
+    _, state = jax.jit(tx.update)(g, state, PARAMS, local_step=0, value=jnp.float32(1.0))
+    np.testing.assert_allclose(state.inner_state.best_value, 2.0, rtol=1e-6)
+    state = apply(apply(state, 1, jnp.float32(5.0)), 1, jnp.float32(7.0))
+    np.testing.assert_allclose(state.accumulator.acc_value, 12.0, rtol=1e-6)
+    _, ready, state = jax.jit(ga.conditional_take_grad, static_argnums=1)(state, 2)
+    assert bool(ready) and float(state.accumulator.acc_value) == 0.0
+
+
+def test_conditional_value_is_required_on_every_micro_step():
+    state = CONDITIONAL.init(PARAMS)
+    with pytest.raises(TypeError, match=r"update got no value=.*every micro-step"):
+        CONDITIONAL.update({"w": jnp.ones(D)}, state, PARAMS, local_step=0)
+
+
+def test_conditional_refuses_a_line_search():
+    with pytest.raises(ValueError, match=r"line search.*conditional_accumulate.*value_fn"):
+        ga.conditional_accumulate(optax.lbfgs(), K).init(PARAMS)
+
+
+# --- polyak_sgd: a reader without state ---------------------------------------------------
+
+
+def polyak():
+    # Steps of 0.34, 0.51, 1 (the cap), 0.52 over the first windows of the large batch.
+    return optax.polyak_sgd(max_learning_rate=1.0, f_min=1.0)
+
+
+@pytest.mark.parametrize("window", ["accumulate", "conditional_accumulate"])
+def test_polyak_reads_the_window_mean_loss_and_gradient(window):
+    if window == "accumulate":
+        tx = ga.accumulate(polyak(), K)
+        step = make_step(tx, weighted=True)
+    else:
+        tx = ga.conditional_accumulate(polyak(), K)
+        step = make_step(tx, weighted=False, fresh=True)
+    large = polyak()
+    large_step = make_step(large, weighted=False)
+    x, y = data()
+    mask = jnp.ones(K * B)
+    big, big_state, micro, state = PARAMS, large.init(PARAMS), PARAMS, tx.init(PARAMS)
+    for i in range(4):
+        big, big_state, _ = large_step(big, big_state, x[i], y[i], mask)
+        values = []
+        for j in range(K):
+            rows = slice(j * B, (j + 1) * B)
+            micro, state, v = step(micro, state, x[i][rows], y[i][rows], mask[rows])
+            values.append(float(v))
+        if i == 0:  # the closing micro-step's value would give a step of 0.45, not 0.34
+            assert abs(values[-1] - np.mean(values)) > 1.0
+        np.testing.assert_allclose(micro["w"], big["w"], rtol=RTOL, atol=ATOL)
+
+
+def test_polyak_without_value_on_a_micro_step_is_refused():
+    # A MultiSteps habit: the loss passed only where the window closes, in a Python loop.
+    tx = ga.accumulate(polyak(), 2)
+    state, g = tx.init(PARAMS), {"w": jnp.ones(D)}
+    with pytest.raises(TypeError, match=r"update got no value=.*every micro-step"):
+        tx.update(g, state, PARAMS)
+    _, state = tx.update(g, state, PARAMS, value=jnp.float32(3.0))
+    with pytest.raises(TypeError, match=r"update got no value=.*every micro-step"):
+        tx.update(g, state, PARAMS)
+
+
+# --- after a window: split_accumulate has no inner optimizer ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "window, extra, fix",
+    [
+        (ga.split_accumulate(2), {}, r"in place of split_accumulate"),
+        (ga.accumulate(optax.sgd(1.0), 2), {}, r"ga\.accumulate\(optax\.chain"),
+        (ga.conditional_accumulate(optax.sgd(1.0), 2), {"local_step": 0}, r"conditional_acc"),
+    ],
+    ids=["split", "accumulate", "conditional"],
+)
+def test_a_loss_reader_after_a_window_is_refused(window, extra, fix):
+    # It would read each micro-step's value, and the closing one's beside the window's update.
+    tx = optax.chain(window, optax.polyak_sgd())
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match=r"reads the loss \(value=\).*comes after.*" + fix):
+        tx.update({"w": jnp.ones(D)}, state, PARAMS, value=jnp.float32(1.0), **extra)
+
+
+def test_a_loss_reader_before_split_reads_each_micro_steps_value():
+    # split_accumulate takes no extra arguments; what is before it runs on every micro-step.
+    tx = optax.chain(polyak(), ga.split_accumulate(2))
+    state, params = tx.init(PARAMS), {"w": jnp.array([0.5, -1.0, 2.0])}
+    grads = [{"w": jnp.array([1.0, 2.0, -1.0])}, {"w": jnp.array([0.5, -0.5, 3.0])}]
+    want = 0.0
+    for g, value in zip(grads, (2.0, 4.0), strict=True):
+        u, state = tx.update(g, state, params, value=jnp.float32(value))
+        step, _ = polyak().update(g, polyak().init(params), params, value=jnp.float32(value))
+        want = want + step["w"]
+    np.testing.assert_allclose(u["w"], want, rtol=1e-6)

@@ -406,6 +406,7 @@ def test_a_privatizer_runs_once_per_window_on_the_sum():
     )
     params = {"w": jnp.zeros(2)}
     state = tx.init(params)
+    calls.clear()  # init traced it once, asking whether the optimizer reads value=
     step = jax.jit(tx.update)
     out = []
     for g in [1.0, 2.0, 3.0, 4.0]:

@@ -167,9 +167,10 @@ def accumulate(
     and returns the inner update. With the mean, `K` micro-batches give the
     same parameters as one batch `K` times larger, for any inner optimizer
     that reads the gradient. One that reads the loss
-    (`optax.contrib.reduce_on_plateau`, `momo`, `momo_adam`, recognised by
-    their state) receives the window's loss as `value=`: the values passed on
-    every micro-step, weighted like the gradients (`AccumulateState.acc_value`).
+    (`optax.contrib.reduce_on_plateau`, `momo`, `momo_adam`, `optax.polyak_sgd`,
+    recognised at `init` by their state or by what their update reads) receives
+    the window's loss as `value=`: the values passed on every micro-step,
+    weighted like the gradients (`AccumulateState.acc_value`).
     A line search (`optax.lbfgs`), which calls `value_fn` at trial params, is
     refused. `optax.lookahead` goes inside, with `optax.LookaheadParams` as
     the params of `init` and `update` and the gradients of `params.fast`.
@@ -218,7 +219,7 @@ def accumulate(
       inner: The optimizer to apply once per window, any
         `optax.GradientTransformation` without a line search (extra
         arguments reach it as given on the closing micro-step; `value=` as the
-        window's loss where its state shows it reads the loss).
+        window's loss where it reads the loss).
       every_k_schedule: The window length `K`: an int `>= 1`, or a callable
         mapping `gradient_step` (an `int32` scalar) to an integer scalar,
         so that `K` can change between windows without recompiling.

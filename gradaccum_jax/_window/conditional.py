@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax._base import trees, validation
-from gradaccum_jax._window import engine, placement
+from gradaccum_jax._window import engine, loss_value, placement
 
 _REDUCTIONS = ("mean", "sum")
 StalenessWeight = Callable[[jax.Array], Any]
@@ -39,6 +39,11 @@ class ConditionalAccumulator(NamedTuple):
         ignored because the new step was lower than `global_step`. Jitted code
         cannot log a warning, so this counter is how that is reported.
         Saturates.
+      acc_value: `None` unless the accumulator is `conditional_accumulate`'s and
+        its inner optimizer reads the loss as `value=` (`reduce_on_plateau`,
+        `momo`, `polyak_sgd`); then a `float32[]` (`float64[]` beside a float64
+        sum), the sum `Σ w·value` of the accepted gradients' values since the
+        last take, reduced like `acc_grads` for the inner optimizer's `value=`.
     """
 
     global_step: jax.Array
@@ -47,6 +52,7 @@ class ConditionalAccumulator(NamedTuple):
     num_stale: jax.Array
     num_skipped: jax.Array
     num_ignored_steps: jax.Array
+    acc_value: jax.Array | None = None
 
 
 class ConditionalAccumulateState(NamedTuple):
@@ -114,8 +120,10 @@ def _judge(
     max_staleness: int,
     staleness_weight: StalenessWeight | None,
     skip_nonfinite: bool,
+    value: jax.Array | None,
 ) -> _Verdict:
-    """Decides whether `grad` joins the sum, and with which weight."""
+    """Decides whether `grad` (and its `value`, if the sum holds one) joins the sum, and
+    with which weight."""
     validation.check_same_structure("grad", grad, "state.acc_grads", acc.acc_grads)
     validation.check_float_tree("grad", grad)
     step = validation.check_scalar("local_step", local_step, integer=True)
@@ -132,6 +140,8 @@ def _judge(
         usable = jnp.isfinite(weight) & (weight >= 0)
     if skip_nonfinite:
         usable = usable & trees.all_finite(grad)
+        if value is not None:
+            usable = usable & jnp.isfinite(value)
     else:
         usable = jnp.array(True)
     return _Verdict(accepted=~stale & usable, stale=stale, skipped=~stale & ~usable, weight=weight)
@@ -150,11 +160,18 @@ def _reduce(total: optax.Updates, count: jax.Array, reduction: str) -> optax.Upd
     return jax.tree.map(mean, total)
 
 
-def _counted(acc: ConditionalAccumulator, verdict: _Verdict) -> ConditionalAccumulator:
+def _counted(
+    acc: ConditionalAccumulator, verdict: _Verdict, value: jax.Array | None
+) -> ConditionalAccumulator:
+    """`acc` with this gradient counted, and its value added where the sum holds one."""
+    held = acc.acc_value
+    if value is not None and held is not None:  # received only where held
+        held = loss_value.add(held, value, verdict.accepted, verdict.weight)
     return acc._replace(
         num_accumulated=trees.increment_if(acc.num_accumulated, verdict.accepted),
         num_stale=trees.increment_if(acc.num_stale, verdict.stale),
         num_skipped=trees.increment_if(acc.num_skipped, verdict.skipped),
+        acc_value=held,
     )
 
 
@@ -210,6 +227,7 @@ def conditional_apply_grad(
     max_staleness: int = 0,
     staleness_weight: StalenessWeight | None = None,
     skip_nonfinite: bool = True,
+    value: jax.typing.ArrayLike | None = None,
 ) -> ConditionalAccumulator:
     r"""Adds `grad` to the accumulator unless it is stale; returns the new state.
 
@@ -241,6 +259,10 @@ def conditional_apply_grad(
         (counted in `num_skipped`).
       skip_nonfinite: If `True` (default) non-finite gradients are dropped; if
         `False` they are added as they are.
+      value: The loss `grad` is the gradient of, required where the state holds
+        a sum of values (`acc_value`: the `ConditionalAccumulateState` of a
+        `conditional_accumulate` whose inner optimizer reads `value=`), and
+        refused elsewhere. Added with the gradient's weight, dropped with it.
 
     Returns:
       The new state, of the same type as `state`.
@@ -248,7 +270,9 @@ def conditional_apply_grad(
     Raises:
       ValueError: If `grad` does not have the accumulator's structure, or a
         leaf has the wrong shape (the message names the leaf's path).
-      TypeError: If `local_step` is not an integer scalar.
+      TypeError: If `local_step` is not an integer scalar, or `value` is
+        missing where the state holds a sum of values, or given where it holds
+        none.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -263,10 +287,21 @@ def conditional_apply_grad(
     max_staleness = validation.check_int("max_staleness", max_staleness, minimum=0)
     _check_staleness_weight(staleness_weight)
     acc, rewrap = _unwrap(state)
+    if value is not None and acc.acc_value is None:
+        raise TypeError(
+            "conditional_apply_grad got value=, but the state holds no sum of values: it "
+            "is a bare ConditionalAccumulator, or its inner optimizer reads no loss. Drop "
+            "value=."
+        )
+    received = loss_value.receive(
+        {} if value is None else {"value": value}, acc.acc_value, "conditional_apply_grad"
+    )
     grad = trees.as_arrays(grad)
-    verdict = _judge(acc, grad, local_step, max_staleness, staleness_weight, skip_nonfinite)
+    verdict = _judge(
+        acc, grad, local_step, max_staleness, staleness_weight, skip_nonfinite, received
+    )
     new_sum = engine.window_total(acc.acc_grads, None, grad, verdict.accepted, verdict.weight)
-    return rewrap(_counted(acc, verdict)._replace(acc_grads=new_sum))
+    return rewrap(_counted(acc, verdict, received)._replace(acc_grads=new_sum))
 
 
 def conditional_num_accumulated(
@@ -391,8 +426,13 @@ def conditional_take_grad(
         global_step=trees.increment_if(acc.global_step, ready),
         num_accumulated=jnp.where(ready, 0, acc.num_accumulated).astype(jnp.int32),
         acc_grads=jax.tree.map(lambda a: jnp.where(ready, jnp.zeros_like(a), a), acc.acc_grads),
+        acc_value=_emptied_value(acc.acc_value, ready),
     )
     return taken, ready, rewrap(new_acc)
+
+
+def _emptied_value(held: jax.Array | None, reset: jax.Array) -> jax.Array | None:
+    return None if held is None else jnp.where(reset, jnp.zeros_like(held), held)
 
 
 def conditional_accumulate(
@@ -452,6 +492,13 @@ def conditional_accumulate(
     after the conditional, ordered by a flag it returns, so XLA passes the
     inner state and the sum through without copying them.
 
+    An inner optimizer that reads the loss (`optax.contrib.reduce_on_plateau`,
+    `momo`, `optax.polyak_sgd`; recognised at `init` as by
+    `gradaccum_jax.accumulate`) needs `value=` on every call, and the take
+    gives it the values reduced like the gradients, `Σ w·value / n` (or the
+    sum): the loss whose gradient it receives. The sum is held in
+    `state.accumulator.acc_value`. A line search (`optax.lbfgs`) is refused.
+
     The accumulator's primitive operations are also available as pure
     functions on the state: `conditional_apply_grad`,
     `conditional_num_accumulated`, `conditional_set_global_step`
@@ -459,8 +506,9 @@ def conditional_accumulate(
 
     Args:
       inner: The optimizer to apply once per take, any
-        `optax.GradientTransformation`; extra arguments other than
-        `local_step` are passed to it.
+        `optax.GradientTransformation` without a line search; extra arguments
+        other than `local_step` are passed to it as given on the taking call,
+        `value=` as the take's loss where it reads the loss.
       num_required: Number of accepted gradients per take, an int `>= 1`.
       reduction: `"mean"` (default, divided by the actual count) or
         `"sum"`.
@@ -480,10 +528,12 @@ def conditional_accumulate(
 
     Raises:
       TypeError: If `inner` is not a gradient transformation, an integer
-        argument is not an int, or `staleness_weight` is not callable.
+        argument is not an int, or `staleness_weight` is not callable; at
+        trace time, if `update` gets no `value=` while `inner` reads the loss.
       ValueError: If `num_required < 1`, `max_staleness < 0` or
-        `reduction` is unknown; at trace time, if a gradient leaf has the
-        wrong shape (the message names its path).
+        `reduction` is unknown; at `init`, if `inner` holds a line search;
+        at trace time, if a gradient leaf has the wrong shape (the message
+        names its path).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -516,9 +566,14 @@ def conditional_accumulate(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> ConditionalAccumulateState:
+        acc = conditional_accumulator_init(params, accumulator_dtype=accumulator_dtype)
+        inner_state = inner.init(params)
+        loss_value.refuse_line_search(inner_state, "gradaccum_jax.conditional_accumulate")
+        held = loss_value.initial(
+            inner, inner_state, params, params, trees.weight_dtype(acc.acc_grads)
+        )
         return ConditionalAccumulateState(
-            accumulator=conditional_accumulator_init(params, accumulator_dtype=accumulator_dtype),
-            inner_state=inner.init(params),
+            accumulator=acc._replace(acc_value=held), inner_state=inner_state
         )
 
     def update_fn(
@@ -539,10 +594,13 @@ def conditional_accumulate(
             )
         grads = trees.as_arrays(updates)
         acc = state.accumulator
+        value = loss_value.receive(extra_args, acc.acc_value)
 
         # Accept.
-        verdict = _judge(acc, grads, local_step, max_staleness, staleness_weight, skip_nonfinite)
-        counted = _counted(acc, verdict)
+        verdict = _judge(
+            acc, grads, local_step, max_staleness, staleness_weight, skip_nonfinite, value
+        )
+        counted = _counted(acc, verdict, value)
         # A take needs an accepted gradient in this call unless the count was
         # already raised to num_required through conditional_apply_grad.
         takes = counted.num_accumulated >= num_required
@@ -552,7 +610,15 @@ def conditional_accumulate(
         # rewritten by XLA into a product with its reciprocal (one ulp off).
         def step(window: engine.Window, inner_state):
             reduced = _reduce(window.total, window.weight, reduction)
-            return engine.inner_update(inner, reduced, inner_state, grads, params, extra_args)
+            extra = extra_args
+            if counted.acc_value is not None:
+                # The value of the function whose gradient `reduced` is.
+                mean = reduction == "mean"
+                extra = {
+                    **extra,
+                    "value": loss_value.of_window(counted.acc_value, window.weight, mean),
+                }
+            return engine.inner_update(inner, reduced, inner_state, grads, params, extra)
 
         new_updates, new_inner, _, took, _ = engine.close(
             engine.local_gate(),
@@ -574,6 +640,7 @@ def conditional_accumulate(
             global_step=trees.increment_if(acc.global_step, took),
             num_accumulated=jnp.where(took, 0, counted.num_accumulated).astype(jnp.int32),
             acc_grads=new_sum,
+            acc_value=_emptied_value(counted.acc_value, took),
         )
         return new_updates, ConditionalAccumulateState(accumulator=new_acc, inner_state=new_inner)
 

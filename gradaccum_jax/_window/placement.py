@@ -18,8 +18,9 @@ step:
   `current_loss_scale`, `scaled_value_and_grad`) call it.
 - `check_enclosing_updates`: a window's `update` finds the optax chains (and
   `inject_hyperparams`) whose `update` is calling it, on the Python stack, and runs
-  `check_state` on their states and `refuse_not_zero_after_window` on their elements, so
-  a step written with `tx.update` alone is checked too.
+  `check_state` on their states and `refuse_not_zero_after_window` on their elements
+  (and `refuse_loss_reader_after_window`, where the chain is given `value=`), so a step
+  written with `tx.update` alone is checked too.
 - `mark_window_output` / `refuse_window_output`: a window marks the updates it
   returns, and a loss scale or another window that receives them (the very same
   arrays or tracers) raises, where no optax chain composes the two.
@@ -40,6 +41,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
+from gradaccum_jax._window import loss_value
 from gradaccum_jax._window.state import AccumulateState, LossScaleState, refuse_outermost_inside
 
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
@@ -370,6 +372,10 @@ def _check_frame(kind: str, local: Any) -> None:
         states = [state.get(name) for name, _ in transforms]
     if functions is not None and states is not None and len(functions) == len(states):
         refuse_not_zero_after_window(states, list(functions))
+        if "value" in (local.get("extra_args") or {}):
+            refuse_loss_reader_after_window(
+                states, list(functions), local.get("updates"), local.get("params")
+            )
 
 
 # The optax elements that hold no state but do not map zero updates to zero, each with
@@ -452,6 +458,15 @@ def _filled(cell: types.CellType) -> bool:
     return True
 
 
+def _after_window(states: list[Any]) -> tuple[Window, int] | None:
+    """The first window in a chain's element `states`, and the position after its element."""
+    for position, state in enumerate(states):
+        windows = [kind.window for kind in _walk(state, LossScaleState) if kind.window]
+        if windows:
+            return windows[0], position + 1
+    return None
+
+
 def refuse_not_zero_after_window(states: list[Any], functions: list[Any]) -> None:
     """Raises if an element after the first element holding a window is one of
     `_NOT_ZERO_ON_ZEROS` (or runs one).
@@ -459,14 +474,40 @@ def refuse_not_zero_after_window(states: list[Any], functions: list[Any]) -> Non
     `states` and `functions` are a chain's element states and update functions, in
     the order applied.
     """
-    for position, state in enumerate(states):
-        windows = [kind.window for kind in _walk(state, LossScaleState) if kind.window]
-        if windows:
-            for function in functions[position + 1 :]:
-                found = _not_zero_on_zeros(function, set())
-                if found:
-                    raise _not_zero_after_window(windows[0], *found)
-            return
+    after = _after_window(states)
+    if after is not None:
+        window, position = after
+        for function in functions[position:]:
+            found = _not_zero_on_zeros(function, set())
+            if found:
+                raise _not_zero_after_window(window, *found)
+
+
+def refuse_loss_reader_after_window(
+    states: list[Any], functions: list[Any], updates: Any, params: Any
+) -> None:
+    """Raises if an element after a window reads `value=` (a chain given `value=`).
+
+    A stateful one is refused by `check_state` already; this finds the stateless ones
+    (`optax.polyak_sgd`) by what their update reads (`loss_value.update_reads_value`).
+    There they read every micro-step's value, and the closing micro-step's beside the
+    window's update: never the window's loss. `updates` stands in for the window's update.
+    """
+    after = _after_window(states)
+    if after is None or updates is None:
+        return
+    window, position = after
+    for function, state in zip(functions[position:], states[position:], strict=True):
+        if loss_value.update_reads_value(function, state, updates, params):
+            raise ValueError(
+                f"In the optimizer's chain, an element that reads the loss (value=) comes "
+                f"after {window.name}: it receives the value= of every micro-step, and where "
+                "the window closes the closing micro-batch's loss beside the window's "
+                "update, never the window's loss. Put it inside the window, which gives it "
+                "the window's loss: "
+                + window.inside.format(element="<the loss reader, e.g. optax.polyak_sgd()>")
+                + "."
+            )
 
 
 # --- the updates a window returned ------------------------------------------------------

@@ -215,7 +215,9 @@ def init(plan: Plan, params: optax.Params) -> AccumulateState:
         acc_compensation=jax.tree.map(jnp.zeros_like, acc) if plan.compensated else None,
         skip_state=skip_state,
         noise_scale=noise_scale.init() if plan.track_noise_scale else None,
-        acc_value=loss_value.initial(inner_state, acc_weight.dtype),
+        acc_value=loss_value.initial(
+            plan.inner, inner_state, gradient_tree(inner_params), inner_params, acc_weight.dtype
+        ),
     )
 
 
@@ -247,9 +249,10 @@ def receive(
     value = loss_value.receive(extra, state.acc_value)
     if value is not None and route.per_device:
         raise ValueError(
-            "an inner optimizer that reads value= (reduce_on_plateau, momo) is not supported "
-            "with gradients unreduced over mesh axes: the window's loss would be a per-device "
-            "partial. Take the gradients with jax.shard_map and axis_name=, or drop the reader."
+            "an inner optimizer that reads value= (reduce_on_plateau, momo, polyak_sgd) is not "
+            "supported with gradients unreduced over mesh axes: the window's loss would be a "
+            "per-device partial. Take the gradients with jax.shard_map and axis_name=, or drop "
+            "the reader."
         )
     # The receipt vouches for the very leaves it was handed, so it reads `updates`.
     vouched = None if receipt is None else receipt.finite(updates)

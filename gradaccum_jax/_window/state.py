@@ -82,9 +82,10 @@ class AccumulateState(NamedTuple):
         `NoiseScaleState` (float32 scalars) holding the window's sum of the
         micro-gradients' squared norms and the averages that
         `gradient_noise_scale` reads.
-      acc_value: `None` unless the inner state holds an optimizer that reads the
-        loss as `value=` (`optax.contrib.reduce_on_plateau`, `momo`, `momo_adam`);
-        then a scalar of `acc_weight`'s dtype, `Σ w · value` over the micro-steps
+      acc_value: `None` unless the inner optimizer reads the loss as `value=`
+        (`optax.contrib.reduce_on_plateau`, `momo`, `momo_adam`, `optax.polyak_sgd`:
+        recognised at `init` by its state or by what its update reads); then a
+        scalar of `acc_weight`'s dtype, `Σ w · value` over the micro-steps
         accepted in the current window (`w = 1` without `weight=`), in absolute
         units: the inner optimizer receives its weighted mean (or, with
         `use_grad_mean=False`, the sum) as `value=`.
