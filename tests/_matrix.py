@@ -24,6 +24,7 @@ read it without starting JAX.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 # --- the three dimensions -----------------------------------------------------------------
@@ -99,12 +100,22 @@ STYLES = {
         "`nnx.split(model, nnx.Param, ...)`: the params' `nnx.State` differentiated by "
         "pure functions whose loss merges the model, the optax step written out.",
     ),
+    "equinox": (
+        "Equinox module",
+        "An `eqx.Module` (two `eqx.nn.Linear`, weights `(out, in)`, and its activation "
+        "function, a leaf that is not an array) differentiated whole (`eqx.filter_grad`, or "
+        "the module passed to the capability), stepped by `ga.apply_gradients(tx, grads, "
+        "opt_state, model)`; on `shard_map` its floating-point arrays are cast to varying "
+        "first. In the pipeline row: `eqx.nn.Linear` embedding and head, and the arrays of "
+        "`eqx.filter_vmap`-made blocks stacked by stage.",
+    ),
 }
 
 CAPABILITIES = {
     "accumulate": (
         "`accumulate`",
-        "`ga.accumulate(sgd, K)` over `K` calls, gradients from `jax.grad` / `nnx.grad`. "
+        "`ga.accumulate(sgd, K)` over `K` calls, gradients from `jax.grad` / `nnx.grad` / "
+        "`eqx.filter_grad`. "
         "Reference: SGD on each window's whole batch.",
     ),
     "microbatch": (
@@ -151,8 +162,9 @@ CAPABILITIES = {
         "`pipeline_value_and_grad`",
         "`ga.pipeline_value_and_grad(stage_fn, loss_fn, embed_fn=..., num_microbatches=4)` "
         "(1F1B) on a mesh of its own, (stage = 4, data = 2), with a model of its own (an "
-        "embedding, one residual layer per stage stacked as `nn.scan` / `nnx.vmap` stack "
-        "them, a head; `ga.stack_stages` lays them out), then SGD on the stacked params "
+        "embedding, one residual layer per stage stacked as `nn.scan` / `nnx.vmap` / "
+        "`eqx.filter_vmap` stack them, a head; `ga.stack_stages` lays them out), then SGD on "
+        "the stacked params "
         '(`axis_name="data"` under `shard_map`; tests/_matrix_pipeline.py). Reference: '
         "`jax.grad` of the unstaged linen model on the step's whole batch.",
     ),
@@ -236,6 +248,20 @@ _PRIVACY_UNREDUCED = Refused(
 )
 _MODULES = ("nnx_module", "nnx_optimizer")  # the styles that differentiate a module
 
+
+def _equinox_split(door: str) -> Refused:
+    """The refusal of an Equinox model by a door that takes pytrees of arrays."""
+    return Refused(
+        TypeError,
+        re.escape(door)
+        + r" got an equinox\.Module.*eqx\.partition\(model, eqx\.is_inexact_array\)",
+        "the door takes pytrees of arrays, and an Equinox model holds its activation "
+        "functions beside them; the error shows the split (`eqx.combine(params, static)` in "
+        "the loss), whose arrays, still a module of the model's type, the door takes "
+        "(tests/test_equinox.py).",
+    )
+
+
 _PIPELINE_MODULE = Refused(
     TypeError,
     r"pipeline_value_and_grad got a flax\.nnx module.*nnx\.split\(model, nnx\.Param",
@@ -247,6 +273,35 @@ _PIPELINE_MODULE = Refused(
 # The declarations, most specific first: (capability, route, style), each entry a name, a
 # tuple of names or ANY. A triple not listed is Exact.
 DECLARATIONS: list[tuple[tuple[Any, Any, Any], Outcome]] = [
+    (
+        ("fp8", ANY, "equinox"),
+        NotApplicable(
+            "Equinox has no fp8 layers (`equinox.nn`, checked by the test): the capability is "
+            "Flax's delayed-scaling layers, whose scales and amax histories live in Flax's "
+            "`_overwrite_with_gradient` collection.",
+            witness="equinox_has_no_fp8_layer",
+        ),
+    ),
+    (
+        ("batchnorm", ANY, "equinox"),
+        NotApplicable(
+            "`AccumBatchNorm` and `NNXAccumBatchNorm` are Flax layers, their statistics in "
+            "Flax's `batch_stats` collection or `nnx.BatchStat` variables, and the library has "
+            "no Equinox one; Equinox's own `eqx.nn.BatchNorm` keeps its running statistics in "
+            "an `eqx.nn.State` that each training call writes (checked by the test): a "
+            "micro-batch's, not the window's.",
+            witness="equinox_batchnorm_writes_at_every_call",
+        ),
+    ),
+    (
+        ("coupled", ANY, "equinox"),
+        _equinox_split("coupled_value_and_grad"),
+    ),
+    (("privacy", ANY, "equinox"), _equinox_split("privacy.clipped_grad")),
+    (
+        (("accumulate", "microbatch", "statistics"), "jit_unreduced", "equinox"),
+        _equinox_split("unreduced_value_and_grad"),
+    ),
     (
         ("fp8", ANY, "linen"),
         Refused(

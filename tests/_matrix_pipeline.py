@@ -14,10 +14,12 @@ whole batch (`jax.grad`, one device).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import _equivalence as E
 import _matrix as M
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -90,6 +92,21 @@ class NnxPipeNet(nnx.Module):
         return self.head(body(h, self.layers))
 
 
+class EqxBlock(eqx.Module):
+    """The block as an `eqx.Module`: one example per call, its weight `(out, in)`, and its
+    activation a leaf that is not an array."""
+
+    lin: eqx.nn.Linear
+    activation: Callable[[jax.Array], jax.Array]
+
+    def __init__(self, key: jax.Array) -> None:
+        self.lin = eqx.nn.Linear(HIDDEN, HIDDEN, key=key)
+        self.activation = jnp.tanh
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.activation(self.lin(x))
+
+
 def initial_params() -> dict[str, Any]:
     rng = np.random.default_rng(0)
 
@@ -115,6 +132,20 @@ _NNX_BLOCK = nnx.split(NnxBlock(nnx.Rngs(0)), nnx.Param)[0]
 
 def _nnx_block(p: Any, x: jax.Array) -> jax.Array:
     return nnx.merge(_NNX_BLOCK, p)(x)
+
+
+# The stacked blocks as `eqx.filter_vmap` makes them, abstractly (no program): the shapes of
+# their arrays, which cross the pipeline, and the rest (the activation), merged in each layer.
+_EQX_ARRAYS, _EQX_REST = eqx.partition(
+    eqx.filter_eval_shape(
+        lambda: eqx.filter_vmap(EqxBlock)(jax.random.split(jax.random.key(0), STAGES))
+    ),
+    lambda x: isinstance(x, jax.ShapeDtypeStruct),
+)
+
+
+def _eqx_block(p: Any, x: jax.Array) -> jax.Array:
+    return jax.vmap(eqx.combine(p, _EQX_REST))(x)
 
 
 def _stage(block: Any):
@@ -149,9 +180,9 @@ def _from_pipeline(tree: Any) -> dict[str, Any]:
     }
 
 
-def _grad_fn(block: Any, axis_name: Any) -> Any:
+def _grad_fn(block: Any, axis_name: Any, embed: Any = _embed, loss: Any = _loss) -> Any:
     return ga.pipeline_value_and_grad(
-        _stage(block), _loss, embed_fn=_embed, num_microbatches=N, axis_name=axis_name
+        _stage(block), loss, embed_fn=embed, num_microbatches=N, axis_name=axis_name
     )
 
 
@@ -248,6 +279,61 @@ class _NnxSplit(_Style):
         return nnx.to_pure_dict(nnx.State(_from_pipeline(state[0])))
 
 
+def _eqx_linear(p: dict[str, Any]) -> eqx.nn.Linear:
+    """An `eqx.nn.Linear` holding the linen layer's params (its kernel transposed)."""
+    shapes = eqx.filter_eval_shape(lambda: eqx.nn.Linear(*p["kernel"].shape, key=jax.random.key(0)))
+    return eqx.tree_at(lambda m: (m.weight, m.bias), shapes, (p["kernel"].T, p["bias"]))
+
+
+def _linear_params(linear: Any) -> dict[str, Any]:
+    return {"kernel": jnp.swapaxes(linear.weight, -1, -2), "bias": linear.bias}
+
+
+def _eqx_embed(outer: Any, batch: Any) -> jax.Array:
+    return jax.vmap(outer["embed"])(batch["x"])
+
+
+def _eqx_loss(outer: Any, h: jax.Array, batch: Any) -> jax.Array:
+    return E.mse(jax.vmap(outer["head"])(h), batch["y"])
+
+
+class _Equinox(_Style):
+    """Equinox layers in the pipeline's mapping: the embedding and head `eqx.nn.Linear`s, and
+    the arrays of the `eqx.filter_vmap`-made blocks stacked by stage, each layer combined with
+    the blocks' rest inside the stage; stepped by `ga.apply_gradients`."""
+
+    block = staticmethod(_eqx_block)
+
+    def init(self, tx, start):
+        self.tx = tx
+        start = jax.tree.map(jnp.asarray, start)
+        lin = start["layers"]["lin"]
+        blocks = eqx.tree_at(
+            lambda b: (b.lin.weight, b.lin.bias),
+            _EQX_ARRAYS,
+            (jnp.swapaxes(lin["kernel"], -1, -2), lin["bias"]),
+        )
+        params = {
+            "stages": ga.stack_stages(blocks, STAGES),
+            "embed": _eqx_linear(start["embed"]),
+            "head": _eqx_linear(start["head"]),
+        }
+        return params, tx.init(params)
+
+    def step(self, state, batch, axis_name):
+        params, opt_state = state
+        grads = _grad_fn(self.block, axis_name, embed=_eqx_embed, loss=_eqx_loss)(params, batch)[1]
+        return ga.apply_gradients(self.tx, grads, opt_state, params)
+
+    def read(self, state):
+        params = state[0]
+        return {
+            "embed": _linear_params(params["embed"]),
+            "layers": {"lin": _linear_params(ga.unstack_stages(params["stages"]).lin)},
+            "head": _linear_params(params["head"]),
+        }
+
+
 def make_style(name: str) -> _Style:
     return {
         "linen": _Linen,
@@ -255,6 +341,7 @@ def make_style(name: str) -> _Style:
         "nnx_module": functools.partial(_NnxModule, nnx.Optimizer),
         "nnx_optimizer": functools.partial(_NnxModule, ga.flax.Optimizer),
         "nnx_split": _NnxSplit,
+        "equinox": _Equinox,
     }[name]()
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import _equivalence as E
 import _matrix as M
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -76,6 +77,25 @@ class NnxNet(nnx.Module):
         return self.l2(self.drop(jnp.tanh(h)))
 
 
+class EqxNet(eqx.Module):
+    """The same network as an `eqx.Module`: one example per call, weights `(out, in)`."""
+
+    l1: eqx.nn.Linear
+    l2: eqx.nn.Linear
+    # A leaf that is not an array, as `eqx.nn.MLP` keeps its activation: the doors
+    # differentiate and update the arrays and pass it through.
+    activation: Callable[[jax.Array], jax.Array]
+
+    def __init__(self, key: jax.Array) -> None:
+        k1, k2 = jax.random.split(key)
+        self.l1 = eqx.nn.Linear(D_IN, HIDDEN, key=k1)
+        self.l2 = eqx.nn.Linear(HIDDEN, D_OUT, key=k2)
+        self.activation = jnp.tanh
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.l2(self.activation(self.l1(x)))
+
+
 def initial_params(norm: bool = False) -> dict[str, Any]:
     """The params every style starts from (numpy, the layout of `LinenNet`'s params)."""
     rng = np.random.default_rng(0)
@@ -112,6 +132,25 @@ def nnx_model(params: dict[str, Any], **kwargs: Any) -> NnxNet:
 
 def pure_params(module: nnx.Module) -> dict[str, Any]:
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+
+def _linear_leaves(model: Any) -> tuple[Any, ...]:
+    return model.l1.weight, model.l1.bias, model.l2.weight, model.l2.bias
+
+
+def equinox_model(params: dict[str, Any]) -> EqxNet:
+    """An `EqxNet` holding `params` (the layout of `LinenNet`'s): each kernel transposed to
+    Equinox's `(out, in)`. Its structure comes from Equinox's own layers, abstractly."""
+    shapes = eqx.filter_eval_shape(lambda: EqxNet(jax.random.key(0)))
+    l1, l2 = params["l1"], params["l2"]
+    values = (l1["kernel"].T, l1["bias"], l2["kernel"].T, l2["bias"])
+    return eqx.tree_at(_linear_leaves, shapes, tuple(map(jnp.asarray, values)))
+
+
+def equinox_params(model: Any) -> dict[str, Any]:
+    """The arrays of an `EqxNet` in the layout of `LinenNet`'s params."""
+    w1, b1, w2, b2 = _linear_leaves(model)
+    return {"l1": {"kernel": w1.T, "bias": b1}, "l2": {"kernel": w2.T, "bias": b2}}
 
 
 # --- the route's context, seen by the step ------------------------------------------------
@@ -179,7 +218,7 @@ class Style:
     """One way to hold a model and its optimizer; every step is written against this."""
 
     name: str
-    family: str  # "linen" or "nnx"
+    family: str  # "linen", "nnx" or "equinox"
 
     def init(self, tx: optax.GradientTransformation, params: dict[str, Any]) -> Any:
         raise NotImplementedError
@@ -194,6 +233,10 @@ class Style:
 
     def diff(self, state: Any, ctx: Ctx) -> Any:
         return self.local(self.arg(state), ctx)
+
+    def crossing(self, diff: Any) -> tuple[Any, Callable[[Any], Any]]:
+        """`diff` as what crosses a `jax.shard_map` boundary, and how to rebuild it inside."""
+        return diff, lambda inside: inside
 
     def forward(self, diff: Any, x: jax.Array) -> jax.Array:
         raise NotImplementedError
@@ -313,6 +356,46 @@ class NnxSplit(Style):
         return nnx.to_pure_dict(state[0])
 
 
+class EquinoxModel(Style):
+    """An `eqx.Module` passed whole to the doors that take one (`eqx.filter_grad`,
+    `microbatch_value_and_grad`, `ga.apply_gradients`). Across the route's boundary (`jax.jit`,
+    `jax.shard_map`, `jax.pmap`) go its arrays, the rest closed over, as `eqx.filter_jit` does
+    and as Equinox's users write `shard_map`: `eqx.partition`, then `eqx.combine` inside."""
+
+    name, family = "equinox", "equinox"
+
+    def init(self, tx, params):
+        self.tx = tx
+        arrays, self.static = eqx.partition(equinox_model(params), eqx.is_array)
+        return arrays, tx.init(eqx.filter(arrays, eqx.is_inexact_array))
+
+    def arg(self, state):
+        return eqx.combine(state[0], self.static)
+
+    def local(self, diff, ctx):
+        arrays, rest = eqx.partition(diff, eqx.is_inexact_array)
+        return eqx.combine(ctx.vary(arrays), rest)
+
+    def crossing(self, diff):
+        arrays, rest = eqx.partition(diff, eqx.is_array)
+        return arrays, lambda inside: eqx.combine(inside, rest)
+
+    def forward(self, diff, x):
+        return jax.vmap(diff)(x)
+
+    def grad(self, loss, diff, *args):
+        return eqx.filter_grad(loss)(diff, *args)
+
+    def update(self, state, grads):
+        model, opt_state = ga.apply_gradients(self.tx, grads, state[1], self.arg(state))
+        arrays, rest = eqx.partition(model, eqx.is_array)
+        assert rest.activation is self.static.activation  # passed through
+        return arrays, opt_state
+
+    def params(self, state):
+        return equinox_params(state[0])
+
+
 def make_style(name: str) -> Style:
     return {
         "linen": LinenParams,
@@ -320,6 +403,7 @@ def make_style(name: str) -> Style:
         "nnx_module": functools.partial(NnxModule, "nnx_module", nnx.Optimizer),
         "nnx_optimizer": functools.partial(NnxModule, "nnx_optimizer", ga.flax.Optimizer),
         "nnx_split": NnxSplit,
+        "equinox": EquinoxModel,
     }[name]()
 
 

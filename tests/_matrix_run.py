@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import _matrix as M
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,6 +202,18 @@ def _contrastive(reps: dict[str, jax.Array]) -> jax.Array:
     return ga.losses.clip_loss(_unit(reps["out"]), _unit(reps["y"]), 5.0)
 
 
+def per_device_sums(style: Style, fn: Callable[..., Any], diff: Any, batch: Any) -> Any:
+    """`fn(diff, batch)[1]` on each device's slice, left unreduced out of a `jax.shard_map`
+    (the guides' unreduced route for the contrastive and private gradients)."""
+    arrays, rebuild = style.crossing(diff)
+
+    def local(arrays, batch):
+        return fn(style.local(rebuild(arrays), ROUTE_CTX["shard_map"]), batch)[1]
+
+    out = P(unreduced={AXIS})
+    return jax.shard_map(local, in_specs=(P(), P(AXIS)), out_specs=out)(arrays, batch)
+
+
 class Coupled(Capability):
     """A contrastive loss over the whole batch (every row against every other)."""
 
@@ -214,11 +227,8 @@ class Coupled(Capability):
             return _contrastive(reps)
 
         if ctx.unreduced:
-            # The guide's unreduced route: each device's partial sum out of shard_map.
             fn = ga.coupled_value_and_grad(loss, embed, K, axis_name=AXIS, grad_reduction="sum")
-            local = lambda d, b: fn(style.local(d, ROUTE_CTX["shard_map"]), b)[1]  # noqa: E731
-            out = P(unreduced={AXIS})
-            return summed(jax.shard_map(local, in_specs=(P(), P(AXIS)), out_specs=out)(diff, batch))
+            return summed(per_device_sums(style, fn, diff, batch))
         fn = ga.coupled_value_and_grad(loss, embed, K, axis_name=ctx.axis)
         return ctx.mean(fn(diff, batch)[1])
 
@@ -246,11 +256,8 @@ class Privacy(Capability):
 
     def grads(self, style, diff, batch, ctx):
         fn = ga.privacy.clipped_grad(self.loss(style), CLIP)
-        if ctx.unreduced:
-            # Each device's clipped sums, left unreduced: the global-view window.
-            local = lambda d, b: fn(style.local(d, ROUTE_CTX["shard_map"]), b)[1]  # noqa: E731
-            out = P(unreduced={AXIS})
-            return jax.shard_map(local, in_specs=(P(), P(AXIS)), out_specs=out)(diff, batch)
+        if ctx.unreduced:  # each device's clipped sums, left unreduced: the global-view window
+            return per_device_sums(style, fn, diff, batch)
         return fn(diff, batch)[1]
 
     def reference(self, params, batches):
@@ -639,6 +646,30 @@ def flax_fp8_fails_on_an_explicit_mesh() -> bool:
         except Exception as err:  # JAX's ShardingTypeError has no public name
             return type(err).__name__ == "ShardingTypeError" and "out_sharding" in str(err)
     return False
+
+
+def equinox_has_no_fp8_layer() -> bool:
+    """Whether `equinox.nn` still has no fp8 layer (why the Equinox fp8 cells are not
+    applicable)."""
+    return not any("fp8" in name.lower() or "float8" in name.lower() for name in dir(eqx.nn))
+
+
+def equinox_batchnorm_writes_at_every_call() -> bool:
+    """Whether `eqx.nn.BatchNorm` writes its running statistics at each training call (why the
+    Equinox batch-norm cells are not applicable: in a window, each micro-batch's would be)."""
+    make = eqx.nn.make_with_state(eqx.nn.BatchNorm)
+    layer, state = make(HIDDEN, axis_name="batch", momentum=MOMENTUM, mode="ema")
+    x = make_batches(1, 16)[0]["x"] @ initial_params()["l1"]["kernel"]
+
+    @eqx.filter_jit
+    def call(layer, state, x):
+        vmapped = jax.vmap(layer, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+        return vmapped(x, state)[1]
+
+    before, after = (
+        jax.tree.leaves(s.get(layer.ema_state_index)) for s in (state, call(layer, state, x))
+    )
+    return not any(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 # --- pipeline stages: their own mesh and model (tests/_matrix_pipeline.py) ------------------

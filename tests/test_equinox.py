@@ -9,14 +9,17 @@ to `eqx.filter_value_and_grad` / `eqx.apply_updates`, or to the large batch.
 import subprocess
 import sys
 
+import _equivalence as E
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
+from gradaccum_jax._base import compat
 from gradaccum_jax._clipping import agc as _agc
 
 K = 4
@@ -335,6 +338,62 @@ def test_doors_without_equinox_support_name_eqx_partition(door):
 
 def _embed(model, batch):
     return jax.vmap(model)(batch["x"]).mean(axis=1)
+
+
+@eqx.filter_jit  # one program
+def _mlp_and_batch():
+    """A small model whose leaves include its activations, and 8 examples (one per device)."""
+    model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
+    kx, ky = jax.random.split(jax.random.key(1))
+    return model, {"x": jax.random.normal(kx, (8, 4)), "y": jax.random.normal(ky, (8, 2))}
+
+
+# Each door on the split's params, giving the mean gradient over the batch; `loss(params,
+# batch)` rebuilds the model with `eqx.combine(params, static)`.
+
+
+def _split_unreduced(loss, static):
+    fn = ga.unreduced_value_and_grad(loss, "data")
+    mesh = E.data_mesh()
+
+    def run(params, batch):
+        with jax.set_mesh(mesh):
+            params, batch = jax.device_put(params, P()), jax.device_put(batch, P("data"))
+            return jax.jit(lambda p, b: compat.reshard(fn(p, b)[1], P()))(params, batch)
+
+    return run
+
+
+def _split_coupled(loss, static):
+    def embed(params, batch):
+        return {"out": jax.vmap(eqx.combine(params, static))(batch["x"]), "y": batch["y"]}
+
+    fn = ga.coupled_value_and_grad(lambda p, reps: E.mse(reps["out"], reps["y"]), embed, 2)
+    return jax.jit(lambda p, b: fn(p, b)[1])
+
+
+def _split_clipped(loss, static):
+    # No example reaches the clip norm: the sum of the per-example gradients, n times the mean's.
+    fn = ga.privacy.clipped_grad(loss, 1e6)
+    return jax.jit(lambda p, b: jax.tree.map(lambda g: g / b["x"].shape[0], fn(p, b)[1]))
+
+
+@pytest.mark.parametrize(
+    "door",
+    [_split_unreduced, _split_coupled, _split_clipped],
+    ids=["unreduced_value_and_grad", "coupled_value_and_grad", "privacy.clipped_grad"],
+)
+def test_doors_without_equinox_support_take_the_split_they_name(door):
+    """The arrays of `eqx.partition(model, eqx.is_inexact_array)`, still a module of the
+    model's type with `None` in its activations' places, pass the check that names them (was:
+    refused by it): each door gives `jax.grad`'s gradient of the whole batch."""
+    model, batch = _mlp_and_batch()
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def loss(params, batch):
+        return _loss(eqx.combine(params, static), batch)
+
+    _close(door(loss, static)(params, batch), jax.jit(jax.grad(loss))(params, batch))
 
 
 def test_transformer_block_through_optax_equals_the_large_batch():

@@ -105,7 +105,9 @@ def render() -> str:
         "`ga.flax.TrainState` (like Flax's) holds a linen `apply_fn` and params tree, and "
         "`nnx.Optimizer` / `ga.flax.Optimizer` take NNX modules. NNX modules cross the "
         "route's boundary (`jax.jit`, `jax.shard_map`, `jax.pmap`) as pytrees, and on "
-        "`shard_map` only their differentiated variables are cast to varying.",
+        "`shard_map` only their differentiated variables are cast to varying. An Equinox "
+        "model crosses it as its arrays (`eqx.partition(model, eqx.is_array)`, the way "
+        "Equinox's users write `shard_map`), whole again inside the step.",
         "",
         "## Tolerances",
         "",

@@ -80,9 +80,21 @@ def owners(tree: Any) -> list[Any]:
     return found
 
 
+def arrays_only(tree: Any) -> bool:
+    """Whether every leaf of `tree` is a floating-point array: a module's arrays alone, as
+    `eqx.partition(model, eqx.is_inexact_array)` gives them (`None` in the other places)."""
+    eqx = sys.modules["equinox"]
+    return all(eqx.is_inexact_array(x) for x in jax.tree_util.tree_leaves(tree))
+
+
 def refuse_modules(args: tuple[Any, ...], candidates: tuple[int, ...], door: str) -> None:
-    """Refuses an `equinox.Module` at a differentiated position of a door that takes none."""
-    found = positions(args, candidates)
+    """Refuses an `equinox.Module` at a differentiated position of a door that takes pytrees
+    of arrays, where it holds something else (activation functions, Python numbers).
+
+    Its arrays alone, still a module of the same type with `None` holes, are a pytree of
+    arrays: the split the message names, taken.
+    """
+    found = tuple(i for i in positions(args, candidates) if not arrays_only(args[i]))
     if found:
         raise TypeError(
             f"{door} got an equinox.Module at argnums position(s) {found}; it takes pytrees "
