@@ -54,8 +54,9 @@ XLA_DEFAULTS = {
 # What a check reads (the optimised HLO, its fusions and buffers: `as_text()`,
 # `memory_analysis()`, `cost_analysis()`) is decided before LLVM runs: the fusion emitters
 # are XLA's default, LLVM's optimisation level does not change the program. So checks get
-# their programs with LLVM at -O0 (16-35 % less compile time than at -O3 on the programs measured here);
-# tests/test_harness.py compares them with a process that has XLA's defaults throughout.
+# their programs with LLVM at -O0 (16-35 % less compile time than at -O3 on the programs
+# measured here); tests/test_harness.py compares them with a process that has XLA's
+# defaults throughout.
 AHEAD_OF_TIME = {
     **XLA_DEFAULTS,
     "xla_backend_optimization_level": 0,

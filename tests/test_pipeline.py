@@ -238,11 +238,7 @@ def test_aux_comes_back_as_on_the_whole_batch():
     sequential = jax.jit(grad_fn.sequential)
     shard = lambda r, m: jax.tree.map(lambda x: x[r * rows : (r + 1) * rows][m::n], batch)  # noqa: E731
     mean_of_maxes = np.mean(
-        [
-            float(sequential(params, shard(r, m))[1]["max_abs"])
-            for r in range(D)
-            for m in range(n)
-        ]
+        [float(sequential(params, shard(r, m))[1]["max_abs"]) for r in range(D) for m in range(n)]
     )
     np.testing.assert_allclose(aux["max_abs"], mean_of_maxes, rtol=1e-5)
 
