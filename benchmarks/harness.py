@@ -10,7 +10,8 @@ One place answers the questions both ask of a compiled step:
   instructions, to count parameter-sized copies (`Hlo.copies`) and collectives
   (`Hlo.ops`), split into what runs on every step (`Hlo.every_step`) and what
   runs only inside a conditional's branches, once per window; `Hlo.runs`: how many ops of a
-  kind one call runs, with the loops' trip counts (`Hlo.in_loops`: what runs inside loops);
+  kind one call runs, with the loops' trip counts (`Hlo.in_loops`: what runs inside loops;
+  `Hlo.computation_runs`: how often each computation runs);
   `Hlo.collectives`: each collective with its mesh axes, its place (every step or in a
   branch, in a loop or not) and whether it runs asynchronously; `Hlo.fusions`: the kernels;
 * `benchmark_parser`: the command line every benchmark takes (`--quick`, `--reps`).
@@ -610,6 +611,30 @@ class Hlo:
             return total
 
         return count(self.entry)
+
+    def computation_runs(self) -> dict[str, int]:
+        """How many times each computation runs in one call of the program, every
+        conditional's branches each taken once (as in a window whose closing step is one of
+        its calls): a `while` body runs its loop's trip count times per run of the loop
+        (nested loops multiply), its condition once more; a branch once per run of its
+        conditional; a `call`'s, fusion's or `async-start`'s callee once. An instruction
+        runs as often as its computation."""
+        runs: dict[str, int] = {}
+
+        def visit(name: str, times: int) -> None:
+            runs[name] = runs.get(name, 0) + times
+            for inst in self.computations.get(name, []):
+                if inst.opcode == "while":
+                    trips = self.trip_count(inst)
+                    parts = {m.group(1): m.group(2) for m in _LOOP_PART.finditer(inst.attributes)}
+                    visit(parts["body"], times * trips)
+                    visit(parts["condition"], times * (trips + 1))
+                    continue
+                for callee in self.branches(inst) + self._runs_once(inst):
+                    visit(callee, times)
+
+        visit(self.entry, 1)
+        return runs
 
     @staticmethod
     def _runs_once(inst: Instruction) -> list[str]:
