@@ -15,9 +15,10 @@
 #                            settings (GRADACCUM_XLA_DEFAULTS=1), the packaging and public-API
 #                            tests and the package's doctests (`wheel`)
 #   bash dev.sh test-oldest  the same wheel installed into .venv-oldest (the oldest supported
-#                            jax/optax/flax, constraints-oldest.txt): the quick suite, less
-#                            the pure-Python tests that no stack can change (`pure`),
-#                            compiled as `dev.sh test` compiles (conftest.py)
+#                            jax/optax/flax, constraints-oldest.txt): the quick-tier tests
+#                            that reach every branch of the package the quick tier reaches
+#                            (`oldest`, tests/oldest_cases.txt), compiled as `dev.sh test`
+#                            compiles (conftest.py)
 #   bash dev.sh test-tpu     install jax[tpu] at the pinned jax (it pins libtpu, the TPU
 #                            compiler) into .venv-tpu and run the `tpu` tier: programs compiled
 #                            for TPU topologies without a TPU, their memory and collectives
@@ -119,11 +120,13 @@ case "$task" in
     # whose tests of it skip with that reason (the `requires` marker).
     if [ "$task" = test-oldest ]; then
       old=.venv-oldest constraints=constraints-oldest.txt extras=test,examples
-      # What can differ on older releases: the quick suite (every capability's behaviour
-      # and its quick compiled-program checks) less the pure-Python tests. The slow tier
-      # (more cases of the same calls, and the larger compiled-program checks, whose
-      # figures are promised for the pinned stack) runs on the pinned stack only.
-      selection="not slow and not pure"
+      # What can differ on older releases is what the package does there: the quick-tier
+      # tests of tests/oldest_cases.txt (marker `oldest`), which together reach every
+      # branch of the package that the quick tier reaches on the pinned stack, and every
+      # test marked `requires` (tools/oldest_cases.py chose them: 388 of the quick tier's
+      # 1440 tests that are not pure Python, a sixth of their time). The rest of the suite
+      # runs the same lines again with other values, on the pinned stack (dev.sh test).
+      selection="oldest"
     else
       old=.venv-wheel constraints=constraints.txt extras=test,reference,examples
       # What tests the wheel as shipped. (Every program that a check reads is compiled with

@@ -136,6 +136,8 @@ def test_candidates_respect_explicit_batch_sharding(explicit_mesh):
     assert set(table) <= {1, 2, 4, 8} and 8 in table
 
 
+# The first refusal comes after the planner compiled and measured its candidates.
+@pytest.mark.plans
 def test_errors():
     with pytest.raises(ValueError, match="no number of micro-batches fits") as error:
         ga.plan_microbatches(loss_fn, PARAMS, BATCH, memory_budget=1024)
