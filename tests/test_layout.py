@@ -131,10 +131,12 @@ def _package_graph() -> dict[str, set[str]]:
     return out
 
 
-def _code_lines(src: str, node: ast.AST) -> int:
-    """Lines of `node` holding code: docstrings, comments and blank lines excluded."""
+def _code_line_numbers(src: str, tree: ast.AST) -> set[int]:
+    """The lines of `src` holding code: docstrings (of the defs and classes in `tree`),
+    comments and blank lines excluded. Tokenized once per file (once per function took
+    the check 36 s)."""
     doc_lines = set()
-    for n in ast.walk(node):
+    for n in ast.walk(tree):
         if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and n.body:
             first = n.body[0]
             if isinstance(first, ast.Expr) and isinstance(
@@ -147,10 +149,14 @@ def _code_lines(src: str, node: ast.AST) -> int:
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
         if tok.type in skip or tok.type == tokenize.ENDMARKER:
             continue
-        for line in range(tok.start[0], tok.end[0] + 1):
-            if node.lineno <= line <= node.end_lineno and line not in doc_lines:
-                lines.add(line)
-    return len(lines)
+        lines.update(range(tok.start[0], tok.end[0] + 1))
+    return lines - doc_lines
+
+
+def _code_lines(src: str, node: ast.AST, code: set[int] | None = None) -> int:
+    """Lines of `node` holding code (`code`: the file's, from _code_line_numbers)."""
+    code = _code_line_numbers(src, node) if code is None else code
+    return sum(1 for line in range(node.lineno, node.end_lineno + 1) if line in code)
 
 
 def _function_sizes() -> dict[str, int]:
@@ -159,15 +165,19 @@ def _function_sizes() -> dict[str, int]:
     for path in sorted(PACKAGE.rglob("*.py")):
         src = path.read_text()
         rel = path.relative_to(PACKAGE).as_posix()
+        tree = ast.parse(src)
+        code = _code_line_numbers(src, tree)
 
-        def visit(body: list[ast.stmt], prefix: str, src: str = src, rel: str = rel) -> None:
+        def visit(
+            body: list[ast.stmt], prefix: str, src: str = src, rel: str = rel, code: set = code
+        ) -> None:
             for node in body:
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                    sizes[f"{rel}:{prefix}{node.name}"] = _code_lines(src, node)
+                    sizes[f"{rel}:{prefix}{node.name}"] = _code_lines(src, node, code)
                 elif isinstance(node, ast.ClassDef):
                     visit(node.body, f"{prefix}{node.name}.")
 
-        visit(ast.parse(src).body, "")
+        visit(tree.body, "")
     return sizes
 
 
@@ -272,8 +282,9 @@ def test_the_core_reads_in_one_sitting(module):
     limits = CORE_LIMITS[module]
     tree = ast.parse(path.read_text())
     source = path.read_text()
+    code = _code_line_numbers(source, tree)
     measured = {
-        node.name: _code_lines(source, node)
+        node.name: _code_lines(source, node, code)
         for node in tree.body
         if isinstance(node, ast.FunctionDef)
     }
