@@ -232,6 +232,39 @@ def test_tpu_loops_are_counted_from_their_counter():
         hlo.trip_count(hlo.ops("while")[0])
 
 
+def test_computation_runs_counts_loops_callees_and_not_reducers():
+    # benchmarks/tpu_pod.py reads this: how often each computation runs per call.
+    runs = harness.Hlo(TPU_HLO).computation_runs()
+    # The loop's body its trip count, its condition once more; a fusion's or an
+    # async-start's callee once (the async-done naming it again adds nothing); a
+    # reduction's `to_apply` (per element) not at all.
+    assert runs == {
+        "main": 1,
+        "gather_first": 1,
+        "gather_last": 1,
+        "bitcast_fusion": 1,
+        "wrapped_reduce_scatter": 1,
+        "body": 5,
+        "cond": 6,
+    }
+    # Nested loops multiply: a loop of 3 (its count as XLA:CPU states it) inside the body.
+    outer = TPU_HLO.replace(
+        "ROOT %out = (s32[]{:T(128)}, f32[256,128]{1,0:T(8,128)}) tuple(%next, %ar)",
+        "%sub = (s32[]{:T(128)}, f32[256,128]{1,0:T(8,128)}) while(%arg), condition=%cond3, "
+        'body=%inner, backend_config={"known_trip_count":{"n":"3"}}\n'
+        "  %w = f32[256,128]{1,0:T(8,128)} get-tuple-element(%sub), index=1\n"
+        "  ROOT %out = (s32[]{:T(128)}, f32[256,128]{1,0:T(8,128)}) tuple(%next, %w)",
+    )
+    inner = (
+        "%inner (a: (s32[], f32[256,128])) -> (s32[], f32[256,128]) {\n"
+        "  ROOT %a = (s32[]{:T(128)}, f32[256,128]{1,0:T(8,128)}) parameter(0)\n}\n\n"
+        + "%cond3"
+        + TPU_HLO.split("%cond", 1)[1].split("ENTRY", 1)[0]
+    )
+    nested = harness.Hlo(outer.replace("ENTRY", inner + "ENTRY", 1)).computation_runs()
+    assert nested["body"] == 5 and nested["inner"] == 5 * 3 and nested["cond3"] == 5 * 4
+
+
 def test_tpu_collectives_by_axes_place_and_mode():
     hlo = harness.Hlo(TPU_HLO)
     found = {
@@ -264,6 +297,18 @@ def test_interleaved_times_keep_every_round_and_ratio_quartiles_read_them():
     median, q1, q3 = harness.ratio_quartiles([2.0, 4.0, 6.0, 8.0, 10.0], [1.0] * 5)
     assert (q1, median, q3) == (4.0, 6.0, 8.0)
     assert harness.ratio_quartiles([3.0], [2.0]) == (1.5, 1.5, 1.5)
+
+
+def test_the_benchmarks_page_names_every_benchmark_and_the_one_the_runner_leaves_out():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("run", root / "benchmarks" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    scripts = {p.stem for p in (root / "benchmarks").glob("*.py")} - {"harness", "run"}
+    # privacy_opacus is the PyTorch peer that benchmarks/privacy.py runs in its own process.
+    assert scripts - set(run.BENCHMARKS) == {"tpu_pod", "privacy_opacus"}
+    page = " ".join((root / "docs" / "benchmarks.md").read_text().split())
+    assert "One benchmark is not in the runner: `benchmarks/tpu_pod.py` needs libtpu" in page
 
 
 def test_no_entry_is_an_error():
