@@ -21,7 +21,7 @@ in which sharding the inner optimizer sees the params and returns its updates.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,64 @@ from gradaccum_jax._base.compat import reshard
 from gradaccum_jax._sharding import partials
 from gradaccum_jax._sharding.partials import _reduce_into
 from gradaccum_jax._window import engine
+
+# The window's held sums: (sums, compensation or None), trees like the gradients.
+Held = tuple[Any, Any]
+
+
+class Route(Protocol):
+    """What the update path asks of a reduction strategy; the three below answer it (the
+    methods' bodies are their docstrings: a protocol's are never run)."""
+
+    name: str  # "local", "replica" or "unreduced": the route's name in refusals
+    per_device: bool  # each device accepts or drops its own partial sum
+    axes: tuple[Any, ...]  # the mesh axes the window is reduced over at its close
+
+    def gate(self) -> engine.Gate:
+        """How the window closes: the conditional, the reduction, where the flag lives."""
+
+    def accept(self, grads: Any, valid: jax.Array, check: bool) -> jax.Array:
+        """Whether this micro-gradient enters the window (`check`: its finiteness too)."""
+
+    def agree(self, accepted: jax.Array) -> jax.Array:
+        """The flag agreed by the devices that hold parts of one micro-gradient."""
+
+    def starts_unit(self, accepted: jax.Array, valid: jax.Array, state: Any) -> jax.Array:
+        """Whether this micro-step's weight becomes the window's running-mean unit."""
+
+    def held(self, state: Any) -> Held:
+        """The sums the state holds."""
+
+    def add(
+        self, held: Held, grads: Any, accepted: jax.Array, scale: Any, keep: Any = None
+    ) -> Held:
+        """The sums with this micro-step's term added (where `accepted`)."""
+
+    def read(self, held: Held) -> Any:
+        """The window's total, as the close reduces it."""
+
+    def emptied(self, held: Held, reset: list[jax.Array], accepted: jax.Array) -> Held:
+        """The sums zeroed where `reset`."""
+
+    def count(
+        self,
+        weight: jax.Array,
+        skipped: jax.Array,
+        accepted: jax.Array,
+        term: jax.Array,
+        reset: jax.Array | None,
+        keep: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The window's weight with this term, and the count of dropped micro-steps."""
+
+    def inner_params(self, params: Any) -> Any:
+        """The params as the inner optimizer sees them."""
+
+    def zeros_like(self, grads: Any, params: Any) -> Any:
+        """The tree that gives the skip branch's zero updates their shardings."""
+
+    def back(self, updates: Any, like: Any) -> Any:
+        """The inner optimizer's updates in the params' sharding."""
 
 
 class LocalRoute:
@@ -44,6 +102,7 @@ class LocalRoute:
 
     name = "local"
     per_device = False
+    axes: tuple[Any, ...] = ()  # nothing to reduce: global arrays, or one device
 
     def __init__(self, compensated: bool) -> None:
         self.compensated = compensated
@@ -64,10 +123,12 @@ class LocalRoute:
         del valid
         return accepted & (state.acc_weight == 0)
 
-    def held(self, state: Any) -> Any:
+    def held(self, state: Any) -> Held:
         return (state.acc_grads, state.acc_compensation)
 
-    def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any, keep: Any = None) -> Any:
+    def add(
+        self, held: Held, grads: Any, accepted: jax.Array, scale: Any, keep: Any = None
+    ) -> Held:
         """The window's sums including this micro-step's term: one fused in-place pass.
 
         `keep` (`None` for 1) rescales the held sums in the same pass (see
@@ -75,10 +136,10 @@ class LocalRoute:
         """
         return engine.write(held[0], held[1], grads, accepted, scale, None, keep)
 
-    def read(self, held: Any) -> Any:
+    def read(self, held: Held) -> Any:
         return engine.window_sum(held[0], held[1])
 
-    def emptied(self, held: Any, reset: list[jax.Array], accepted: jax.Array) -> Any:
+    def emptied(self, held: Held, reset: list[jax.Array], accepted: jax.Array) -> Held:
         """The held sums zeroed where `reset` (traced flags, one per leaf, true where this runs)."""
         del accepted
         return engine.emptied(held, reset)
@@ -176,16 +237,18 @@ class UnreducedRoute:
         del accepted
         return valid & (state.micro_step == 0)
 
-    def held(self, state: Any) -> Any:
+    def held(self, state: Any) -> Held:
         return (state.acc_grads, None)
 
-    def add(self, held: Any, grads: Any, accepted: jax.Array, scale: Any, keep: Any = None) -> Any:
+    def add(
+        self, held: Held, grads: Any, accepted: jax.Array, scale: Any, keep: Any = None
+    ) -> Held:
         return partials.local_add(held[0], grads, accepted, scale, None, self.axes, keep), None
 
-    def read(self, held: Any) -> Any:
+    def read(self, held: Held) -> Any:
         return held[0]
 
-    def emptied(self, held: Any, reset: list[jax.Array], accepted: jax.Array) -> Any:
+    def emptied(self, held: Held, reset: list[jax.Array], accepted: jax.Array) -> Held:
         # Each device's zeros, typed unreduced like the sums they replace.
         return partials.local_add(held[0], held[0], accepted, None, reset[0], self.axes), None
 

@@ -72,7 +72,7 @@ class Micro(NamedTuple):
     grads: Any  # the micro-gradient, as arrays
     params: Any  # the params passed to update (None if none)
     like: Any  # the tree that gives the updates their shardings (params, else grads)
-    route: Any  # the reduction strategy (_routes)
+    route: routes.Route  # the reduction strategy
     probe: noise_scale.Probe | None  # the noise-scale hook
     receipt: Any  # the fused path's Receipt, or None
     vouched: jax.Array | None  # the finiteness flag the receipt holds for `grads`, or None
@@ -147,7 +147,7 @@ def skip_decision(plan: Plan, grads: Any, gradient_step: jax.Array, params: Any)
     return should_skip, metrics
 
 
-def route_for(plan: Plan, grads: Any, like: Any) -> Any:
+def route_for(plan: Plan, grads: Any, like: Any) -> routes.Route:
     """The reduction strategy, from the arguments and the gradients' types."""
     if plan.axis_names is not None:
         return routes.ReplicaRoute(plan.compensated, plan.axis_names, grads)
