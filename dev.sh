@@ -17,7 +17,7 @@
 #   bash dev.sh test-oldest  the same wheel installed into .venv-oldest (the oldest supported
 #                            jax/optax/flax, constraints-oldest.txt): the quick-tier tests
 #                            that reach every branch of the package the quick tier reaches
-#                            (`oldest`, tests/oldest_cases.txt), compiled as `dev.sh test`
+#                            (`cover`, tests/cover_cases.txt), compiled as `dev.sh test`
 #                            compiles (conftest.py)
 #   bash dev.sh test-tpu     install jax[tpu] at the pinned jax (it pins libtpu, the TPU
 #                            compiler) into .venv-tpu and run the `tpu` tier: programs compiled
@@ -121,12 +121,12 @@ case "$task" in
     if [ "$task" = test-oldest ]; then
       old=.venv-oldest constraints=constraints-oldest.txt extras=test,examples
       # What can differ on older releases is what the package does there: the quick-tier
-      # tests of tests/oldest_cases.txt (marker `oldest`), which together reach every
+      # tests of tests/cover_cases.txt (marker `cover`), which together reach every
       # branch of the package that the quick tier reaches on the pinned stack, and every
-      # test marked `requires` (tools/oldest_cases.py chose them: 388 of the quick tier's
+      # test marked `requires` (tools/cover_cases.py chose them: 388 of the quick tier's
       # 1440 tests that are not pure Python, a sixth of their time). The rest of the suite
       # runs the same lines again with other values, on the pinned stack (dev.sh test).
-      selection="oldest"
+      selection="cover"
     else
       old=.venv-wheel constraints=constraints.txt extras=test,reference,examples
       # What tests the wheel as shipped. (Every program that a check reads is compiled with

@@ -50,10 +50,12 @@ SLOW_CASES = frozenset(
 )
 
 
-# The quick-tier cases that the oldest stack runs (tools/oldest_cases.py chose them).
-OLDEST_CASES = frozenset(
+# The cover: quick-tier cases that together reach every branch of the package the quick tier
+# reaches (tools/cover_cases.py chose them). The oldest stack runs them (dev.sh test-oldest);
+# with the pure-Python tests they are the cover loop, `-m "cover or pure"`.
+COVER_CASES = frozenset(
     line.split(None, 1)[1]
-    for line in (pathlib.Path(__file__).parent / "oldest_cases.txt").read_text().splitlines()
+    for line in (pathlib.Path(__file__).parent / "cover_cases.txt").read_text().splitlines()
     if line.strip() and not line.startswith("#")
 )
 
@@ -64,31 +66,31 @@ def _case(item: pytest.Item) -> str:
     return item.name if isinstance(item, pytest.DoctestItem) else item.nodeid
 
 
-def _check_oldest_cases(config: pytest.Config, names: set[str]) -> None:
-    """Where `-m` names `oldest` (dev.sh test-oldest, which collects every test), a case of
-    oldest_cases.txt that was not collected is an error: the list is stale."""
-    stale = sorted(OLDEST_CASES - names)
-    if "oldest" in (config.option.markexpr or "") and stale:
+def _check_cover_cases(config: pytest.Config, names: set[str]) -> None:
+    """Where `-m` names `cover` (which collects every test where it is used), a case of
+    cover_cases.txt that was not collected is an error: the list is stale."""
+    stale = sorted(COVER_CASES - names)
+    if "cover" in (config.option.markexpr or "") and stale:
         raise pytest.UsageError(
-            f"tests/oldest_cases.txt names {len(stale)} tests that were not collected, e.g. "
-            f"{stale[:3]}: regenerate it with tools/oldest_cases.py (its docstring says how)."
+            f"tests/cover_cases.txt names {len(stale)} tests that were not collected, e.g. "
+            f"{stale[:3]}: regenerate it with tools/cover_cases.py (its docstring says how)."
         )
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Before `-m` selects: marks `slow` the cases of slow_cases.txt and `oldest` those of
-    oldest_cases.txt."""
+    """Before `-m` selects: marks `slow` the cases of slow_cases.txt and `cover` those of
+    cover_cases.txt."""
     names = set()
     for item in items:
         name = _case(item)
         names.add(name)
         if name in SLOW_CASES:
             item.add_marker(pytest.mark.slow)
-        if name in OLDEST_CASES:
-            item.add_marker(pytest.mark.oldest)
+        if name in COVER_CASES:
+            item.add_marker(pytest.mark.cover)
     if not hasattr(config, "workerinput"):  # under pytest-xdist the controller checks
-        _check_oldest_cases(config, names)
+        _check_cover_cases(config, names)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -96,7 +98,7 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     """pytest-xdist's controller: the check above, on the ids a worker collected (a
     doctest's id is a path outside the repository, then its dotted name)."""
     names = {i if i.startswith("tests/") else i.split("::", 1)[1] for i in ids}
-    _check_oldest_cases(node.config, names)
+    _check_cover_cases(node.config, names)
 
 
 @pytest.hookimpl(wrapper=True)

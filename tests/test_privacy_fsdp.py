@@ -26,7 +26,7 @@ AXIS_TYPE = pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explic
 # An FSDP batch is split over both axes; one split over "data" only is split further
 # over "fsdp" inside clipped_grad, so that no two devices clip the same examples.
 # Ids spelled out: jax before 0.9 writes a PartitionSpec as PartitionSpec(...), which would
-# rename the cases there (tests/oldest_cases.txt names them).
+# rename the cases there (tests/cover_cases.txt names them).
 BATCH = pytest.mark.parametrize(
     "batch_spec", [P(("data", "fsdp")), P("data")], ids=["P(('data', 'fsdp'),)", "P('data',)"]
 )

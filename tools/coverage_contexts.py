@@ -2,7 +2,7 @@
 
 Loaded with `-p coverage_contexts` (tools/ on PYTHONPATH) in every pytest process, the
 pytest-xdist workers included; each writes its data to .cov/.coverage.<host>.<pid>.
-tools/oldest_cases.py reads those files (its docstring shows the command); `coverage
+tools/cover_cases.py reads those files (its docstring shows the command); `coverage
 combine` and `coverage report` read them too.
 """
 

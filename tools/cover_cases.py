@@ -1,18 +1,20 @@
-"""Chooses the quick-tier tests that `dev.sh test-oldest` runs: tests/oldest_cases.txt.
+"""Chooses the cover: the quick-tier tests of tests/cover_cases.txt (marker `cover`).
 
 What can differ on the oldest declared stack is what the package does there: every call it
 makes into jax, optax and flax sits on one of its lines. So the oldest stack runs a set of
 quick-tier tests (not `pure`) that, together, reach every branch (arc) of the package that
 the whole quick tier reaches on the pinned stack, chosen by a greedy set cover that prefers
 cheap tests (new arcs per second), plus every test marked `requires` (a test of an API that
-an older release lacks: it must say so there). The test step still runs every test.
+an older release lacks: it must say so there). The test step still runs every test. With
+the pure-Python tests, the cover is also the cover loop (`bash dev.sh test -m "cover or
+pure"`): every branch the quick tier reaches, in a fraction of its time.
 
 The input is one run of the quick tier under coverage.py with a context per test and the
 suite report's timings, made like this (the plugin is the one in tools/, ~2x slower):
 
     rm -rf .cov && PYTHONPATH=tools GRADACCUM_SUITE_REPORT=.cov/quick.json CI=true \\
       .venv/bin/python -m pytest -n auto -p coverage_contexts -m "not slow"
-    .venv/bin/python tools/oldest_cases.py .cov/quick.json      # writes tests/oldest_cases.txt
+    .venv/bin/python tools/cover_cases.py .cov/quick.json      # writes tests/cover_cases.txt
 
 It prints the arcs reached by the quick tier and by the chosen set, and their estimated time.
 """
@@ -30,14 +32,14 @@ import sys
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-OUT = ROOT / "tests" / "oldest_cases.txt"
+OUT = ROOT / "tests" / "cover_cases.txt"
 HEADER = """\
-# The quick-tier tests that `dev.sh test-oldest` runs on the oldest declared stack (marker
-# `oldest`, tests/conftest.py): together they reach every branch of the package that the
+# The cover's tests (marker `cover`, tests/conftest.py; `dev.sh test-oldest` runs them on the
+# oldest declared stack): together they reach every branch of the package that the
 # whole quick tier reaches on the pinned stack, plus every test marked `requires`. Written
-# by tools/oldest_cases.py from a run of the quick tier under coverage.py (its docstring
+# by tools/cover_cases.py from a run of the quick tier under coverage.py (its docstring
 # says how); regenerate it when tests are added or renamed (a case listed here that is not
-# collected fails the oldest stack's step). Seconds (that run, under coverage), then the test.
+# collected fails a run that selects `cover`). Seconds (that run, under coverage), then the test.
 """
 
 
