@@ -2,8 +2,10 @@
 # Sets up a virtual environment (once) and runs a project task.
 #   bash dev.sh run          the main job: the example training run
 #   bash dev.sh test         the whole suite (README's test command); `-m "not slow"` is the
-#                            quick loop; the property tests draw the same examples on every
-#                            run, HYPOTHESIS_PROFILE=explore new ones (conftest.py)
+#                            quick loop, `-m "cover or pure"` the cover loop (every branch the
+#                            quick tier reaches, in a fraction of its time); the property
+#                            tests draw the same examples on every run,
+#                            HYPOTHESIS_PROFILE=explore new ones (conftest.py)
 #   bash dev.sh setup        create or update .venv only (CI times it as its own step)
 #   bash dev.sh lint         ruff lint and format check, mypy type check
 #   bash dev.sh docs         build the documentation site (mkdocs, --strict) into site/
