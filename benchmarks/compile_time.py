@@ -27,7 +27,7 @@ compile (tracing, lowering and XLA together; the child has built the tree and
 the state and traced nothing else).
 
     python benchmarks/compile_time.py            # 291 and 579 leaves, 3 rounds
-    python benchmarks/compile_time.py --quick    # 51 and 99 leaves, 1 round, no children
+    python benchmarks/compile_time.py --quick    # 15 and 27 leaves, 1 round, no children
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--only", nargs="*", default=None, help="candidate names")
     parser.add_argument("--no-memory", action="store_true", help="skip the child processes")
     args = parser.parse_args(argv)
-    layer_counts = (4, 8) if args.quick else (24, 48)
+    layer_counts = (1, 2) if args.quick else (24, 48)
     rounds = args.rounds or (1 if args.quick else 3)
     memory = not (args.quick or args.no_memory)
     names = list(candidates())
