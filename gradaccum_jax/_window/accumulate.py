@@ -257,8 +257,10 @@ def accumulate(
         micro-gradient in parts: their devices agree on dropping it, with one
         scalar all-reduce over those axes per micro-step (under `jax.pmap`
         or `check_vma=False` there are no types, and each device decides
-        alone). Hold the state across calls with `replica_state_specs`. See
-        the distributed-training guide.
+        alone); the inner transformation then sees this device's part, and one
+        that reduces it (a global-norm clip) is refused at trace time. Hold
+        the state across calls with `replica_state_specs`. See the
+        distributed-training guide.
       should_skip_update_fn: `None`, or optax's
         `should_skip_update_fn(updates, gradient_step, params) ->
         (should_skip, metrics)` (`optax.skip_not_finite`,

@@ -41,6 +41,7 @@ import numpy as np
 import optax
 
 from gradaccum_jax._base import collectives, compat
+from gradaccum_jax._window import parts
 
 # --- counters and acceptance ------------------------------------------------
 
@@ -556,5 +557,10 @@ def inner_update(
     `init` (see `keep_state_types`).
     """
     reduced = jax.tree.map(lambda t, g: t.astype(g.dtype), reduced, grads)
-    updates, new_inner = inner.update(reduced, inner_state, params, **extra_args)
+
+    def update(reduced, inner_state, params):
+        return inner.update(reduced, inner_state, params, **extra_args)
+
+    parts.check_elementwise(update, (reduced, inner_state, params))
+    updates, new_inner = update(reduced, inner_state, params)
     return updates, keep_state_types(new_inner, inner_state, "inner")
