@@ -36,6 +36,7 @@ ratio of their averages much less so).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -43,6 +44,7 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax._base import trees, validation
+from gradaccum_jax._base.compat import varying_axes
 
 
 class NoiseScaleState(NamedTuple):
@@ -101,19 +103,33 @@ def init() -> NoiseScaleState:
     return NoiseScaleState(*(jnp.zeros([], jnp.float32) for _ in NoiseScaleState._fields))
 
 
-def sq_norm(tree: Any) -> jax.Array:
-    """$|g|^2$ of a tree, summed in float32 (real part of $g^* g$ for complex leaves)."""
+def sq_norm(tree: Any, own_axes: tuple[Any, ...] = ()) -> jax.Array:
+    """$|g|^2$ of a tree, summed in float32 (real part of $g^* g$ for complex leaves).
+
+    Inside `jax.shard_map`, leaves typed varying along mesh axes besides `own_axes` (the
+    window's `axis_name`: each replica's own gradient) hold parts of one gradient
+    (pipeline stages, tensor shards): their squares are summed over those axes, one
+    scalar all-reduce per set of axes, so that every part's device holds the whole
+    norm. Untyped (`jax.pmap`, `check_vma=False`) each device has its part's norm.
+    """
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return jnp.zeros([], jnp.float32)
+    groups: dict[frozenset, list[Any]] = {}
+    for x in leaves:
+        groups.setdefault(varying_axes(x) - set(own_axes), []).append(x)
+    total = jnp.zeros([], jnp.float32)
+    for parts, xs in groups.items():
+        part = functools.reduce(jnp.add, [_leaf_sq(x) for x in xs])
+        total = total + (jax.lax.psum(part, tuple(sorted(parts, key=str))) if parts else part)
+    return total
 
-    def leaf_sq(x):
-        x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-        if jnp.iscomplexobj(x):
-            return jnp.sum(jnp.real(x) ** 2 + jnp.imag(x) ** 2).astype(jnp.float32)
-        return jnp.sum(x * x).astype(jnp.float32)
 
-    return sum(leaf_sq(x) for x in leaves)
+def _leaf_sq(x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    if jnp.iscomplexobj(x):
+        return jnp.sum(jnp.real(x) ** 2 + jnp.imag(x) ** 2).astype(jnp.float32)
+    return jnp.sum(x * x).astype(jnp.float32)
 
 
 def all_finite_given_sq_norm(grads: Any, grads_sq: jax.Array) -> jax.Array:
@@ -366,14 +382,17 @@ class Probe:
     closed window into them, and `after` writes the running sums.
     """
 
-    def __init__(self, decay: float, micro_batch_size: int | None) -> None:
+    def __init__(
+        self, decay: float, micro_batch_size: int | None, axis_names: tuple[Any, ...] | None
+    ) -> None:
         self.decay = decay
+        self.own_axes = axis_names or ()
         self.batch_unit = 1.0 if micro_batch_size is None else float(micro_batch_size)
         self.grads_sq: jax.Array | None = None
         self.sums: tuple[jax.Array, jax.Array] | None = None
 
     def finite(self, grads: Any) -> jax.Array:
-        self.grads_sq = sq_norm(grads)
+        self.grads_sq = sq_norm(grads, self.own_axes)
         return all_finite_given_sq_norm(grads, self.grads_sq)
 
     def stats(self, state: NoiseScaleState, accepted: jax.Array, term_weight: jax.Array, unit):
@@ -385,7 +404,7 @@ class Probe:
     def big_sq_norm(self, window: Any) -> jax.Array:
         # The window's sum is a buffer already (the accumulator, added before
         # the gate, or the reduction across replicas): a read, no temporary.
-        return sq_norm(window.total)
+        return sq_norm(window.total, self.own_axes)
 
     def fold(self, state: NoiseScaleState, window: Any, big_sq: jax.Array) -> NoiseScaleState:
         sq_sum, count = window.stats

@@ -245,7 +245,7 @@ def receive(
                 f"{plan.micro_batch_size}: the noise scale's batch unit is the weight when one "
                 "is passed. Build accumulate with micro_batch_size=None."
             )
-        probe = noise_scale.Probe(plan.noise_scale_decay, plan.micro_batch_size)
+        probe = noise_scale.Probe(plan.noise_scale_decay, plan.micro_batch_size, plan.axis_names)
     value = loss_value.receive(extra, state.acc_value)
     if value is not None and route.per_device:
         raise ValueError(
