@@ -30,11 +30,12 @@ def _grads():
     return g_stages, g_emb
 
 
-def _run(inner, check_vma=True):
-    """Two micro-steps of `accumulate(inner, 2, axis_name="data")`, each data shard's gradient
-    split over the stages as a pipeline leaves it; the params after the window."""
+def _run(inner, check_vma=True, with_state=False, **options):
+    """Two micro-steps of `accumulate(inner, 2, axis_name="data", **options)`, each data
+    shard's gradient split over the stages as a pipeline leaves it; the params after the
+    window (and the replica-stacked state)."""
     params = {"stages": jnp.zeros((S, H)), "emb": jnp.zeros(H)}
-    tx = ga.accumulate(inner, K, axis_name="data")
+    tx = ga.accumulate(inner, K, axis_name="data", **options)
     shapes = jax.eval_shape(tx.init, params)
     state_specs = jax.tree.map(
         lambda spec, x: P(*spec, "stage") if x.shape == (S, H) else spec,
@@ -60,7 +61,7 @@ def _run(inner, check_vma=True):
     g_stages, g_emb = _grads()
     for t in range(K):
         params, state = step(params, state, g_stages[t], g_emb[t])
-    return params
+    return (params, state) if with_state else params
 
 
 def _large_batch(inner):
@@ -125,6 +126,26 @@ def test_unchecked_types_are_not_checked_and_give_each_stage_its_own_norm():
     inner = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(1.0))
     got, want = _run(inner, check_vma=False), _large_batch(inner)
     assert not np.allclose(got["stages"], want["stages"], rtol=1e-3)
+
+
+def test_the_noise_scale_of_a_window_in_parts_is_the_whole_gradients():
+    # Each micro-gradient's squared norm and the window's are summed over the stages'
+    # parts: the estimate equals one device accumulating the K x D whole micro-gradients
+    # (before, each stage measured its own part: with types checked JAX refused the
+    # stage-varying state, without them each stage held its own estimate).
+    _, state = _run(optax.sgd(0.1), with_state=True, track_noise_scale=True)
+    got = ga.gradient_noise_scale(state)  # one value per replica, equal
+    g_stages, g_emb = _grads()
+    tx = ga.accumulate(optax.sgd(0.1), K * D, track_noise_scale=True)
+    params = {"stages": jnp.zeros((S, H)), "emb": jnp.zeros(H)}
+    ref = tx.init(params)
+    for t in range(K):
+        for d in range(D):
+            _, ref = tx.update({"stages": g_stages[t, d], "emb": g_emb[t, d]}, ref, params)
+    want = ga.gradient_noise_scale(ref)
+    assert np.isfinite(want.grad_sq_norm) and np.isfinite(want.trace_cov)
+    for field in ("grad_sq_norm", "trace_cov"):
+        np.testing.assert_allclose(getattr(got, field), [getattr(want, field)] * D, rtol=1e-5)
 
 
 class _StageClip(optax.GradientTransformation):

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax._base import trees, validation
+from gradaccum_jax._base import collectives, trees, validation
 from gradaccum_jax._base.compat import varying_axes
 
 
@@ -132,18 +132,21 @@ def _leaf_sq(x: jax.Array) -> jax.Array:
     return jnp.sum(x * x).astype(jnp.float32)
 
 
-def all_finite_given_sq_norm(grads: Any, grads_sq: jax.Array) -> jax.Array:
+def all_finite_given_sq_norm(
+    grads: Any, grads_sq: jax.Array, own_axes: tuple[Any, ...] = ()
+) -> jax.Array:
     """Whether every element of `grads` is finite, given their squared norm `grads_sq`.
 
     A finite squared norm proves it, and saves the pass of `trees.all_finite`
     over the gradients; only an infinite or NaN norm (a non-finite element, or
     elements above ~1e19 whose squares overflow) needs that pass.
     """
-    # Both branches compute from operands, so they vary between replicas alike.
+    # Both branches compute from operands, so they vary between replicas alike; the
+    # parts' flags agree (the squared norm is whole already: `sq_norm`).
     return jax.lax.cond(
         jnp.isfinite(grads_sq),
         lambda g, q: jnp.isfinite(q),
-        lambda g, q: trees.all_finite(g),
+        lambda g, q: collectives.agree(trees.all_finite(g), own_axes, typed=True),
         grads,
         grads_sq,
     )
@@ -393,7 +396,7 @@ class Probe:
 
     def finite(self, grads: Any) -> jax.Array:
         self.grads_sq = sq_norm(grads, self.own_axes)
-        return all_finite_given_sq_norm(grads, self.grads_sq)
+        return all_finite_given_sq_norm(grads, self.grads_sq, self.own_axes)
 
     def stats(self, state: NoiseScaleState, accepted: jax.Array, term_weight: jax.Array, unit):
         """The window's sums, in absolute units so that replicas with different units add up."""
