@@ -547,8 +547,13 @@ def inner_update(
     grads: Any,
     params: Any,
     extra_args: dict[str, Any],
+    check_parts: bool = False,
 ) -> tuple[Any, Any]:
     """Runs `inner` once on the window's reduced gradient.
+
+    With `check_parts` (a replica window inside `jax.shard_map` with types checked), an
+    inner transformation that reduces a gradient held in parts on other mesh axes is
+    refused (`parts.check_elementwise`).
 
     The inner transformation receives the reduced gradient in the gradients'
     dtype (what it would receive without accumulation, and what
@@ -557,10 +562,9 @@ def inner_update(
     `init` (see `keep_state_types`).
     """
     reduced = jax.tree.map(lambda t, g: t.astype(g.dtype), reduced, grads)
-
-    def update(reduced, inner_state, params):
-        return inner.update(reduced, inner_state, params, **extra_args)
-
-    parts.check_elementwise(update, (reduced, inner_state, params))
-    updates, new_inner = update(reduced, inner_state, params)
+    if check_parts:  # a window that may lie in parts on other mesh axes (`_window/parts.py`)
+        parts.check_elementwise(
+            lambda *args: inner.update(*args, **extra_args), (reduced, inner_state, params)
+        )
+    updates, new_inner = inner.update(reduced, inner_state, params, **extra_args)
     return updates, keep_state_types(new_inner, inner_state, "inner")

@@ -442,6 +442,7 @@ def close(
             micro.grads,
             route.inner_params(params),
             extra_args,
+            check_parts=isinstance(route, routes.ReplicaRoute) and route.typed,
         )
         new_updates = route.back(new_updates, micro.like)
         if micro.receipt is not None:
