@@ -125,8 +125,8 @@ case "$task" in
       # What can differ on older releases is what the package does there: the quick-tier
       # tests of tests/cover_cases.txt (marker `cover`), which together reach every
       # branch of the package that the quick tier reaches on the pinned stack, and every
-      # test marked `requires` (tools/cover_cases.py chose them: 405 of the quick tier's
-      # 1440 tests that are not pure Python, a sixth of their time; tests/test_parts.py's 17
+      # test marked `requires` (tools/cover_cases.py chose them: 406 of the quick tier's
+      # 1440 tests that are not pure Python, a sixth of their time; tests/test_parts.py's 18
       # were added by hand with their module). The rest of the suite
       # runs the same lines again with other values, on the pinned stack (dev.sh test).
       selection="cover"
