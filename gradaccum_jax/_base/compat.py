@@ -88,7 +88,12 @@ def varying_axes(x: Any) -> frozenset:
 
     `x` is an array, a tracer, or a `jax.ShapeDtypeStruct` from `jax.eval_shape`.
     """
-    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    return aval_varying_axes(x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x))
+
+
+def aval_varying_axes(aval: Any) -> frozenset:
+    """Returns the mesh axes along which an abstract value's type says it varies (a jaxpr
+    variable's `aval`, or what `jax.typeof` gives)."""
     manual = getattr(aval, "manual_axis_type", None)
     if manual is not None:
         return frozenset(manual.varying)

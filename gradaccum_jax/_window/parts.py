@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.extend.core import Literal
 
-from gradaccum_jax._base.compat import varying_axes
+from gradaccum_jax._base.compat import aval_varying_axes, varying_axes
 
 # Primitives whose outputs combine several elements of an operand.
 _REDUCING = frozenset(
@@ -77,14 +77,6 @@ def _merge(taints: Sequence[Taint]) -> Taint:
     axes = frozenset().union(*(t.axes for t in taints))
     partial = [t for t in taints if t.partial]
     return Taint(axes, bool(partial), partial[0].origin if partial else "")
-
-
-def _aval_axes(aval: Any) -> frozenset:
-    """The mesh axes a traced value's type says it varies along (as `compat.varying_axes`)."""
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", None) or ())
 
 
 def _where(eqn: Any) -> str:
@@ -183,7 +175,7 @@ def check_elementwise(
     if not parts:
         return
     closed = jax.make_jaxpr(update)(*args)
-    taints = [Taint(_aval_axes(v.aval) & parts) for v in closed.jaxpr.invars]
+    taints = [Taint(aval_varying_axes(v.aval) & parts) for v in closed.jaxpr.invars]
     out = _merge(_run(closed, taints))
     if not out.partial:
         return
