@@ -290,13 +290,13 @@ class Hlo:
         # branch computation its own copy), and which computations run inside one kernel.
         self._caller: dict[str, Instruction] = {}
         for inst in self.instructions():
-            for callee in self._callees(inst) + self.branches(inst):
+            for callee in self.callees(inst) + self.branches(inst):
                 self._caller.setdefault(callee, inst)
         self._fused = self.reachable(
             callee
             for inst in self.instructions()
             if inst.opcode == "fusion"
-            for callee in self._callees(inst)
+            for callee in self.callees(inst)
         )
         # A collective split into the steps of one chain counts once, as its first step.
         self._steps: set[tuple[str, str]] = set()
@@ -311,8 +311,13 @@ class Hlo:
     # -- structure --
 
     @staticmethod
-    def _callees(inst: Instruction) -> list[str]:
+    def callees(inst: Instruction) -> list[str]:
         return [n for m in _CALLEE.finditer(inst.attributes) for n in _names(m.group(1))]
+
+    @staticmethod
+    def loop_parts(inst: Instruction) -> dict[str, str]:
+        """A `while` instruction's computations: {"body": name, "condition": name}."""
+        return {m.group(1): m.group(2) for m in _LOOP_PART.finditer(inst.attributes)}
 
     @staticmethod
     def branches(inst: Instruction) -> list[str]:
@@ -333,7 +338,7 @@ class Hlo:
                 continue
             seen.add(name)
             for inst in self.computations[name]:
-                todo += self._callees(inst)
+                todo += self.callees(inst)
                 if into_branches:
                     todo += self.branches(inst)
         return seen
@@ -390,14 +395,14 @@ class Hlo:
         if producer is None:
             return "unknown"
         if producer.opcode == "fusion":
-            called = self._callees(producer)
+            called = self.callees(producer)
             if called and self.computations.get(called[0]):
                 return self.computations[called[0]][-1].opcode  # ROOT is printed last
         return producer.opcode
 
     def reducer(self, inst: Instruction) -> str:
         """What a reduction (`all-reduce`, `reduce`) combines with: its `to_apply`'s root opcode."""
-        called = self._callees(inst)
+        called = self.callees(inst)
         computation = self.computations.get(called[0]) if called else None
         return computation[-1].opcode if computation else "unknown"  # ROOT is printed last
 
@@ -541,7 +546,7 @@ class Hlo:
         `s`: `N - s` trips. Copies and bitcasts between them (the TPU moves scalars into
         its scalar memory) are looked through. None for any other loop.
         """
-        parts = {m.group(1): m.group(2) for m in _LOOP_PART.finditer(inst.attributes)}
+        parts = self.loop_parts(inst)
         condition = self.computations.get(parts.get("condition", ""))
         body = self.computations.get(parts.get("body", ""))
         start = self._producer(inst, 0)
@@ -566,6 +571,12 @@ class Hlo:
         if terms != {(1, None), (None, i)}:
             return None
         return max(0, bound - first)
+
+    def operand(self, inst: Instruction, operand: int) -> Instruction | None:
+        """The instruction that computes an operand of `inst` (in its computation), or None."""
+        if operand >= len(inst.operands):
+            return None
+        return self._by_name.get((inst.computation, inst.operands[operand]))
 
     def _producer(self, inst: Instruction, operand: int) -> Instruction | None:
         """What computes an operand of `inst`, looking through copies and bitcasts."""
@@ -601,12 +612,12 @@ class Hlo:
                     total += 1
                 if inst.opcode == "while":
                     trips = self.trip_count(inst)
-                    parts = {m.group(1): m.group(2) for m in _LOOP_PART.finditer(inst.attributes)}
+                    parts = self.loop_parts(inst)
                     total += trips * count(parts["body"]) + (trips + 1) * count(parts["condition"])
                 elif inst.opcode == "conditional":
                     total += max((count(b) for b in self.branches(inst)), default=0)
                 else:
-                    total += sum(count(c) for c in self._runs_once(inst))
+                    total += sum(count(c) for c in self.runs_once(inst))
             memo[name] = total
             return total
 
@@ -626,24 +637,24 @@ class Hlo:
             for inst in self.computations.get(name, []):
                 if inst.opcode == "while":
                     trips = self.trip_count(inst)
-                    parts = {m.group(1): m.group(2) for m in _LOOP_PART.finditer(inst.attributes)}
+                    parts = self.loop_parts(inst)
                     visit(parts["body"], times * trips)
                     visit(parts["condition"], times * (trips + 1))
                     continue
-                for callee in self.branches(inst) + self._runs_once(inst):
+                for callee in self.branches(inst) + self.runs_once(inst):
                     visit(callee, times)
 
         visit(self.entry, 1)
         return runs
 
     @staticmethod
-    def _runs_once(inst: Instruction) -> list[str]:
+    def runs_once(inst: Instruction) -> list[str]:
         """What an instruction runs once per run of its own: a `call`'s callee, a fusion's
         or an `async-start`'s `calls=`; not the `to_apply` of a reduction, sort or scatter,
         which is applied per element, nor the wrapped computation that an `async-done` or
         `async-update` names again."""
         if inst.opcode == "call":
-            return Hlo._callees(inst)
+            return Hlo.callees(inst)
         if inst.opcode in ("async-done", "async-update"):
             return []
         found = _CALLS.search(inst.attributes)
@@ -693,7 +704,7 @@ class Hlo:
                         total += walk(self.branches(inst)[branch])
                     continue
                 if inst.opcode == "call":
-                    total += sum(walk(callee) for callee in self._callees(inst))
+                    total += sum(walk(callee) for callee in self.callees(inst))
                     continue
                 reads = sum(by_name[o].nbytes for o in set(inst.operands) if o in by_name)
                 total += inst.nbytes + reads
