@@ -28,7 +28,6 @@ not part of these steps: add the model's forward and backward, the same for ever
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from typing import Any
 
@@ -134,9 +133,8 @@ def measure(chip: str, quick: bool) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.benchmark_parser(__doc__, quick="a 1024-wide MLP")
     parser.add_argument("--chip", default="v5e", choices=sorted(TOPOLOGIES))
-    parser.add_argument("--quick", action="store_true", help="a 1024-wide MLP")
     args = parser.parse_args(argv)
     rows = measure(args.chip, args.quick)
     print(
