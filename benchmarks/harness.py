@@ -170,6 +170,16 @@ class Instruction:
     def nbytes(self) -> int:
         return sum(math.prod(dims) * _itemsize(dtype) for dtype, dims in self.types)
 
+    def nbytes_in(self, space: int) -> int:
+        """Bytes of the result's arrays in memory space `space` (0: HBM on a TPU, and every
+        array on XLA:CPU; 1: the TPU's VMEM)."""
+        spaces = self.memory_spaces or (0,) * len(self.types)
+        return sum(
+            math.prod(dims) * _itemsize(dtype)
+            for (dtype, dims), found in zip(self.types, spaces, strict=True)
+            if found == space
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class Collective:

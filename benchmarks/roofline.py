@@ -32,11 +32,6 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-try:  # as `roofline` by the benchmarks, as `benchmarks.roofline` by the tests
-    from harness import _itemsize
-except ModuleNotFoundError:
-    from benchmarks.harness import _itemsize
-
 if TYPE_CHECKING:
     from harness import Hlo, Instruction
 
@@ -84,31 +79,24 @@ def _operand_dims(hlo: Hlo, inst: Instruction, operand: int) -> tuple[int, ...] 
     return found.types[0][1]
 
 
-def _hbm_bytes(inst: Instruction) -> int:
-    """Bytes of an instruction's arrays in the default memory (HBM on a TPU; every array on
-    XLA:CPU): an array the TPU compiler placed in its on-chip memory (`S(1)`, VMEM) or its
-    scalar memory costs no HBM traffic."""
-    spaces = inst.memory_spaces or (0,) * len(inst.types)
-    return sum(
-        math.prod(dims) * _itemsize(dtype)
-        for (dtype, dims), space in zip(inst.types, spaces, strict=True)
-        if space == 0
-    )
-
-
 _SLICES = {"slice", "slice-start", "dynamic-slice"}
+
+
+def _hbm(inst: Instruction) -> int:
+    """An instruction's bytes in HBM: an array the TPU compiler placed in its on-chip
+    memory (`S(1)`, VMEM) or its scalar memory costs no HBM traffic."""
+    return inst.nbytes_in(0)
 
 
 def _op_bytes(inst: Instruction, operands: list[Instruction]) -> int:
     """HBM bytes one op reads and writes: its operands and its result, except that a slice
     reads only what it takes and an update of a slice in place writes only the update."""
     if inst.opcode in _SLICES and operands:
-        taken = math.prod(inst.types[0][1]) * _itemsize(inst.types[0][0])
-        return _hbm_bytes(inst) + min(_hbm_bytes(operands[0]), taken)
+        return _hbm(inst) + min(_hbm(operands[0]), inst.nbytes)
     if inst.opcode == "dynamic-update-slice" and len(operands) > 1:
-        update = _hbm_bytes(operands[1])
-        return 2 * update + sum(_hbm_bytes(o) for o in operands[2:])
-    return _hbm_bytes(inst) + sum(_hbm_bytes(o) for o in operands)
+        update = _hbm(operands[1])
+        return 2 * update + sum(_hbm(o) for o in operands[2:])
+    return _hbm(inst) + sum(_hbm(o) for o in operands)
 
 
 def op_flops(hlo: Hlo, inst: Instruction) -> float:
